@@ -1,0 +1,30 @@
+# The README's two commands: `make demo` and `make test`. Both set up a virtual environment first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# NB: torch 2.13.0 is installed on its own first: it resolves to the CPU build on disk here, whereas
+# a bare `torch>=2.6` requirement with no torch present would pull several GB of CUDA wheels.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m adjoint_compile.cli demo
+
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/scan.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,146 @@
+"""The one place for adjoint-compile's options (DESIGN.md §1).
+
+``torch.compile(model, backend="adjoint", options={...})`` and ``adjoint_compile.explain(..., options={...})``
+both pass their dict through :func:`validate`, which returns a frozen :class:`Options` or raises
+:class:`OptionsError` (a ``ValueError``) naming the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import OptionsError
+
+MODES = ("exact", "truncated", "highway")
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated options. Field docs mirror DESIGN.md §1's table."""
+
+    #: "exact" (adjoint sharding, same gradients as autograd), "truncated" or "highway".
+    mode: str = "exact"
+    #: truncated mode: adjoint window T̄ in steps (>= 1).
+    window: int | None = None
+    #: highway mode: number of Highway-BP iterations k (>= 0); k >= chain length is exact.
+    iterations: int | None = None
+    #: steps per VJP shard (>= 1); None lets the backend choose from the sizes.
+    shard_size: int | None = None
+    #: devices that shards / layers are spread over (one process); None: the inputs' device.
+    devices: tuple[torch.device, ...] | None = None
+    #: a torch.distributed process group, True for WORLD, or None (off).
+    sequence_parallel: Any = None
+    #: compiler for everything that is not rewritten.
+    inner: str = "inductor"
+    #: compare the rewritten gradients with autograd on the first call and log the error.
+    verify: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["devices"] = None if self.devices is None else [str(x) for x in self.devices]
+        sp = self.sequence_parallel
+        d["sequence_parallel"] = sp if sp is None or isinstance(sp, bool) else repr(sp)
+        return d
+
+
+ALLOWED_KEYS = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass; `window=True` is a mistake, not a window of 1.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad(key: str, value: Any, allowed: str) -> OptionsError:
+    return OptionsError(f"adjoint-compile option {key!r}={value!r} is not valid: {allowed}")
+
+
+def _check_positive_int(key: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise _bad(key, value, f"expected an int >= {minimum}")
+    return value
+
+
+def _check_devices(value: Any) -> tuple[torch.device, ...]:
+    if isinstance(value, (str, torch.device)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise _bad("devices", value, "expected a non-empty list of devices, e.g. ['cuda:0', 'cuda:1']")
+    out = []
+    for d in value:
+        try:
+            out.append(torch.device(d))
+        except (RuntimeError, TypeError) as e:
+            raise _bad("devices", value, f"{d!r} is not a device ({e})") from None
+    return tuple(out)
+
+
+def _check_sequence_parallel(value: Any) -> Any:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return True
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(value, dist.ProcessGroup):
+        return value
+    raise _bad("sequence_parallel", value, "expected a torch.distributed ProcessGroup, True (WORLD) or False")
+
+
+def validate(options: Mapping[str, Any] | Options | None) -> Options:
+    """Check an options dict against DESIGN.md §1 and return the frozen :class:`Options`.
+
+    Raises :class:`OptionsError` (a ``ValueError``) for an unknown key, a bad value, or a missing required one.
+    """
+    if options is None:
+        return Options()
+    if isinstance(options, Options):
+        return options
+    if not isinstance(options, Mapping):
+        raise OptionsError(f"adjoint-compile options must be a dict, got {type(options).__name__}: {options!r}")
+    for key in options:
+        if key not in ALLOWED_KEYS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), ALLOWED_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise OptionsError(
+                f"unknown adjoint-compile option {key!r}={options[key]!r}{hint}; allowed keys: {', '.join(ALLOWED_KEYS)}"
+            )
+
+    kw: dict[str, Any] = {}
+    mode = options.get("mode", "exact")
+    if mode not in MODES:
+        raise _bad("mode", mode, f"expected one of {', '.join(map(repr, MODES))}")
+    kw["mode"] = mode
+
+    window = options.get("window")
+    if window is not None:
+        kw["window"] = _check_positive_int("window", window, 1)
+    elif mode == "truncated":
+        raise OptionsError("adjoint-compile option 'window' is required when mode='truncated' (an int >= 1 steps)")
+
+    iterations = options.get("iterations")
+    if iterations is not None:
+        kw["iterations"] = _check_positive_int("iterations", iterations, 0)
+    elif mode == "highway":
+        raise OptionsError("adjoint-compile option 'iterations' is required when mode='highway' (an int >= 0)")
+
+    if options.get("shard_size") is not None:
+        kw["shard_size"] = _check_positive_int("shard_size", options["shard_size"], 1)
+    if options.get("devices") is not None:
+        kw["devices"] = _check_devices(options["devices"])
+    kw["sequence_parallel"] = _check_sequence_parallel(options.get("sequence_parallel"))
+
+    inner = options.get("inner", "inductor")
+    if inner not in INNER_COMPILERS:
+        raise _bad("inner", inner, f"expected one of {', '.join(map(repr, INNER_COMPILERS))}")
+    kw["inner"] = inner
+
+    verify = options.get("verify", False)
+    if not isinstance(verify, bool):
+        raise _bad("verify", verify, "expected True or False")
+    kw["verify"] = verify
+    return Options(**kw)

@@ -1,0 +1,128 @@
+"""Typed region records: what recognition found in a graph (DESIGN.md §1, §4).
+
+A matcher returns one of these records or ``None``; a candidate it could not prove becomes a
+:class:`Rejection` so that ``explain()`` can say why. Records hold the FX nodes they cover (for the passes that
+rewrite them) and a JSON-able view (:meth:`Region.to_dict`) for reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch.fx as fx
+
+RegionKind = Literal["linear_recurrence", "gated_recurrence", "residual_chain"]
+Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual"]
+Rewrite = Literal["adjoint", "truncated", "highway", "none"]
+
+#: key under which passes record provenance on nodes they create or claim (``node.meta[PROVENANCE]``).
+PROVENANCE = "adjoint_compile"
+
+
+def _name(n: Any) -> Any:
+    if isinstance(n, fx.Node):
+        return n.name
+    if isinstance(n, (list, tuple)):
+        return [_name(x) for x in n]
+    return n
+
+
+@dataclasses.dataclass
+class Region:
+    """Common fields of every region (DESIGN.md §1: kind, source, length, rewrite, reason)."""
+
+    kind: RegionKind
+    source: Source
+    #: number of steps (recurrences) or layers (chains); None when not static.
+    length: int | None
+    #: the FX nodes the region covers, in graph order.
+    nodes: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
+    rewrite: Rewrite = "none"
+    #: why the region is not rewritten (when rewrite == "none"), or a note on how it is.
+    reason: str = ""
+    #: regions that a rewrite treats together (a stack of recurrences joined by time-local ops) share a group id.
+    group: int | None = None
+    #: a short human name, e.g. the FX node that anchors the region.
+    name: str = ""
+    #: anything a pass wants to show in reports (JSON-able values only).
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "nodes":
+                out["nodes"] = [n.name for n in v]
+            elif isinstance(v, (fx.Node, list, tuple)):
+                out[f.name] = _name(v)
+            elif dataclasses.is_dataclass(v):
+                out[f.name] = dataclasses.asdict(v)
+            else:
+                out[f.name] = v
+        return out
+
+
+@dataclasses.dataclass
+class Recurrence(Region):
+    """h_t = a_t ⊙ h_{t-1} + b_t (linear) or z1_t ⊙ h_{t-1} + z2_t with z depending on h (gated)."""
+
+    #: FX nodes (or None when implicit) for a, b, the initial state h0, and the carried state.
+    a: fx.Node | None = None
+    b: fx.Node | None = None
+    h0: fx.Node | None = None
+    carry: fx.Node | None = None
+    #: the nodes that give the recurrence's results to the rest of the graph (e.g. the scan output h).
+    outputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    #: the dimension of the step (time) axis in the region's sequence tensors.
+    step_dim: int = 1
+    reverse: bool = False
+    window: int | None = None
+    #: time-local neighbourhood: ops that act on each step on its own and can be recomputed shard by shard.
+    neighbourhood: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
+    #: ops that mix steps and bound the neighbourhood, as (node name, why).
+    bounds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: for unrolled loops: how to re-roll the steps into one scan (JSON-able description).
+    reroll: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class ResidualLayer:
+    """One layer f_i(x) = r_i(x, g_i(x)) of a residual chain."""
+
+    #: the layer's input x and output f(x).
+    x: fx.Node
+    out: fx.Node
+    #: one of Highway-BP Table 1's forms: "add", "relu_add", "pre_ln", "post_ln", "gated", "lstm".
+    form: str
+    #: the nodes of the expensive block g_i (everything that is not the cheap residual function r_i).
+    block: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
+    #: K_i = ∂r_i/∂x: "identity", "diagonal" or "scalar".
+    K: str = "identity"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"x": self.x.name, "out": self.out.name, "form": self.form, "K": self.K, "block": len(self.block)}
+
+
+@dataclasses.dataclass
+class ResidualChain(Region):
+    layers: list[ResidualLayer] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["layers"] = [layer.to_dict() for layer in self.layers]
+        return d
+
+
+@dataclasses.dataclass
+class Rejection:
+    """A candidate that recognition looked at and could not prove (DESIGN.md: never guess)."""
+
+    #: what it looked like, e.g. "linear_recurrence", "residual_chain".
+    candidate: str
+    #: the FX node that anchored the candidate.
+    node: str
+    #: why it was rejected, e.g. "a depends on the carry", "steps differ at node mul_3".
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
