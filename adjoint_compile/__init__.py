@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from . import ops
+from . import backend, ops
 from .errors import OptionsError
 from .explain import Report, explain
 from .options import Options, validate as validate_options
 
-__all__ = ["ops", "explain", "Report", "Options", "OptionsError", "validate_options", "__version__"]
+__all__ = ["backend", "ops", "explain", "Report", "Options", "OptionsError", "validate_options", "__version__"]
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

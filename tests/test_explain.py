@@ -1,0 +1,33 @@
+import json
+
+import torch
+import torch.nn as nn
+
+import adjoint_compile as ac
+
+
+def test_explain_on_graph_with_nothing_to_rewrite():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    report = ac.explain(model, torch.randn(3, 4))
+    assert isinstance(report, ac.Report)
+    assert report.regions == []
+    assert len(report.graphs) == 1 and report.graph_breaks == []
+    text = str(report)
+    assert "1 graph(s), 0 graph break(s)" in text and "no recurrence" in text
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["regions"] == [] and d["options"]["mode"] == "exact" and d["graphs"][0]["nodes"] > 3
+
+
+def test_explain_reports_graph_breaks():
+    def f(x):
+        y = x.sin()
+        print("side effect")  # dynamo breaks the graph at print
+        return y.cos()
+
+    report = ac.explain(f, torch.randn(5), options={"mode": "truncated", "window": 3})
+    assert len(report.graph_breaks) == 1
+    assert len(report.graphs) == 2
+    assert "print" in report.graph_breaks[0].reason.lower() or "builtin" in report.graph_breaks[0].reason.lower()
+    assert "test_explain.py" in report.graph_breaks[0].location
+    assert "mode=truncated window=3" in str(report)
+    assert report.to_dict()["graph_breaks"][0]["reason"]
