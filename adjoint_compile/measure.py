@@ -1,0 +1,218 @@
+"""Measuring tools shared by the demo and the benchmarks (DESIGN.md §7).
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU a dispatch mode that follows every tensor storage
+an op creates until it is freed (the same idea as ``torch.distributed._tools.mem_tracker``, without its per-module
+bookkeeping). It counts the storages made while it is active — activations, saved tensors, gradients, temporaries —
+and not those that existed before (parameters, inputs).
+Time: the median of repeats after a warm-up, with ``torch.cuda.synchronize`` on GPUs.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks bytes of tensor storage created under it and still alive; ``peak`` is the high-water mark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, weakref.finalize] = {}
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._seen:
+            return
+        n = st.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+        def release(key: int = key, n: int = n) -> None:
+            self.live -= n
+            self._seen.pop(key, None)
+
+        self._seen[key] = weakref.finalize(st, release)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type not in ("meta",) and not t.is_sparse:
+                self._track(t)
+        return out
+
+
+@contextmanager
+def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
+    """``with track_peak(dev) as m: ...`` then ``m["peak"]`` is the peak bytes allocated inside the block."""
+    device = torch.device(device)
+    result = {"peak": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak"] = torch.cuda.max_memory_allocated(device) - base
+    else:
+        mode = LiveBytes()
+        with mode:
+            yield result
+        result["peak"] = mode.peak
+
+
+def median_time(fn: Callable[[], Any], device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Checkpointed(torch.nn.Module):
+    """Runs ``module`` under ``torch.utils.checkpoint`` (non-reentrant): per-layer activation checkpointing."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.module, *args, use_reentrant=False)
+
+
+def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose every ``layers`` ModuleList entry is checkpointed on its own."""
+    model = copy.deepcopy(model)
+    found = False
+    for mod in model.modules():
+        layers = getattr(mod, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            for i, layer in enumerate(layers):
+                layers[i] = Checkpointed(layer)
+            found = True
+    if not found:
+        raise ValueError("checkpoint_layers: the model has no `layers` ModuleList to checkpoint")
+    return model
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        # torch.compile and Checkpointed wrap names; the parameter is the same.
+        clean = name.replace("_orig_mod.", "").replace(".module.", ".")
+        out[clean] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    return out
+
+
+def max_rel_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """max over parameters of ||got - ref||_inf / max(||ref||_inf, tiny)."""
+    if got.keys() != ref.keys():
+        raise ValueError(f"gradient names differ: {sorted(set(got) ^ set(ref))}")
+    worst = 0.0
+    for k in ref:
+        denom = ref[k].abs().max().item() or 1e-30
+        worst = max(worst, (got[k].float() - ref[k].float()).abs().max().item() / denom)
+    return worst
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Rows of {method, peak_mib, step_s, max_grad_rel_err, ...} as an aligned text table with ratios to the first."""
+    if not rows:
+        return "(no rows)"
+    base_mem = rows[0]["peak_bytes"] or 1
+    base_t = rows[0]["step_s"] or 1e-12
+    header = ["method", "peak MiB", "x mem", "step s", "x time", "max grad rel err"]
+    lines = [header]
+    for r in rows:
+        err = r.get("max_grad_rel_err")
+        lines.append(
+            [
+                r["method"],
+                f"{r['peak_bytes'] / 2**20:.1f}",
+                f"{r['peak_bytes'] / base_mem:.3f}",
+                f"{r['step_s']:.3f}",
+                f"{r['step_s'] / base_t:.2f}",
+                "-" if err is None else f"{err:.2e}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in lines)
+
+
+def compare_training_step(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    device: torch.device | str,
+    adjoint_options: dict[str, Any] | None = None,
+    repeats: int = 3,
+    methods: tuple[str, ...] = ("eager", "compile", "checkpoint", "adjoint"),
+) -> list[dict[str, Any]]:
+    """One training step (forward, loss, backward) of copies of ``model``, measured each way, side by side.
+
+    Methods: "eager" autograd (the reference for gradients), "compile" (torch.compile, inductor), "checkpoint"
+    (per-layer activation checkpointing, eager), "adjoint" (torch.compile(backend="adjoint")). Each row has the
+    peak bytes of one step, the median step time, and the largest relative gradient difference to "eager".
+    """
+    device = torch.device(device)
+    rows: list[dict[str, Any]] = []
+    ref_grads: dict[str, torch.Tensor] | None = None
+    for method in methods:
+        m = copy.deepcopy(model).to(device)
+        if method == "eager":
+            run = m
+        elif method == "compile":
+            run = torch.compile(m)
+        elif method == "checkpoint":
+            m = checkpoint_layers(m)
+            run = m
+        elif method == "adjoint":
+            run = torch.compile(m, backend="adjoint", options=dict(adjoint_options or {}))
+        else:
+            raise ValueError(f"unknown method {method!r}; expected eager, compile, checkpoint or adjoint")
+
+        def step() -> None:
+            for p in m.parameters():
+                p.grad = None
+            loss_fn(run(*inputs)).backward()
+
+        step()  # warm-up: compiles, and fills .grad for the comparison below
+        grads = grads_of(m)
+        with track_peak(device) as mem:
+            step()
+        t = median_time(step, device, repeats=repeats, warmup=0)
+        if ref_grads is None:
+            ref_grads = grads
+        rows.append(
+            {
+                "method": method,
+                "device": str(device),
+                "peak_bytes": mem["peak"],
+                "step_s": t,
+                "max_grad_rel_err": None if method == methods[0] else max_rel_error(grads, ref_grads),
+            }
+        )
+        del run, m
+        torch._dynamo.reset()
+    return rows
