@@ -1,0 +1,307 @@
+"""Recurrences captured as one graph node (DESIGN.md §4): ``ac.ops.linear_scan``, torch's ``scan`` higher-order op
+and ``associative_scan`` with the linear combine.
+
+* ``linear_scan(a, b, h0, dim, reverse, window, impl)`` is a linear recurrence h_t = a_t ⊙ h_{t-1} + b_t by
+  construction; a, b, h0 are its arguments.
+* ``torch.ops.higher_order.scan(combine_fn, init, xs, additional_inputs)``: the step sub-graph ``combine_fn``
+  takes ``(*carries, *x_slices, *additional)`` and returns ``[*new_carries, *ys]``; each new carry is classified
+  by :func:`~adjoint_compile.passes.affine.classify_update` as linear (a ⊙ h + b, a and b free of every carry),
+  gated (z1 ⊙ h + z2 with z depending on a carry) or general (rejected, with the reason).
+* ``torch.ops.higher_order.associative_scan(combine_fn, xs, additional_inputs)``: ``combine_fn(*x, *y)`` must
+  be the linear-recurrence combine ``(x_a·y_a, y_a·x_b + y_b)`` (any operand order), which is the only form that
+  is associative and means h_t = a_t ⊙ h_{t-1} + b_t; a cumulative sum (``x + y``) is the case a = 1.
+
+Each matcher returns typed records and rejections; none mutates the graph.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..regions import Recurrence, Rejection
+from .affine import Atom, Const, UpdateForm, affine, classify_update, forward_reach, NotAffine, op_name, shape_of
+
+log = logging.getLogger(__name__)
+
+__all__ = ["is_linear_scan", "is_scan_hop", "is_associative_scan_hop", "match_linear_scan", "match_scan",
+           "match_associative_scan", "find_recurrences"]
+
+_SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
+_SCAN_DEFAULTS: dict[str, Any] = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
+
+
+def is_linear_scan(node: fx.Node) -> bool:
+    """True for a call of ``torch.ops.adjoint_compile.linear_scan`` (overload or packet)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name == "adjoint_compile::linear_scan"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name == "adjoint_compile::linear_scan"
+    return False
+
+
+def _linear_scan_args(node: fx.Node) -> dict[str, Any]:
+    names = list(_SCAN_ARGS)
+    if isinstance(node.target, torch._ops.OpOverload):
+        names = [a.name for a in node.target._schema.arguments]
+    out = dict(_SCAN_DEFAULTS)
+    out.update(zip(names, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _hop_name(node: fx.Node) -> str | None:
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator):
+        return t.name()
+    return None
+
+
+def is_scan_hop(node: fx.Node) -> bool:
+    return _hop_name(node) == "scan"
+
+
+def is_associative_scan_hop(node: fx.Node) -> bool:
+    return _hop_name(node) == "associative_scan"
+
+
+def _subgraph(gm: fx.GraphModule, ref: Any) -> fx.GraphModule | None:
+    if isinstance(ref, fx.Node) and ref.op == "get_attr":
+        sub = gm
+        for part in str(ref.target).split("."):
+            sub = getattr(sub, part, None)
+        return sub if isinstance(sub, fx.GraphModule) else None
+    return ref if isinstance(ref, fx.GraphModule) else None
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    import operator
+
+    return {u.args[1]: u for u in node.users
+            if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear_scan
+
+
+def match_linear_scan(node: fx.Node) -> Recurrence | None:
+    """A :class:`Recurrence` for a ``linear_scan`` node, or None if ``node`` is not one (or is unreadable)."""
+    if not is_linear_scan(node):
+        return None
+    a = _linear_scan_args(node)
+    shp = shape_of(node)
+    dim = a["dim"]
+    if shp is None or not isinstance(dim, int) or not -len(shp) <= dim < len(shp):
+        return None
+    dim = dim % len(shp)
+    return Recurrence(
+        kind="linear_recurrence", source="linear_scan", length=shp[dim], nodes=[node],
+        reason="rewrite not implemented yet", name=node.name,
+        a=a["a"] if isinstance(a["a"], fx.Node) else None, b=a["b"] if isinstance(a["b"], fx.Node) else None,
+        h0=a["h0"] if isinstance(a["h0"], fx.Node) else None, carry=None, outputs=[node], step_dim=dim,
+        reverse=bool(a["reverse"]), window=a["window"] if isinstance(a["window"], int) else None,
+        details={"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)},
+    )
+
+
+def _show(v: Any) -> Any:
+    if isinstance(v, fx.Node):
+        return v.name
+    return v if v is None or isinstance(v, (int, float, bool, str)) else repr(v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scan higher-order op
+
+
+def _fname(x: fx.Node) -> str:
+    return str(x.target) if x.op == "call_method" else getattr(x.target, "__name__", "")
+
+
+def _user_dim(x: Any) -> tuple[int | None, bool]:
+    """(the user's scan dim, reversed?) read from dynamo's ``movedim(x, d, 0)`` / ``flip(., [0])`` around xs."""
+    rev = False
+    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and _fname(x) == "flip":
+        dims = x.args[1] if len(x.args) > 1 else x.kwargs.get("dims")
+        if list(dims or []) == [0]:
+            rev, x = True, x.args[0]
+    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and _fname(x) == "movedim":
+        if len(x.args) >= 3 and x.args[2] == 0 and isinstance(x.args[1], int):
+            return x.args[1], rev
+    return None, rev
+
+
+def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
+    """Classify each carry of a ``torch.ops.higher_order.scan`` node; one record or rejection per carry."""
+    if not is_scan_hop(node) or len(node.args) < 3:
+        return [], []
+    sub = _subgraph(gm, node.args[0])
+    init, xs = list(node.args[1]), list(node.args[2])
+    if sub is None:
+        return [], [Rejection("recurrence", node.name, "the scan's step function is not a readable sub-graph")]
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    results = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    n_c = len(init)
+    if len(phs) < n_c or len(results) < n_c:
+        return [], [Rejection("recurrence", node.name, "the scan's step sub-graph does not match its carries")]
+    carries = phs[:n_c]
+    news = results[:n_c]
+    ys = results[n_c:]
+    reach = forward_reach(list(carries))
+    depends = reach.__contains__
+    length = None
+    if xs and shape_of(xs[0]):
+        length = shape_of(xs[0])[0]
+    dims = [_user_dim(x) for x in xs]
+    reverse = bool(dims) and all(r for _, r in dims)
+    user_dim = dims[0][0] if dims and len({d for d, _ in dims}) == 1 else None
+    items = _getitems(node)
+    regions: list[Recurrence] = []
+    rejections: list[Rejection] = []
+    for i, (carry, new) in enumerate(zip(carries, news)):
+        label = node.name if n_c == 1 else f"{node.name}[carry {i}]"
+        if not isinstance(new, fx.Node):
+            rejections.append(Rejection("recurrence", label, f"new carry {i} is not a graph value"))
+            continue
+        form = classify_update(new, carry, depends)
+        if form.kind == "general":
+            rejections.append(Rejection("recurrence", label, form.reason))
+            continue
+        ys_of = [k for k, y in enumerate(ys) if isinstance(y, fx.Node) and (
+            y is new or (op_name(y) in ("clone", "contiguous") and y.args[0] is new))]
+        outputs = [items[i]] if i in items else []
+        outputs += [items[n_c + k] for k in ys_of if n_c + k in items]
+        regions.append(_record(form, "scan", length, node, label, carry, init[i], outputs, reverse, details={
+            "subgraph": str(node.args[0].target) if isinstance(node.args[0], fx.Node) else None,
+            "carry_index": i, "carries": n_c, "ys_of_state": ys_of, "user_dim": user_dim,
+            "scan_dim": 0,
+        }))
+    return regions, rejections
+
+
+def _record(form: UpdateForm, source: str, length: int | None, node: fx.Node, label: str, carry: fx.Node | None,
+            h0: Any, outputs: list[fx.Node], reverse: bool, details: dict[str, Any],
+            a: Any = "from_form", b: Any = "from_form", step_dim: int = 0) -> Recurrence:
+    kind = "linear_recurrence" if form.kind == "linear" else "gated_recurrence"
+    d = dict(details)
+    d.update(form.describe())
+    if form.kind == "gated":
+        d["gated_because"] = form.reason
+    nodes = [node] + [u for u in outputs if u is not node]
+    if isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+        nodes.insert(0, node.args[0])
+    return Recurrence(
+        kind=kind, source=source, length=length, nodes=nodes, reason="rewrite not implemented yet", name=label,
+        a=form.coef.node if (a == "from_form" and form.coef is not None) else (a if isinstance(a, fx.Node) else None),
+        b=form.offset.node if (b == "from_form" and form.offset is not None) else (b if isinstance(b, fx.Node) else None),
+        h0=h0 if isinstance(h0, fx.Node) else None, carry=carry, outputs=outputs, step_dim=step_dim,
+        reverse=reverse, details=d,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# associative_scan higher-order op
+
+
+def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
+    """Records for an ``associative_scan`` node whose combine is the linear-recurrence combine.
+
+    Leaves are split into *decay* leaves (``out = x_k * y_k``: the running product of a) and *state* leaves
+    (``out = y_j * x_k + y_k`` with j a decay leaf, or ``x_k + y_k``). Every state leaf is one linear recurrence
+    with a = xs[j] (or 1) and b = xs[k]; with no state leaf, each decay leaf is h_t = a_t ⊙ h_{t-1} (b = 0).
+    Any other combine is rejected: it would not be associative, or not a linear recurrence.
+    """
+    if not is_associative_scan_hop(node) or len(node.args) < 2:
+        return [], []
+    sub = _subgraph(gm, node.args[0])
+    xs = list(node.args[1])
+    n = len(xs)
+    if sub is None:
+        return [], [Rejection("linear_recurrence", node.name, "the combine function is not a readable sub-graph")]
+    phs = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    out = next(p for p in sub.graph.nodes if p.op == "output")
+    res = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    if len(phs) < 2 * n or len(res) != n:
+        return [], [Rejection("linear_recurrence", node.name, "combine signature does not match its inputs")]
+    xl, yl = phs[:n], phs[n:2 * n]
+    depends = forward_reach(list(xl)).__contains__
+    decay: set[int] = set()
+    state: dict[int, Any] = {}  # leaf -> index of its decay leaf, or "one"
+    for k in range(n):
+        r = res[k]
+        if not isinstance(r, fx.Node):
+            return [], [Rejection("linear_recurrence", node.name, f"combine output {k} is not a graph value")]
+        try:
+            aff = affine(r, xl[k], depends)
+        except NotAffine as e:
+            return [], [Rejection("linear_recurrence", node.name, f"combine output {k}: {e.reason}")]
+        c, o = aff.coef, aff.offset
+        free = lambda e: e is None or not any(depends(a) for a in e.nodes())  # noqa: E731
+        if c is None or not free(c) or not free(o):
+            return [], [Rejection("linear_recurrence", node.name,
+                                  f"combine output {k} is not a ⊙ x + b in its own leaf with a, b from y only")]
+        if o is None and isinstance(c, Atom) and c.n is yl[k]:
+            decay.add(k)
+        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Atom) and c.n in yl:
+            state[k] = yl.index(c.n)
+        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Const) and c.value == 1:
+            state[k] = "one"
+        else:
+            return [], [Rejection("linear_recurrence", node.name,
+                                  f"combine output {k} = ({c})*x + ({o}) is not the associative linear combine")]
+    for k, j in state.items():
+        if j != "one" and j not in decay:
+            return [], [Rejection("linear_recurrence", node.name,
+                                  f"leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
+    length = shape_of(xs[0])[0] if shape_of(xs[0]) else None
+    items = _getitems(node)
+    regions = []
+    leaves = sorted(state) if state else sorted(decay)
+    for k in leaves:
+        j = state.get(k, k)
+        a_node = None if j == "one" else xs[j]
+        b_node = xs[k] if k in state else None
+        label = node.name if len(leaves) == 1 else f"{node.name}[leaf {k}]"
+        form = UpdateForm("linear")
+        r = _record(form, "associative_scan", length, node, label, None, None, [items[k]] if k in items else [],
+                    False, details={"leaf": k, "a": "1" if j == "one" else _show(a_node),
+                                    "b": _show(b_node) if b_node is not None else "0", "scan_dim": 0,
+                                    "h0": "0" if k in state else "1"},
+                    a=a_node, b=b_node)
+        r.details.update({"a": "1" if j == "one" else _show(a_node), "b": _show(b_node) if b_node is not None else "0"})
+        regions.append(r)
+    return regions, []
+
+
+def find_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
+    """All recurrences captured as one node in ``gm`` (linear_scan, scan, associative_scan), in graph order."""
+    regions: list[Recurrence] = []
+    rejections: list[Rejection] = []
+    for node in gm.graph.nodes:
+        try:
+            if is_linear_scan(node):
+                r = match_linear_scan(node)
+                if r is None:
+                    rejections.append(Rejection("linear_recurrence", node.name,
+                                                "linear_scan with unreadable arguments or shape"))
+                else:
+                    regions.append(r)
+            elif is_scan_hop(node):
+                rs, js = match_scan(node, gm)
+                regions += rs
+                rejections += js
+            elif is_associative_scan_hop(node):
+                rs, js = match_associative_scan(node, gm)
+                regions += rs
+                rejections += js
+        except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
+            log.debug("recurrence matcher failed at %s", node.name, exc_info=True)
+            rejections.append(Rejection("recurrence", node.name, f"matcher error {type(e).__name__}: {e}"))
+    return regions, rejections
