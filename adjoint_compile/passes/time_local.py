@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TimeLocalInfo", "analyze", "region_around", "is_linear_scan", "scan_args"]
+__all__ = ["TimeLocalInfo", "analyze", "region_around", "infer_seeds", "is_linear_scan", "scan_args"]
 
 
 @dataclasses.dataclass
@@ -876,3 +876,95 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             seen.add(s)
             bounds.append((s.name, info.mixing.get(s, "does not carry the step axis")))
     return nodes, bounds
+
+
+def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
+    """Which inputs of ``node`` carry the step axis, given that its output carries it at ``d_out``.
+
+    Found by trying the forward rule on every assignment of candidate dims (dims of length T, or none) to the tensor
+    inputs: an assignment is valid when the rule puts the output's step axis at ``d_out``.  Time-local assignments
+    beat mixing ones, then fewer tracked inputs win (a parameter that broadcasts stays whole); a tie with T > 1 is
+    ambiguous and gives None, as does an op without a rule.
+    """
+    import itertools
+
+    rule = _rule_for(node)
+    if rule is None:
+        return None
+    ins = [a for a in dict.fromkeys(_nodes_in((node.args, node.kwargs))) if _shape(a) is not None]
+    cands = [[None] + [k for k, n in enumerate(_shape(a)) if n == T] for a in ins]
+    if math.prod(len(c) for c in cands) > 256:
+        return None
+    best: list[tuple[tuple[int, int], dict[fx.Node, int]]] = []
+    for combo in itertools.product(*cands):
+        if all(c is None for c in combo):
+            continue
+        trial = TimeLocalInfo(step_dim=dict(zip(ins, combo)), mixing={}, length=T)
+        try:
+            d, why = rule(node, _Ctx(node, trial))
+        except Exception:  # noqa: BLE001 - an assignment the rule cannot read is not valid
+            continue
+        if d != d_out:
+            continue
+        assign = {a: k for a, k in zip(ins, combo) if k is not None}
+        best.append(((why is not None, len(assign)), assign))
+    if not best:
+        return None
+    best.sort(key=lambda x: x[0])
+    if len(best) > 1 and best[0][0] == best[1][0] and T > 1 and best[0][1] != best[1][1]:
+        return None
+    return best[0][1]
+
+
+def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
+    ``a`` and ``b`` along the step axis.
+
+    Walks back from every scan's a and b through ops whose rule can be inverted exactly (broadcasting aligns a
+    per-step operand with the step axis; Linear passes it to its input, never to its weight; views map it by the
+    row-major rule).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
+    seed itself: its output is a step-carrying input of any region after it.  The forward :func:`analyze` then checks
+    everything; a node asked for at two different dims keeps the first and is logged.
+    """
+    seeds: dict[fx.Node, int] = {}
+    T = None
+    want: dict[fx.Node, int] = {}
+    work: list[fx.Node] = []
+    for s in scan_nodes:
+        a = scan_args(s)
+        shp = _shape(s)
+        if shp is None or not isinstance(a["dim"], int):
+            continue
+        dim = _norm(a["dim"], len(shp))
+        if T is not None and shp[dim] != T:
+            log.debug("infer_seeds: scan %s has %d steps, others %d: skipped", s.name, shp[dim], T)
+            continue
+        T = shp[dim]
+        seeds[s] = dim
+        for key in ("a", "b"):
+            v = a[key]
+            vs = _shape(v)
+            if vs is None or dim + len(vs) - len(shp) < 0 or vs[dim + len(vs) - len(shp)] != T:
+                continue  # broadcast along time: step-free
+            d = dim + len(vs) - len(shp)
+            if want.setdefault(v, d) != d:
+                log.debug("infer_seeds: %s wanted at dims %d and %d", v.name, want[v], d)
+            else:
+                work.append(v)
+    done: set[fx.Node] = set()
+    while work:
+        n = work.pop()
+        if n in done or n in seeds:
+            continue
+        done.add(n)
+        d = want[n]
+        inv = _inverse(n, d, T) if n.op in ("call_function", "call_method") else None
+        if not inv:
+            seeds[n] = d
+            continue
+        for a, k in inv.items():
+            if want.setdefault(a, k) != k:
+                log.debug("infer_seeds: %s wanted at dims %d and %d", a.name, want[a], k)
+            elif a not in done:
+                work.append(a)
+    return seeds

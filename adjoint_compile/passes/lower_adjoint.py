@@ -1,0 +1,246 @@
+"""Exact mode lowering: replace a time-local region around linear scans by one call of the sharded runtime.
+
+``lower_region`` outlines the region's nodes into a sub-GraphModule, wraps it in
+:class:`~adjoint_compile.runtime.sharded.ShardedRegion` (forward shard by shard, saving only the region's inputs
+and the scan states at shard boundaries; backward right to left with one VJP per shard, DESIGN.md §3), and puts
+one ``call_module`` node (plus ``getitem`` per output) in its place.  Anything unproven leaves the graph untouched
+and returns None with a logged reason (soft failure).
+
+``lower_recurrences`` is the entry the pipeline calls (passes/lower.py): it finds the regions around the
+recognized scans with :mod:`.time_local` and lowers each one.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedRegion
+from ..options import Options
+from ..regions import PROVENANCE, Recurrence
+from ..runtime.sharded import ShardedRegion, default_shard_size
+from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around, scan_args
+
+log = logging.getLogger(__name__)
+
+__all__ = ["outline", "lower_region", "lower_recurrences"]
+
+
+def _ev(n: Any) -> Any:
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """Copy ``nodes`` (in graph order) into a sub-GraphModule.
+
+    Returns ``(sub_gm, inputs, outputs)``: the outside nodes the region reads (its placeholders, in order of first
+    use) and the region nodes read outside it (its outputs, a tuple, in graph order).  ``gm`` is not modified.
+    """
+    members = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        p = g.placeholder(a.name)
+        p.meta = dict(a.meta)
+        env[a] = p
+    for n in nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(gm, g), inputs, outputs
+
+
+def _convex(nodes: list[fx.Node]) -> bool:
+    members = set(nodes)
+    gm_nodes = nodes[0].graph.nodes if nodes else []
+    tainted: set[fx.Node] = set()
+    for n in gm_nodes:
+        ins = n.all_input_nodes
+        if n in members:
+            if any(a in tainted for a in ins):
+                return False
+        elif any(a in members or a in tainted for a in ins):
+            tainted.add(n)
+    return True
+
+
+def _toposort(graph: fx.Graph) -> None:
+    """Reorder ``graph`` so that every node follows its inputs, keeping the current order where it is valid."""
+    order = list(graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    import heapq
+
+    indeg = {n: len(set(n.all_input_nodes)) for n in order}
+    ready = [(index[n], n.name) for n in order if indeg[n] == 0]
+    by_name = {n.name: n for n in order}
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        n = by_name[name]
+        out.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (index[u], u.name))
+    assert len(out) == len(order), "cycle while reordering the graph"
+    if out == order:
+        return
+    prev = out[0]
+    if order[0] is not prev:
+        order[0].prepend(prev)
+    for n in out[1:]:
+        prev.append(n)
+        prev = n
+
+
+def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, options: Any) -> fx.Node | None:
+    """Replace ``nodes`` (a time-local set containing linear scans) by one call of the sharded runtime.
+
+    Args:
+        gm: the dynamo graph (modified in place on success).
+        nodes: the region, e.g. from :func:`~adjoint_compile.passes.time_local.region_around`.
+        info: the step-dim analysis of ``gm`` that ``nodes`` came from.
+        options: :class:`~adjoint_compile.options.Options` (``shard_size``, ``verify``) or a dict of them.
+    Returns the ``call_module`` node that runs the region, or None (``gm`` untouched, reason logged) when the
+    region cannot be proven shardable: a member that mixes steps, a reverse or windowed scan, an output without
+    the step axis, a shape literal it cannot rewrite, a non-convex set, ...
+    """
+    from ..options import validate
+
+    opts: Options = validate(options)
+    try:
+        return _lower_region(gm, nodes, info, opts)
+    except UnsupportedRegion as e:
+        log.info("adjoint-compile: region around %s kept ordinary autograd: %s",
+                 [n.name for n in nodes if n.op == "call_function" and is_linear_scan(n)], e)
+        return None
+
+
+def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, opts: Options) -> fx.Node:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not nodes:
+        raise UnsupportedRegion("empty region")
+    nodes = sorted(dict.fromkeys(nodes), key=order.__getitem__)
+    for n in nodes:
+        if n.op not in ("call_function", "call_method"):
+            raise UnsupportedRegion(f"node {n.name} ({n.op}) cannot be outlined")
+        if not info.is_time_local(n):
+            raise UnsupportedRegion(f"node {n.name} is not time-local: {info.mixing.get(n, 'no step axis')}")
+    scans = [n for n in nodes if is_linear_scan(n)]
+    if not scans:
+        raise UnsupportedRegion("the region has no linear_scan")
+    if not _convex(nodes):
+        raise UnsupportedRegion("the region is not convex (a path leaves it and comes back)")
+    sub, inputs, outputs = outline(gm, nodes)
+    for a in inputs:
+        if not isinstance(_ev(a), torch.Tensor):
+            raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(_ev(a)).__name__}): a shape computed "
+                                    f"at run time?")
+    if not outputs:
+        raise UnsupportedRegion("the region has no outputs")
+    in_dims = [info.step_dim.get(a) for a in inputs]
+    out_dims = [info.step_dim.get(o) for o in outputs]
+    T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
+    S = opts.shard_size or default_shard_size(T)
+    mod = ShardedRegion(sub, in_dims, out_dims, S, verify=opts.verify)
+    mod.prepare([_ev(a) for a in inputs])  # checks the shard programs on fake tensors now (raises UnsupportedRegion)
+
+    name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
+    gm.add_submodule(name, mod)
+    prov = {"rewrite": "adjoint", "scans": [s.name for s in scans], "nodes": len(nodes), "shard_size": S,
+            "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs]}
+    with gm.graph.inserting_after(nodes[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta["example_value"] = tuple(_ev(o) for o in outputs)
+    call.meta[PROVENANCE] = prov
+    prev = call
+    for i, o in enumerate(outputs):
+        with gm.graph.inserting_after(prev):
+            gi = gm.graph.call_function(operator.getitem, (call, i))
+        gi.meta = {"example_value": _ev(o), PROVENANCE: {"rewrite": "adjoint", "region": name, "output": o.name}}
+        info.step_dim[gi] = out_dims[i]
+        members = set(nodes)
+        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in members)
+        prev = gi
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+    _toposort(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    log.info("adjoint-compile: lowered a region of %d nodes with %d scan(s) over T=%d steps, shard_size=%d",
+             len(nodes), len(scans), T, S)
+    return call
+
+
+def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[str]:
+    """Lower every recognized ``linear_scan`` recurrence in exact mode; set each record's ``rewrite``/``reason``.
+
+    Scans joined by time-local ops form one region (one call, one carry per scan).  Returns the names of the call
+    nodes made.
+    """
+    scan_of: dict[int, fx.Node] = {}
+    for i, r in enumerate(recurrences):
+        cands = [n for n in list(r.outputs) + list(r.nodes) if isinstance(n, fx.Node) and is_linear_scan(n)]
+        if r.source != "linear_scan" or not cands:
+            r.rewrite = "none"
+            r.reason = r.reason or f"exact mode lowers linear_scan recurrences; source {r.source!r} is not one yet"
+            continue
+        scan_of[i] = cands[0]
+    if not scan_of:
+        return []
+    scans = list(dict.fromkeys(scan_of.values()))
+    info = analyze(gm, infer_seeds(gm, scans))
+    made: list[str] = []
+    done: dict[fx.Node, tuple[str | None, str, int]] = {}
+    for s in scans:
+        if s in done:
+            continue
+        nodes, bounds = region_around(gm, [s], info)
+        group = [x for x in nodes if is_linear_scan(x)] or [s]
+        why = ""
+        call = None
+        if not nodes:
+            why = f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}"
+        else:
+            from ..runtime import sharded  # noqa: F401 - keep the import error visible in the reason
+
+            try:
+                call = _lower_region(gm, nodes, info, opts)
+            except UnsupportedRegion as e:
+                why = str(e)
+        gid = len(made) if call is not None else -1
+        for x in group:
+            done[x] = (call.name if call is not None else None, why, gid)
+        if call is not None:
+            made.append(call.name)
+            prov = call.meta[PROVENANCE]
+            prov["bounds"] = bounds
+        else:
+            log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, why)
+    for i, r in enumerate(recurrences):
+        s = scan_of.get(i)
+        if s is None:
+            continue
+        name, why, gid = done.get(s, (None, "not lowered", -1))
+        if name is None:
+            r.rewrite, r.reason = "none", why
+        else:
+            call = next(n for n in gm.graph.nodes if n.name == name)
+            p = call.meta[PROVENANCE]
+            r.rewrite = "adjoint"
+            r.group = gid
+            r.reason = (f"sharded exact adjoint: {len(p['scans'])} scan(s), {p['nodes']} nodes, "
+                        f"shard_size={p['shard_size']} of T={p['steps']}")
+            r.bounds = list(p.get("bounds", []))
+            r.details.update({"region_call": name, "shard_size": p["shard_size"], "region_nodes": p["nodes"]})
+    return made
