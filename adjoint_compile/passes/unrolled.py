@@ -393,7 +393,8 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
         loop = _check_windows(chain, ctx)
         xs = _xs(loop, ctx)
     except _Mismatch as e:
-        if e.kind == "inputs":
+        if e.kind == "inputs" or not _reads_slices(chain, ctx):
+            # NB: a chain of layers (different weights, attention then MLP) is a depth chain: not reported here
             log.debug("chain at %s is not a loop over time: %s", chain[-1].name, e.reason)
             return None, None
         return None, Rejection("recurrence", chain[-1].name, f"unrolled loop of {len(chain)} steps: {e.reason}")
@@ -447,6 +448,18 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
         carry=c_prev, outputs=list(states), step_dim=0, details=details, reroll=reroll,
     )
     return rec, None
+
+
+def _reads_slices(chain: list[fx.Node], ctx: _Ctx) -> bool:
+    """Whether step 2 reads a slice of a tensor made before the loop (``a[:, t]``, an ``unbind`` item): the mark of
+    a loop over time, as opposed to a stack of layers."""
+    start, end = ctx.pos[chain[0]], ctx.pos[chain[1]]
+    first = ctx.pos[chain[0]] - (end - start)
+    for u in ctx.nodes[start + 1: end + 1]:
+        for a in [u] + _node_args(u):
+            if _index_positions(a) and a.args and isinstance(a.args[0], fx.Node) and ctx.pos[a.args[0]] < first:
+                return True
+    return False
 
 
 def _stacked_by(last: fx.Node, states: list[fx.Node]) -> dict[str, Any] | None:
