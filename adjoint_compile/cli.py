@@ -1,0 +1,256 @@
+"""``adjoint-compile``: the command line.
+
+    adjoint-compile explain path/to/file.py:factory --input "randn(2,1024,64)" [--input ...] [--options JSON] [--json]
+    adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" --out DIR
+    adjoint-compile demo    [demo arguments]
+
+``factory`` is a function in the file that returns an ``nn.Module`` or a function (called with no arguments; a
+module-level ``nn.Module`` or function is used as is). ``--input`` builds one tensor from a small, safe
+expression language: ``randn(2,1024,64)``, ``rand(...)``, ``ones(...)``, ``zeros(...)``, ``randint(low, high,
+(shape))`` with int arguments and an optional ``dtype=float32|float16|bfloat16|float64|int64|int32|bool``; nothing
+else is evaluated. ``dump`` writes each captured FX graph as text and a picture with the recognized regions
+highlighted (graphviz SVG when the ``dot`` program is installed; otherwise it says so and writes the DOT text).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["main", "parse_input", "load_factory", "dump"]
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
+           "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool}
+_MAKERS = {"randn": torch.randn, "rand": torch.rand, "ones": torch.ones, "zeros": torch.zeros}
+
+
+def _int(node: ast.AST, expr: str) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_int(node.operand, expr)
+    raise ValueError(f"--input {expr!r}: expected an int, got {ast.unparse(node)!r}")
+
+
+def parse_input(expr: str) -> torch.Tensor:
+    """A tensor from ``randn(2,1024,64)``-style text, parsed with :mod:`ast` (no ``eval``).
+
+    Allowed: ``randn|rand|ones|zeros(*sizes, dtype=...)`` and ``randint(low, high, (sizes), dtype=...)`` (also
+    ``randint(high, (sizes))``); sizes are int literals (or one tuple/list of them). Raises ValueError naming
+    ``--input`` otherwise.
+    """
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"--input {expr!r} is not an expression like randn(2,1024,64): {e.msg}") from None
+    call = tree.body
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+        raise ValueError(f"--input {expr!r}: expected a call like randn(2,1024,64)")
+    name = call.func.id
+    if name not in _MAKERS and name != "randint":
+        raise ValueError(f"--input {expr!r}: {name!r} is not allowed; use one of randn, rand, ones, zeros, randint")
+    kw: dict[str, Any] = {}
+    for k in call.keywords:
+        if k.arg != "dtype":
+            raise ValueError(f"--input {expr!r}: only the dtype= keyword is allowed, got {k.arg}=")
+        v = k.value
+        dname = v.attr if isinstance(v, ast.Attribute) else (v.id if isinstance(v, ast.Name) else
+                                                             (v.value if isinstance(v, ast.Constant) else None))
+        if dname not in _DTYPES:
+            raise ValueError(f"--input {expr!r}: dtype must be one of {', '.join(_DTYPES)}")
+        kw["dtype"] = _DTYPES[dname]
+
+    def sizes(args: list[ast.expr]) -> list[int]:
+        if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+            args = list(args[0].elts)
+        out = [_int(a, expr) for a in args]
+        if any(s < 0 for s in out):
+            raise ValueError(f"--input {expr!r}: sizes must be >= 0")
+        return out
+
+    if name == "randint":
+        args = list(call.args)
+        if len(args) == 2:
+            low, high, shape = 0, _int(args[0], expr), sizes([args[1]])
+        elif len(args) == 3:
+            low, high, shape = _int(args[0], expr), _int(args[1], expr), sizes([args[2]])
+        else:
+            raise ValueError(f"--input {expr!r}: randint takes (high, (sizes)) or (low, high, (sizes))")
+        return torch.randint(low, high, tuple(shape), dtype=kw.get("dtype", torch.int64))
+    shape = sizes(list(call.args))
+    dtype = kw.get("dtype", torch.float32)
+    if name in ("randn", "rand") and not dtype.is_floating_point:
+        raise ValueError(f"--input {expr!r}: {name} needs a floating dtype")
+    return _MAKERS[name](*shape, dtype=dtype)
+
+
+def load_factory(spec: str) -> Any:
+    """``path/to/file.py:factory`` -> the model or function the factory returns."""
+    path, sep, attr = spec.rpartition(":")
+    if not sep or not path or not attr:
+        raise ValueError(f"model {spec!r}: expected path/to/file.py:factory")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"model {spec!r}: no such file {path!r}")
+    mod_name = f"_adjoint_compile_user_{file.stem}"
+    spec_ = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec_)
+    sys.path.insert(0, str(file.resolve().parent))  # NB: let the file import its neighbours
+    try:
+        spec_.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        sys.path.pop(0)
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ValueError(f"model {spec!r}: {path} has no attribute {attr!r}")
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        return obj()
+    if callable(obj):
+        made = obj()
+        if isinstance(made, torch.nn.Module) or callable(made):
+            return made
+    raise ValueError(f"model {spec!r}: {attr} must be an nn.Module or a factory returning one (or a function)")
+
+
+def _report(args: argparse.Namespace):
+    import adjoint_compile
+
+    torch.manual_seed(args.seed)
+    model = load_factory(args.model)
+    inputs = [parse_input(s) for s in args.input]
+    options = json.loads(args.options) if args.options else None
+    return adjoint_compile.explain(model, *inputs, options=options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dump
+
+
+def _highlight(report: Any) -> list[dict[str, tuple[str, str]]]:
+    """Per graph: node name -> (fill colour, label) for the nodes of each region."""
+    palette = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d", "#bde0fe"]
+    out: list[dict[str, tuple[str, str]]] = [{} for _ in report.graphs]
+    for i, r in enumerate(report.regions):
+        gi = report.graph_index[i] if i < len(report.graph_index) else 0
+        colour = palette[i % len(palette)]
+        tag = f"#{i} {r.kind} ({r.source})"
+        for n in getattr(r, "neighbourhood", []) or []:
+            out[gi].setdefault(n.name, ("#eeeeee", f"#{i} time-local"))
+        for n in r.nodes:
+            out[gi][n.name] = (colour, tag)
+    return out
+
+
+def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str]], title: str) -> str:
+    def q(s: str) -> str:
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = [f"digraph {q(title)} {{", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fillcolor=white,'
+             ' fontname="Helvetica", fontsize=10];', f"  label={q(title)};"]
+    for n in gm.graph.nodes:
+        what = n.op if n.op in ("placeholder", "output", "get_attr") else (
+            str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)))
+        colour, tag = marks.get(n.name, ("white", ""))
+        label = f"{n.name}\\n{what}" + (f"\\n{tag}" if tag else "")
+        lines.append(f"  {q(n.name)} [label={q(label)}, fillcolor={q(colour)}];")
+        for a in n.all_input_nodes:
+            lines.append(f"  {q(a.name)} -> {q(n.name)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write report.txt, report.json, and per graph graph_<i>.txt (FX code and node table) and graph_<i>.svg
+    (or graph_<i>.dot when graphviz's ``dot`` is missing). Returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    (out / "report.txt").write_text(str(report) + "\n")
+    (out / "report.json").write_text(report.to_json(indent=1, default=str) + "\n")
+    written += [out / "report.txt", out / "report.json"]
+    dot_exe = shutil.which("dot")
+    marks = _highlight(report)
+    for i, gm in enumerate(report.graphs):
+        table = [f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', ''))[1]}" for n in gm.graph.nodes]
+        txt = out / f"graph_{i}.txt"
+        txt.write_text(gm.code + "\n# nodes (name, op, region)\n" + "\n".join(table) + "\n")
+        written.append(txt)
+        dot = _dot(gm, marks[i], f"graph {i}")
+        if dot_exe:
+            svg = out / f"graph_{i}.svg"
+            try:
+                subprocess.run([dot_exe, "-Tsvg", "-o", str(svg)], input=dot.encode(), check=True, timeout=120)
+                written.append(svg)
+                continue
+            except (subprocess.SubprocessError, OSError) as e:
+                log.warning("dot failed (%s); writing the DOT text instead", e)
+        path = out / f"graph_{i}.dot"
+        path.write_text(dot + "\n")
+        written.append(path)
+    if not dot_exe:
+        print("note: graphviz's `dot` program is not installed: wrote the graph pictures as DOT text (graph_<i>.dot);"
+              " render them with `dot -Tsvg graph_0.dot -o graph_0.svg`", file=sys.stderr)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adjoint-compile", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("explain", "print what the backend recognizes and how it would rewrite it"),
+                        ("dump", "write the FX graphs as text and a picture with the regions highlighted")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("model", help="path/to/file.py:factory")
+        s.add_argument("--input", action="append", default=[], metavar="EXPR",
+                       help='an example input, e.g. "randn(2,1024,64)" (repeat for several)')
+        s.add_argument("--options", default=None, metavar="JSON", help='backend options, e.g. \'{"mode": "exact"}\'')
+        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (0)")
+        if name == "explain":
+            s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
+        else:
+            s.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    sub.add_parser("demo", help="run the demo (adjoint_compile.demo)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from . import demo
+
+        return int(demo.main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    try:
+        report = _report(args)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"adjoint-compile {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "explain":
+        print(report.to_json(indent=1, default=str) if args.json else report)
+        return 0
+    files = dump(report, args.out)
+    print(report)
+    print(f"wrote {len(files)} file(s) to {args.out}: " + ", ".join(f.name for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
