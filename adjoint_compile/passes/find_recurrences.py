@@ -259,7 +259,7 @@ def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recu
     for k, j in state.items():
         if j != "one" and j not in decay:
             return [], [Rejection("linear_recurrence", node.name,
-                                  f"leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
+                                  f"combine: leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
     length = shape_of(xs[0])[0] if shape_of(xs[0]) else None
     items = _getitems(node)
     regions = []
