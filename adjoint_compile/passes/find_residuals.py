@@ -42,7 +42,7 @@ _SUM_OPS = {"add", "sub", "addcmul"}
 _LINEAR_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "addcmul", "clone", "contiguous", "pos"}
 _NORMS = {"layer_norm", "rms_norm", "group_norm", "normalize"}
 _RMS_PARTS = {"pow", "square", "mul", "mean", "rsqrt", "sqrt", "var", "to", "float", "type_as", "sub", "add"}
-_BUDGET = 64
+_BUDGET = 24
 
 
 @dataclasses.dataclass
@@ -157,8 +157,8 @@ def _match_layer(s: fx.Node, inner: list[fx.Node], atoms: list[fx.Node], xs: lis
     # x: an atom that the other atoms are computed from (the earliest such, if several)
     scored = []
     for x in xs:
-        d = dep_on(x)
-        k = sum(1 for a in atoms if a is not x and d(a))
+        b = 1 << bit[x]
+        k = sum(1 for a in atoms if a is not x and anc.get(a, 0) & b)
         if k:
             scored.append((-k, pos[x], x))
     if not scored:

@@ -47,8 +47,8 @@ _LINEAR_OPS = _STATE_OPS | {"clone", "contiguous", "pos"}
 _NONLINEAR_STATE = {"tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "elu", "leaky_relu", "hardtanh",
                     "layer_norm", "rms_norm", "softsign", "mish"}
 #: how far (nodes visited) a linear expansion or a nonlinear-state search may look back for the previous state.
-_BUDGET = 64
-_GENERAL_BUDGET = 48
+_BUDGET = 32
+_GENERAL_BUDGET = 32
 
 
 class _Mismatch(Exception):
@@ -172,6 +172,7 @@ def _affine_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
             seen.add(a)
             if a.op in ("call_function", "call_method") and ctx.label(a) == lab and shape_of(a) == shp:
                 cands.append(a)
+                continue  # NB: a previous state; expanding past it would walk back along the whole chain
             if op_name(a) in _LINEAR_OPS:
                 queue.append(a)
     for p in cands:
@@ -263,9 +264,6 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
     m = len(chain)
     windows = [ctx.nodes[pos[chain[k - 1]] + 1: pos[chain[k]] + 1] for k in range(1, m)]
     L = len(windows[0])
-    for k, w in enumerate(windows[1:], start=3):
-        if len(w) != L:
-            raise _Mismatch(f"steps differ in size: step {k} has {len(w)} ops, step 2 has {L}", chain[k - 1])
     tmpl = windows[0]
     start = pos[tmpl[0]]
     slots: dict[tuple[fx.Node, int], dict[int, int]] = {}
@@ -294,6 +292,8 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
                     raise _Mismatch(f"steps read different inputs at node {v.name}: {av.name} where step 2 reads "
                                     f"{au.name}", v, kind="inputs")
             _add_slot(slots, u, v, k, ctx)
+        if len(w) != L:
+            raise _Mismatch(f"steps differ in size: step {k + 2} has {len(w)} ops, step 2 has {L}", chain[k + 1])
     if len(windows) == 1:
         for u in tmpl:
             for q, val in enumerate(ctx.ints(u)):
