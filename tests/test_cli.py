@@ -1,0 +1,96 @@
+"""The ``adjoint-compile`` command line: safe --input parsing, explain, dump, demo dispatch."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adjoint_compile import cli
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("expr,shape,dtype", [
+    ("randn(2,1024,64)", (2, 1024, 64), torch.float32),
+    ("rand((3, 4))", (3, 4), torch.float32),
+    ("ones(5)", (5,), torch.float32),
+    ("zeros(2, 3, dtype=float16)", (2, 3), torch.float16),
+    ("zeros(2, 3, dtype=torch.bfloat16)", (2, 3), torch.bfloat16),
+    ("randint(10, (2, 7))", (2, 7), torch.int64),
+    ("randint(1, 5, (4,), dtype=int32)", (4,), torch.int32),
+])
+def test_parse_input(expr, shape, dtype):
+    t = cli.parse_input(expr)
+    assert tuple(t.shape) == shape and t.dtype == dtype
+
+
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('true')", "randn(2, n)", "randn(2.5)", "eye(3)", "randn(2, device='cuda')",
+    "randn(2) + 1", "randn(-1)", "randn(2, dtype=int64)", "randint(3)", "torch.randn(2)",
+])
+def test_parse_input_refuses_anything_else_with_a_value_error_naming_input(expr):
+    with pytest.raises(ValueError, match="--input"):
+        cli.parse_input(expr)
+
+
+def test_load_factory_errors_name_the_model(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        cli.load_factory("no_colon.py")
+    with pytest.raises(ValueError, match="no such file"):
+        cli.load_factory(str(tmp_path / "missing.py") + ":make")
+    f = tmp_path / "m.py"
+    f.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\ndef make():\n    return torch.nn.ReLU()\n")
+    assert isinstance(cli.load_factory(f"{f}:model"), torch.nn.Linear)
+    assert isinstance(cli.load_factory(f"{f}:make"), torch.nn.ReLU)
+    with pytest.raises(ValueError, match="no attribute"):
+        cli.load_factory(f"{f}:nope")
+
+
+def test_explain_prints_the_report(capsys):
+    rc = cli.main(["explain", f"{EXAMPLES / 'relu_resnet.py'}:make", "--input", "randn(4,16)",
+                   "--options", '{"inner": "eager"}'])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "residual_chain" in out and "residual" in out and "inner=eager" in out
+
+
+def test_explain_json_and_bad_options(capsys):
+    rc = cli.main(["explain", f"{EXAMPLES / 'gru_scan.py'}:make", "--input", "randn(2,5,8)", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["kind"] for r in d["regions"]] == ["gated_recurrence"]
+    rc = cli.main(["explain", f"{EXAMPLES / 'gru_scan.py'}:make", "--input", "randn(2,5,8)",
+                   "--options", '{"mode": "fast"}'])
+    assert rc == 2 and "mode" in capsys.readouterr().err
+
+
+def test_dump_writes_graph_text_and_a_picture(tmp_path, capsys):
+    rc = cli.main(["dump", f"{EXAMPLES / 'relu_resnet.py'}:make", "--input", "randn(4,16)", "--out", str(tmp_path)])
+    assert rc == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"report.txt", "report.json", "graph_0.txt"} <= names
+    text = (tmp_path / "graph_0.txt").read_text()
+    assert "def forward" in text and "residual_chain" in text
+    if shutil.which("dot"):
+        assert "graph_0.svg" in names
+    else:
+        assert "graph_0.dot" in names and "dot" in capsys.readouterr().err
+        dot = (tmp_path / "graph_0.dot").read_text()
+        assert dot.startswith("digraph") and "fillcolor" in dot
+
+
+def test_demo_dispatches_to_the_demo_module(monkeypatch):
+    import types
+
+    seen = {}
+    fake = types.ModuleType("adjoint_compile.demo")
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "adjoint_compile.demo", fake)
+    import adjoint_compile
+
+    monkeypatch.setattr(adjoint_compile, "demo", fake, raising=False)
+    assert cli.main(["demo", "--quick"]) == 0
+    assert seen["argv"] == ["--quick"]
