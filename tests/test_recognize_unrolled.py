@@ -55,11 +55,21 @@ def test_linear_loop_is_recognized_and_its_reroll_recipe_reproduces_it(T):
     assert r.reroll["stacked_by"]["dim"] == 1 and len(r.outputs) == T
     # re-roll: a scan over the recorded slices reproduces the loop
     by_src = {x["source"]: x for x in r.reroll["xs"]}
-    assert set(by_src) == {"l_a_", "l_b_"} and all(x["stride"] == 1 and x["start"] == 0 for x in by_src.values())
+    assert set(by_src) == {"l_a_", "l_b_"}
+    assert all((x["stride"], x["start"], x["dim"]) == (1, 0, 1) for x in by_src.values())
     assert r.a.args[0] is _placeholder(gm, "a") and r.b.args[0] is _placeholder(gm, "b")
+    # the recipe's slices, scanned with h0 from the identified a and b, give back the loop's states
+    env = {"l_a_": a, "l_b_": b}
+
+    def seq(node):
+        x = next(x for x in r.reroll["xs"] if x["node"] == node.name)
+        idx = torch.arange(x["start"], x["start"] + T * x["stride"], x["stride"])
+        return env[x["source"]].index_select(x["dim"], idx)
+
+    a_seq, b_seq = seq(r.a), seq(r.b)
     h, outs = h0, []
     for t in range(T):
-        h = a[:, t] * h + b[:, t]
+        h = a_seq[:, t] * h + b_seq[:, t]
         outs.append(h)
     torch.testing.assert_close(torch.stack(outs, 1), linear_loop(a, b, h0))
 

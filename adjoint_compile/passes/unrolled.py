@@ -384,8 +384,31 @@ def _xs(loop: _Loop, ctx: _Ctx) -> list[dict[str, Any]]:
         if steps and steps[0] != 0:
             src = u.args[0] if u.args else None
             xs.append({"node": u.name, "source": getattr(src, "name", None), "op": _index_positions(u),
-                       "index_position": q, "first_step": min(by_step), "start": vals[0], "stride": steps[0]})
+                       "dim": _slot_dim(u, q), "index_position": q, "first_step": min(by_step), "start": vals[0], "stride": steps[0]})
     return xs
+
+
+def _slot_dim(u: fx.Node, q: int) -> int | None:
+    """The source dim that the q-th varying int of an indexing node indexes (None when not readable)."""
+    kind = _index_positions(u)
+    if kind in ("select", "narrow"):
+        d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+        return d if isinstance(d, int) else None
+    idx = u.args[1] if len(u.args) > 1 else None
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if any(it is Ellipsis for it in items):
+        return None
+    dim, k = 0, 0
+    for it in items:
+        if it is None:
+            continue  # a new axis: indexes no source dim
+        n_ints = sum(isinstance(v, int) and not isinstance(v, bool)
+                     for v in ((it.start, it.stop, it.step) if isinstance(it, slice) else (it,)))
+        if q < k + n_ints:
+            return dim
+        k += n_ints
+        dim += 1
+    return None
 
 
 def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recurrence | None, Rejection | None]:
