@@ -263,7 +263,8 @@ class _Plan:
 
 
 def _slice(x: Any, d: int | None, s: int, L: int) -> Any:
-    return x if d is None else x.narrow(d, s, L)
+    # NB: contiguous: ops on a strided time slice take slow paths (F.linear on a narrow()ed [B, L, D]: ~10x slower)
+    return x if d is None else x.narrow(d, s, L).contiguous()
 
 
 class _ShardedFn(torch.autograd.Function):
@@ -318,7 +319,7 @@ class _ShardedFn(torch.autograd.Function):
             else:
                 carries = list(flat[(k - 1) * K: k * K])
             with torch.enable_grad():
-                xs = [w if d is None else x.narrow(d, s, L).detach().requires_grad_(needs[i])
+                xs = [w if d is None else _slice(x, d, s, L).detach().requires_grad_(needs[i])
                       for i, (x, w, d) in enumerate(zip(inputs, whole, plan.in_step_dims))]
                 cs = [None if c is None else c.detach().requires_grad_(k > 0 or needs[plan.h0_input[j]])
                       for j, c in enumerate(carries)]

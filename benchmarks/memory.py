@@ -1,0 +1,174 @@
+"""Peak memory and step time of a K-layer selective SSM training step against sequence length T.
+
+Methods, on copies of one model (examples/selective_ssm.py, ``SSMStack(d_model, d_state, n_layers)``):
+
+* ``eager``      plain autograd: saves every layer's [B, T, D, N] state-expanded activations (O(K·T·D·N));
+* ``checkpoint`` per-layer activation checkpointing (torch.utils.checkpoint): layer inputs saved, one layer
+                 recomputed at a time (still one layer's full-length [B, T, D, N] activations);
+* ``adjoint``    ``torch.compile(backend="adjoint")``: the whole stack is one time-local region run by the sharded
+                 exact adjoint (runtime/sharded.py): saves the region input and K states per shard boundary, and
+                 recomputes one shard of S = ⌈√T⌉ steps (or ``--shard-size``) at a time.
+
+Peak memory: on CPU the bytes of tensor storage created during one step and alive at once (adjoint_compile.measure,
+a dispatch-mode counter), on CUDA ``torch.cuda.max_memory_allocated``; step time: median of ``--repeats`` steps;
+gradient error: max over parameters of max|g - g_eager| / max|g_eager|.  Prints a table per T, writes
+``benchmarks/results/memory_<device>.json`` and a plot ``memory_<device>.png`` (peak memory and time vs T).
+
+    python benchmarks/memory.py                        # quick CPU sizes (about a minute or two on 2 cores)
+    python benchmarks/memory.py --device cuda --full   # long sequences
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+from adjoint_compile import backend  # noqa: E402
+from adjoint_compile.measure import (  # noqa: E402
+    checkpoint_layers, format_table, grads_of, max_rel_error, median_time, track_peak)
+from adjoint_compile.runtime.sharded import default_shard_size  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+QUICK = dict(lengths=[1024, 2048, 4096, 8192], d_model=32, d_state=8, n_layers=4, batch=2, repeats=2)
+FULL = dict(lengths=[1024, 4096, 16384, 65536], d_model=256, d_state=16, n_layers=8, batch=1, repeats=3)
+
+
+def _adjoint_step_fn(m: torch.nn.Module, x: torch.Tensor, options: dict) -> Callable[[], torch.Tensor]:
+    """The lowered graph that ``torch.compile(m, backend="adjoint")`` made, as a plain callable on x.
+
+    NB: it is called directly, not through dynamo: under an active TorchDispatchMode (the CPU memory counter)
+    dynamo does not run compiled code but falls back to eager, which would measure plain autograd instead.
+    """
+    torch._dynamo.reset()
+    torch.compile(m, backend="adjoint", options=options)(x)
+    res = backend.HISTORY[-1]
+    if not res.lowered:
+        raise RuntimeError(f"the adjoint backend did not lower the stack: {[r.reason for r in res.regions]}")
+    fn, inputs = res.fn, list(res.captured.example_inputs)
+    at = next(i for i, t in enumerate(inputs) if t is x)
+    return lambda: fn(*inputs[:at], x, *inputs[at + 1:])[0]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import selective_ssm
+
+    device = torch.device(args.device)
+    rows: list[dict] = []
+    for T in args.lengths:
+        torch.manual_seed(0)
+        model = selective_ssm.SSMStack(args.d_model, args.d_state, args.n_layers).to(device)
+        x = torch.randn(args.batch, T, args.d_model, device=device)
+        w = torch.randn(args.batch, T, args.d_model, device=device)
+        S = args.shard_size or default_shard_size(T)
+        t0 = time.perf_counter()
+        got: list[dict] = []
+        ref = None
+        for method in ("eager", "checkpoint", "adjoint"):
+            m = checkpoint_layers(model) if method == "checkpoint" else copy.deepcopy(model)
+            fwd = (_adjoint_step_fn(m, x, {"inner": args.inner, "shard_size": S}) if method == "adjoint"
+                   else (lambda m=m: m(x)))
+
+            def step(m=m, fwd=fwd) -> None:
+                for p in m.parameters():
+                    p.grad = None
+                (fwd() * w).mean().backward()
+
+            step()  # warm-up
+            grads = grads_of(m)
+            ref = ref or grads
+            with track_peak(device) as mem:
+                step()
+            got.append({"method": method, "device": str(device), "T": T, "peak_bytes": mem["peak"],
+                        "step_s": median_time(step, device, repeats=args.repeats, warmup=0),
+                        "max_grad_rel_err": None if method == "eager" else max_rel_error(grads, ref),
+                        "shard_size": S if method == "adjoint" else None})
+            del m, fwd
+        torch._dynamo.reset()
+        print(f"\nT={T}  B={args.batch} d_model={args.d_model} d_state={args.d_state} layers={args.n_layers} "
+              f"shard_size={S} device={device}  ({time.perf_counter() - t0:.1f} s)")
+        print(format_table(got))
+        rows.extend(got)
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        Ts = [r["T"] for r in rs]
+        ax_m.plot(Ts, [r["peak_bytes"] / 2**20 for r in rs], "o-", label=method)
+        ax_t.plot(Ts, [r["step_s"] for r in rs], "o-", label=method)
+    for ax, ylabel in ((ax_m, "peak memory of one training step (MiB)"), (ax_t, "step time (s, median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--full", action="store_true", help="long sequences and a wider model (meant for a GPU)")
+    p.add_argument("--lengths", type=int, nargs="+", help="sequence lengths T")
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--d-state", type=int)
+    p.add_argument("--n-layers", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--shard-size", type=int, default=None, help="steps per shard (default ceil(sqrt(T)))")
+    p.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"],
+                   help="inner compiler of the adjoint backend (eager: same kernels as the eager baseline)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default 1 on CPU: steadier timings on a shared machine)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    for k, v in (FULL if args.full else QUICK).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.shard_size is not None and args.shard_size < 1:
+        p.error(f"--shard-size={args.shard_size}: expected an int >= 1")
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads or torch.device(args.device).type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    rows = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device).type
+    meta = {k: getattr(args, k) for k in ("lengths", "d_model", "d_state", "n_layers", "batch", "repeats",
+                                          "shard_size", "inner", "full")}
+    meta.update(device=args.device, torch=torch.__version__, machine=platform.machine(),
+                threads=torch.get_num_threads(),
+                gpu=torch.cuda.get_device_name() if dev == "cuda" else None, cpu_count=os.cpu_count())
+    (args.out / f"memory_{dev}.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
+    title = (f"SSMStack d_model={args.d_model} d_state={args.d_state} layers={args.n_layers} batch={args.batch} "
+             f"on {args.device}: eager vs per-layer checkpointing vs sharded exact adjoint")
+    plot(rows, args.out / f"memory_{dev}.png", title)
+    print(f"\nwrote {args.out / f'memory_{dev}.json'} and {args.out / f'memory_{dev}.png'}")
+
+
+if __name__ == "__main__":
+    main()
