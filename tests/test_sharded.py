@@ -99,7 +99,7 @@ class Stack(nn.Module):
         return x
 
 
-def trace(fn, *args):
+def trace(fn, *args, dynamic=False):
     """The dynamo graph of fn(*args) and the real tensors it takes (parameters included)."""
     got = []
 
@@ -108,7 +108,7 @@ def trace(fn, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    torch.compile(fn, backend=grab, fullgraph=True, dynamic=dynamic)(*args)
     assert len(got) == 1
     return got[0]
 
@@ -363,6 +363,17 @@ def test_lower_recurrences_marks_records():
     assert [r.rewrite for r in recs] == ["adjoint", "adjoint", "none"]
     assert recs[0].group == recs[1].group == 0 and "shard_size=3" in recs[0].reason
     assert recs[2].reason
+
+
+def test_dynamic_shapes_fail_soft_with_a_reason():
+    gm, ex = trace(Stack(1), torch.randn(B, 10, D), dynamic=True)
+    before = gm.code
+    scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
+    recs = [Recurrence(kind="linear_recurrence", source="linear_scan", length=None, nodes=[s], outputs=[s])
+            for s in scans]
+    assert lower_recurrences(gm, recs, Options()) == []
+    assert recs[0].rewrite == "none" and "dynamic" in recs[0].reason
+    assert gm.code == before
 
 
 # ------------------------------------------------------------------------------------------- options etc.

@@ -41,8 +41,8 @@ def scan(a, b, h0=None, dim=1, reverse=False):
     return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse)
 
 
-def trace(fn, *args):
-    """The dynamo graph of fn(*args) and its placeholders by example position."""
+def trace(fn, *args, dynamic=False):
+    """The dynamo graph of fn(*args)."""
     graphs = []
 
     def grab(gm, ex):
@@ -50,7 +50,7 @@ def trace(fn, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    torch.compile(fn, backend=grab, fullgraph=True, dynamic=dynamic)(*args)
     assert len(graphs) == 1
     return graphs[0]
 
@@ -366,6 +366,17 @@ def test_region_is_convex_around_a_mixing_detour():
     for n in nodes:
         for a in n.all_input_nodes:
             assert a in members or not any(m in members for m in a.all_input_nodes)
+
+
+def test_symbolic_sizes_are_read_without_guards():
+    gm = trace(lambda x: x.view(x.shape[0], x.shape[1], 2, 3).sum(-1) + x.sum(1, keepdim=True)[..., :2],
+               torch.randn(B, T, D), dynamic=True)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta["example_value"], torch.Tensor)]
+    assert not all(isinstance(d, int) for d in ph[0].meta["example_value"].shape)  # really symbolic
+    info = analyze(gm, {ph[0]: 1})
+    assert info.step_dim[node(gm, by_method("view"))] == 1
+    sums = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "sum"]
+    assert [n in info.mixing for n in sums] == [False, True]
 
 
 def _chain_graph(n_ops):

@@ -143,8 +143,9 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     sub, inputs, outputs = outline(gm, nodes)
     for a in inputs:
         if not isinstance(_ev(a), torch.Tensor):
-            raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(_ev(a)).__name__}): a shape computed "
-                                    f"at run time?")
+            hint = (" (dynamic shapes: the sharded runtime needs static sizes; use torch.compile(..., "
+                    "dynamic=False))" if isinstance(_ev(a), torch.SymInt) else "")
+            raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(_ev(a)).__name__}){hint}")
     if not outputs:
         raise UnsupportedRegion("the region has no outputs")
     in_dims = [info.step_dim.get(a) for a in inputs]
@@ -199,7 +200,19 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
     if not scan_of:
         return []
     scans = list(dict.fromkeys(scan_of.values()))
-    info = analyze(gm, infer_seeds(gm, scans))
+    try:
+        info = analyze(gm, infer_seeds(gm, scans))
+    except ValueError as e:
+        info, why = None, f"step analysis failed: {e}"
+    else:
+        why = "" if isinstance(info.length, int) else (
+            f"the sequence length is symbolic ({info.length}, dynamic shapes): the sharded runtime needs a static "
+            f"length; use torch.compile(..., dynamic=False)")
+    if why:
+        for i in scan_of:
+            recurrences[i].rewrite, recurrences[i].reason = "none", why
+        log.info("adjoint-compile: %s", why)
+        return []
     made: list[str] = []
     done: dict[fx.Node, tuple[str | None, str, int]] = {}
     for s in scans:

@@ -75,12 +75,24 @@ def _ev(n: Any) -> Any:
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
 
-def _shape(n: Any) -> tuple[int, ...] | None:
+def _size(x: Any) -> Any:
+    """An int, or for a symbolic size (dynamic shapes) its sympy expression.
+
+    NB: comparing SymInts would install guards in dynamo's shape environment; sympy expressions compare
+    structurally and never guard, so the analysis stays a pure read of the graph.
+    """
+    if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        return int(expr) if expr.is_number else expr
+    return x
+
+
+def _shape(n: Any) -> tuple[Any, ...] | None:
     v = _ev(n)
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape)
     if isinstance(v, (tuple, list)) and v and all(isinstance(x, torch.Tensor) for x in v):
-        return tuple(v[0].shape)  # NB: tuple outputs (split, max(dim)) share their step dim; rules check ndim only.
+        v = v[0]  # NB: tuple outputs (split, max(dim)) share their step dim; rules check ndim only.
+    if isinstance(v, torch.Tensor):
+        return tuple(_size(x) for x in v.shape)
     return None
 
 
@@ -356,7 +368,7 @@ def _reshape_map(sin: tuple[int, ...], sout: tuple[int, ...], d: int) -> int | N
         if acc == before and n == sin[d]:
             return k
         acc *= n
-        if acc > before and before > 0:
+        if isinstance(acc, int) and isinstance(before, int) and acc > before > 0:
             break
     return None
 

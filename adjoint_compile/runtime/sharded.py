@@ -297,6 +297,7 @@ class _ShardedFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *gouts: torch.Tensor) -> tuple[Any, ...]:
         plan: _Plan = ctx.plan
         saved = ctx.saved_tensors
