@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device(args.device).type
     meta = {k: getattr(args, k) for k in ("lengths", "d_model", "d_state", "n_layers", "batch", "repeats",
                                           "shard_size", "inner", "full")}
-    meta.update(device=args.device, torch=torch.__version__, machine=platform.machine(),
+    import adjoint_compile.ops as ops
+
+    meta.update(linear_scan=f"{getattr(ops.linear_scan, '__module__', '?')}.linear_scan", device=args.device, torch=torch.__version__, machine=platform.machine(),
                 threads=torch.get_num_threads(),
                 gpu=torch.cuda.get_device_name() if dev == "cuda" else None, cpu_count=os.cpu_count())
     (args.out / f"memory_{dev}.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
