@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..regions import Recurrence, Rejection
+from ..regions import PROVENANCE, Recurrence, Rejection
 from .affine import Atom, Const, UpdateForm, affine, classify_update, forward_reach, NotAffine, op_name, shape_of
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ __all__ = ["is_linear_scan", "is_scan_hop", "is_associative_scan_hop", "match_li
 
 _SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
 _SCAN_DEFAULTS: dict[str, Any] = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
+#: capture forms that the reroll pass turns into a linear_scan (recorded in the new node's provenance).
+_REROLLED = ("scan", "associative_scan", "unrolled_loop")
 
 
 def is_linear_scan(node: fx.Node) -> bool:
@@ -100,13 +102,19 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     if shp is None or not isinstance(dim, int) or not -len(shp) <= dim < len(shp):
         return None
     dim = dim % len(shp)
+    # NB: a scan made by the reroll pass reports how the user wrote the recurrence (a loop, torch's scan, ...)
+    prov = node.meta.get(PROVENANCE)
+    rerolled = isinstance(prov, dict) and prov.get("pass") == "reroll" and prov.get("source") in _REROLLED
+    details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
+    if rerolled:
+        details["rerolled_from"] = prov.get("region")
     return Recurrence(
-        kind="linear_recurrence", source="linear_scan", length=shp[dim], nodes=[node],
+        kind="linear_recurrence", source=prov["source"] if rerolled else "linear_scan", length=shp[dim], nodes=[node],
         reason="rewrite not implemented yet", name=node.name,
         a=a["a"] if isinstance(a["a"], fx.Node) else None, b=a["b"] if isinstance(a["b"], fx.Node) else None,
         h0=a["h0"] if isinstance(a["h0"], fx.Node) else None, carry=None, outputs=[node], step_dim=dim,
         reverse=bool(a["reverse"]), window=a["window"] if isinstance(a["window"], int) else None,
-        details={"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)},
+        details=details,
     )
 
 

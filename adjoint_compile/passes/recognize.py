@@ -141,7 +141,8 @@ def _neighbourhoods(gm: fx.GraphModule, recs: list[Recurrence]) -> None:
     by_T: dict[int, list[tuple[Recurrence, list, list]]] = {}
     for r in recs:
         outs, ins = _anchors(r)
-        if r.source == "unrolled_loop":
+        scan_node = any(is_linear_scan(n) for n in r.nodes)
+        if r.source == "unrolled_loop" and not scan_node:
             r.details["neighbourhood"] = "per-step values carry no step axis until the loop is re-rolled"
             continue
         if not outs or r.length is None:
@@ -162,7 +163,7 @@ def _neighbourhoods(gm: fx.GraphModule, recs: list[Recurrence]) -> None:
             info = analyze(gm, {n: d for _, outs, _ in items for n, d in outs})
         for r, outs, ins in items:
             anchors = [n for n, _ in outs]
-            if r.source != "linear_scan":
+            if not any(is_linear_scan(n) for n in r.nodes):
                 # NB: the scan op's tuple output is no tensor with a step axis; its ys' users and its xs are
                 anchors = [u for n in anchors for u in n.users] + [n for n, _ in ins]
             nodes, bounds = region_around(gm, anchors, info)
