@@ -20,47 +20,8 @@ from adjoint_compile.runtime.sharded import ShardedRegion, default_shard_size, m
 B, D, N = 2, 6, 3
 
 
-def _scan_ref(a, b, h0, dim):
-    a_, b_ = a.movedim(dim, 0), b.movedim(dim, 0)
-    h = torch.zeros_like(b_[0]) if h0 is None else h0.expand_as(b_[0])
-    out = []
-    for t in range(a_.shape[0]):
-        h = a_[t] * h + b_[t]
-        out.append(h)
-    return torch.stack(out, 0).movedim(0, dim)
-
-
-if not hasattr(torch.ops.adjoint_compile, "linear_scan"):  # NB: stand-in until ops.py lands; same contract
-    @torch.library.custom_op("adjoint_compile::linear_scan", mutates_args=())
-    def _standin(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, dim: int = 1,
-                 reverse: bool = False, window: int | None = None, impl: str | None = None) -> torch.Tensor:
-        return _scan_ref(a, b, h0, dim).contiguous()
-
-    @_standin.register_fake
-    def _(a, b, h0=None, dim=1, reverse=False, window=None, impl=None):
-        return torch.empty_like(b)
-
-if not torch.ops.adjoint_compile.linear_scan.default._can_decompose() and not hasattr(ac_ops, "linear_scan"):
-    def _setup(ctx, inputs, output):
-        a, b, h0, dim, *_ = inputs
-        ctx.save_for_backward(a, b, h0)
-        ctx.dim = dim
-
-    def _bwd(ctx, g):
-        a, b, h0 = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() if x is not None else None for x in (a, b, h0)]
-            out = _scan_ref(*leaves, ctx.dim)
-            gs = torch.autograd.grad(out, [x for x in leaves if x is not None], g)
-        return gs[0], gs[1], (gs[2] if h0 is not None else None), None, None, None, None
-
-    torch.library.register_autograd("adjoint_compile::linear_scan", _bwd, setup_context=_setup)
-
-
 def scan(a, b, h0=None, dim=1, reverse=False):
-    if hasattr(ac_ops, "linear_scan"):
-        return ac_ops.linear_scan(a, b, h0, dim=dim, reverse=reverse)
-    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse)
+    return ac_ops.linear_scan(a, b, h0, dim=dim, reverse=reverse)
 
 
 # ------------------------------------------------------------------------------------------------- models

@@ -22,7 +22,7 @@ from ..errors import UnsupportedRegion
 from ..options import Options
 from ..regions import PROVENANCE, Recurrence
 from ..runtime.sharded import ShardedRegion, default_shard_size
-from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around, scan_args
+from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,6 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         if not nodes:
             why = f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}"
         else:
-            from ..runtime import sharded  # noqa: F401 - keep the import error visible in the reason
-
             try:
                 call = _lower_region(gm, nodes, info, opts)
             except UnsupportedRegion as e:
