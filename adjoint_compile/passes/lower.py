@@ -5,6 +5,7 @@ A lowering that cannot prove its preconditions returns None and the region keeps
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ..options import Options
@@ -35,4 +36,39 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
             r.reason = r.reason or f"mode='exact' rewrites recurrences; a {r.kind} keeps ordinary autograd"
     if not recurrences:
         return []
-    return lower_recurrences(captured.gm, recurrences, opts)
+    pairs = _reroll(captured, recurrences, opts)
+    made = lower_recurrences(captured.gm, [v for v, _ in pairs], opts)
+    for view, originals in pairs:
+        for r in originals:
+            into = r.details.get("rerolled_into")
+            r.rewrite, r.group, r.bounds = view.rewrite, view.group, list(view.bounds)
+            r.reason = view.reason + (f" (re-rolled into {into})" if into else "")
+            r.details.update({k: view.details[k] for k in ("region_call", "shard_size", "region_nodes")
+                              if k in view.details})
+    return made
+
+
+def _reroll(captured: Captured, recurrences: list[Recurrence], opts: Options) -> list[tuple[Recurrence, list]]:
+    """recognize -> reroll -> recognize again: (record to lower, original records that take its outcome).
+
+    Recurrences captured as torch's scan, associative_scan or an unrolled loop become linear_scan nodes
+    (:mod:`.reroll`); their fresh records are lowered under source "linear_scan", and the outcome is copied to the
+    records the report holds.
+    """
+    from .reroll import needs_reroll, reroll
+
+    pairs: list[tuple[Recurrence, list]] = [(r, []) for r in recurrences]
+    if not any(needs_reroll(r) for r in recurrences) or not reroll(captured.gm, recurrences):
+        return pairs
+    from .find_recurrences import is_linear_scan
+    from .recognize import recognize
+
+    fresh = {r.nodes[0].name: r for r in recognize(captured.gm, opts)[0]
+             if isinstance(r, Recurrence) and r.nodes and is_linear_scan(r.nodes[0]) and r.source != "linear_scan"}
+    out: list[tuple[Recurrence, list]] = []
+    for r in recurrences:
+        f = fresh.pop(r.details.get("rerolled_into", ""), None) if needs_reroll(r) else None
+        out.append((r, []) if f is None else (dataclasses.replace(f, source="linear_scan"), [r, f]))
+    # NB: scans with no record of their own (an associative_scan's running product) are lowered too
+    out += [(dataclasses.replace(f, source="linear_scan"), [f]) for f in fresh.values()]
+    return out

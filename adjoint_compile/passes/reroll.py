@@ -172,12 +172,15 @@ class _Emit:
 
 
 def _fake_mode(gm: fx.GraphModule) -> Any:
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    vals = [example_value(n) for n in gm.graph.nodes]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+    # NB: the mode of the graph's own example values: inside a backend call, the tracing context's mode can be
+    # another one, and fake tensors of two modes do not mix
+    for n in gm.graph.nodes:
+        v = example_value(n)
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _shape(v: Any) -> tuple[int, ...] | None:
