@@ -1,14 +1,20 @@
 """Measuring tools shared by the demo and the benchmarks (DESIGN.md §7).
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU a dispatch mode that follows every tensor storage
-an op creates until it is freed (the same idea as ``torch.distributed._tools.mem_tracker``, without its per-module
-bookkeeping). It counts the storages made while it is active — activations, saved tensors, gradients, temporaries —
-and not those that existed before (parameters, inputs).
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated``. On CPU (Linux) the growth of the process's peak resident
+memory over the block: the high-water mark is reset through ``/proc/self/clear_refs`` and read from ``VmHWM``, with
+glibc's mmap threshold pinned at 64 KiB so that every freed tensor goes back to the OS at once (otherwise glibc keeps
+freed blocks and the figure depends on history).
+
+NB: not a TorchDispatchMode (``LiveBytes`` below, or ``torch.distributed._tools.mem_tracker``): while one is active,
+dynamo runs a compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. RSS sees
+everything — inductor's buffers, our runtime's — at the price of counting a little non-tensor memory too.
 Time: the median of repeats after a warm-up, with ``torch.cuda.synchronize`` on GPUs.
 """
 from __future__ import annotations
 
 import copy
+import gc
+import os
 import statistics
 import time
 import weakref
@@ -22,7 +28,10 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    """Tracks bytes of tensor storage created under it and still alive; ``peak`` is the high-water mark."""
+    """Tracks bytes of tensor storage created under it and still alive; ``peak`` is the high-water mark.
+
+    For eager code and tests only: under it, dynamo-compiled functions fall back to eager (see the module doc).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,11 +74,48 @@ def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
         yield result
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - base
+    elif _rss_available():
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        base = _proc_status("VmRSS:")
+        yield result
+        result["peak"] = max(0, _proc_status("VmHWM:") - base)
     else:
-        mode = LiveBytes()
-        with mode:
-            yield result
-        result["peak"] = mode.peak
+        raise RuntimeError(
+            "peak CPU memory needs Linux's /proc/self/clear_refs and glibc (see adjoint_compile.measure); "
+            "measure on a GPU with --device cuda instead"
+        )
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+_RSS_OK: bool | None = None
+
+
+def _rss_available() -> bool:
+    """Linux with glibc: pin malloc's mmap threshold once so that freed tensors are unmapped immediately."""
+    global _RSS_OK
+    if _RSS_OK is None:
+        _RSS_OK = False
+        if os.path.exists("/proc/self/clear_refs"):
+            try:
+                import ctypes
+
+                libc = ctypes.CDLL("libc.so.6")
+                M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+                _RSS_OK = bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                _RSS_OK = False
+    return _RSS_OK
 
 
 def median_time(fn: Callable[[], Any], device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
