@@ -434,9 +434,11 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
     # carried values of the template: the previous window's nodes it reads (besides shared ones)
     start = ctx.pos[tmpl[0]]
     carried_in: list[fx.Node] = []
+    # NB: per-step slices made before the loop (unbind items) may sit just before the template: not carried values
+    slices = {u for u, _ in loop.slots if ctx.pos[u] < start}
     for u in tmpl:
         for a in _node_args(u):
-            if start - L <= ctx.pos[a] < start and a not in loop.shared and a not in carried_in:
+            if start - L <= ctx.pos[a] < start and a not in loop.shared and a not in carried_in and a not in slices:
                 carried_in.append(a)
     reach = forward_reach(list(carried_in) or [c_prev], c_new, ctx.pos)
     form = classify_update(c_new, c_prev, reach.__contains__)
