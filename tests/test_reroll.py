@@ -155,13 +155,22 @@ def test_unrolled_loop_becomes_one_scan_with_eager_gradients(T):
     check_against_eager(loop, gm, ["a", "b", "h"], make)
 
 
-def test_reversed_loop_reads_the_flipped_sequence():
+def loop_shifted(a, b, h):
+    outs = []
+    for t in range(a.shape[1] - 2):
+        h = a[:, t + 2] * h + b[:, t]  # a read two steps ahead: part of each sequence
+        outs.append(h)
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("fn,op", [(loop_reversed, "flip"), (loop_shifted, "narrow")])
+def test_loops_over_part_of_a_sequence_or_backwards(fn, op):
     T = 5
     make = lambda: (torch.rand(B, T, D), torch.randn(B, T, D), torch.randn(B, D))  # noqa: E731
-    gm = trace(loop_reversed, *make())
+    gm = trace(fn, *make())
     r, _ = reroll_one(gm, "unrolled_loop")
-    assert r.details["reroll"] == "batched" and ops(gm, "flip")
-    check_against_eager(loop_reversed, gm, ["a", "b", "h"], make)
+    assert r.details["reroll"] == "batched" and ops(gm, op)
+    check_against_eager(fn, gm, ["a", "b", "h"], make)
 
 
 def gate_loop(x, W, h):

@@ -450,7 +450,7 @@ def _slice_seq(b: _Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -
     n = size[dim]
     start = start + n if start < 0 else start
     lo = start if stride == 1 else start - T + 1
-    if not 0 <= lo and lo + T <= n:
+    if not (0 <= lo and lo + T <= n):
         raise _Unproven(f"slice {slot.name} reads steps {lo}..{lo + T - 1} of {n}")
     if not b.outer_ok(src):
         raise _Unproven(f"slice {slot.name} reads {src.name}, which is computed inside the loop")
