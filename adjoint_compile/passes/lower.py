@@ -33,7 +33,9 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
     for r in regions:
         if not isinstance(r, Recurrence):
             r.rewrite = "none"
-            r.reason = r.reason or f"mode='exact' rewrites recurrences; a {r.kind} keeps ordinary autograd"
+            # NB: overwrite recognition's placeholder reason: in exact mode a chain is not rewritten by design.
+            r.reason = (f"mode='exact' shards recurrences only; a {r.kind}'s own rewrite is Highway-BP "
+                        "(mode='highway', not implemented yet)")
     if not recurrences:
         return []
     pairs = _reroll(captured, recurrences, opts)
