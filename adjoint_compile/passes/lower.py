@@ -40,6 +40,10 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
         return []
     pairs = _reroll(captured, recurrences, opts)
     made = lower_recurrences(captured.gm, [v for v, _ in pairs], opts)
+    for r in recurrences:
+        if r.kind == "gated_recurrence" and r.rewrite == "none":
+            r.reason = ("a gated recurrence (its coefficient depends on h) has no adjoint-sharded rewrite yet; "
+                        "it keeps ordinary autograd")
     for view, originals in pairs:
         for r in originals:
             into = r.details.get("rerolled_into")
