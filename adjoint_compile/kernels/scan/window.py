@@ -14,8 +14,8 @@ t's block and the one before it, so with s the start of t's block:
           (V_t = 0 at the block's last step: its window starts at s; in block 0, V_t = h0 while t <= W-2).
 
 Every piece is a product or a sum of non-negative-length products: no term is subtracted. With g = ∂L/∂h and
-the suffix sums G_m = Σ_{t=s..m} Q_t g_t inside a block, U_i = G_{i+W-1} (from the next block; 0 at a block
-start), μ the adjoint restarted at each block end (μ_e = g_e, μ_m = g_m + a_{m+1} μ_{m+1}):
+the prefix sums G_m = Σ_{t=s..m} Q_t g_t inside a block, U_i = G_{min(i+W-1, T-1)} from the next
+block (0 at a block start and in the last block), μ the adjoint restarted at each block end (μ_e = g_e, μ_m = g_m + a_{m+1} μ_{m+1}):
 
     ∂b_i  = μ_i + R_i U_i
     ∂a_j  = μ_j L_{j-1} + Q_{j-1} ρ_j + R_j L'_{j-1}     (terms with j-1 outside the block: L, L' → 0, Q → 1)
