@@ -99,6 +99,12 @@ def _proc_status(key: str) -> int:
 _RSS_OK: bool | None = None
 
 
+def prepare_cpu_measurement() -> bool:
+    """Pin malloc's thresholds now. Call it at the start of a program that will measure CPU memory: blocks freed
+    before the pinning stay in malloc's heap and are reused silently, which would hide allocations from RSS."""
+    return _rss_available()
+
+
 def _rss_available() -> bool:
     """Linux with glibc: pin malloc's mmap threshold once so that freed tensors are unmapped immediately."""
     global _RSS_OK
@@ -186,7 +192,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Rows of {method, peak_mib, step_s, max_grad_rel_err, ...} as an aligned text table with ratios to the first."""
     if not rows:
         return "(no rows)"
-    base_mem = rows[0]["peak_bytes"] or 1
+    base_mem = rows[0]["peak_bytes"] or 1  # NB: a zero baseline would make every ratio meaningless; guard it
     base_t = rows[0]["step_s"] or 1e-12
     header = ["method", "peak MiB", "x mem", "step s", "x time", "max grad rel err"]
     lines = [header]
@@ -222,6 +228,8 @@ def compare_training_step(
     peak bytes of one step, the median step time, and the largest relative gradient difference to "eager".
     """
     device = torch.device(device)
+    if device.type == "cpu":
+        prepare_cpu_measurement()
     rows: list[dict[str, Any]] = []
     ref_grads: dict[str, torch.Tensor] | None = None
     for method in methods:
