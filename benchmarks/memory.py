@@ -5,12 +5,13 @@ Methods, on copies of one model (examples/selective_ssm.py, ``SSMStack(d_model, 
 * ``eager``      plain autograd: saves every layer's [B, T, D, N] state-expanded activations (O(K·T·D·N));
 * ``checkpoint`` per-layer activation checkpointing (torch.utils.checkpoint): layer inputs saved, one layer
                  recomputed at a time (still one layer's full-length [B, T, D, N] activations);
+* ``compile``    plain ``torch.compile`` (inductor);
 * ``adjoint``    ``torch.compile(backend="adjoint")``: the whole stack is one time-local region run by the sharded
                  exact adjoint (runtime/sharded.py): saves the region input and K states per shard boundary, and
                  recomputes one shard of S = ⌈√T⌉ steps (or ``--shard-size``) at a time.
 
-Peak memory: on CPU the bytes of tensor storage created during one step and alive at once (adjoint_compile.measure,
-a dispatch-mode counter), on CUDA ``torch.cuda.max_memory_allocated``; step time: median of ``--repeats`` steps;
+Peak memory: on CPU the growth of the process's resident-memory high-water mark over one step (adjoint_compile.measure;
+a dispatch-mode counter would make dynamo run the compiled methods eagerly), on CUDA ``torch.cuda.max_memory_allocated``; step time: median of ``--repeats`` steps;
 gradient error: max over parameters of max|g - g_eager| / max|g_eager|.  Prints a table per T, writes
 ``benchmarks/results/memory_<device>.json`` and a plot ``memory_<device>.png`` (peak memory and time vs T).
 
@@ -47,20 +48,19 @@ QUICK = dict(lengths=[1024, 2048, 4096, 8192], d_model=32, d_state=8, n_layers=4
 FULL = dict(lengths=[1024, 4096, 16384, 65536], d_model=256, d_state=16, n_layers=8, batch=1, repeats=3)
 
 
-def _adjoint_step_fn(m: torch.nn.Module, x: torch.Tensor, options: dict) -> Callable[[], torch.Tensor]:
-    """The lowered graph that ``torch.compile(m, backend="adjoint")`` made, as a plain callable on x.
+def _compiled(m: torch.nn.Module, method: str, options: dict) -> Callable[..., torch.Tensor]:
+    if method == "compile":
+        return torch.compile(m)
+    f = torch.compile(m, backend="adjoint", options=options)
 
-    NB: it is called directly, not through dynamo: under an active TorchDispatchMode (the CPU memory counter)
-    dynamo does not run compiled code but falls back to eager, which would measure plain autograd instead.
-    """
-    torch._dynamo.reset()
-    torch.compile(m, backend="adjoint", options=options)(x)
-    res = backend.HISTORY[-1]
-    if not res.lowered:
-        raise RuntimeError(f"the adjoint backend did not lower the stack: {[r.reason for r in res.regions]}")
-    fn, inputs = res.fn, list(res.captured.example_inputs)
-    at = next(i for i, t in enumerate(inputs) if t is x)
-    return lambda: fn(*inputs[:at], x, *inputs[at + 1:])[0]
+    def call(x: torch.Tensor) -> torch.Tensor:
+        out = f(x)
+        if not backend.HISTORY or not backend.HISTORY[-1].lowered:
+            raise RuntimeError("the adjoint backend did not lower the stack: "
+                               f"{[r.reason for r in backend.HISTORY[-1].regions] if backend.HISTORY else 'no graph'}")
+        return out
+
+    return call
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -77,10 +77,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         t0 = time.perf_counter()
         got: list[dict] = []
         ref = None
-        for method in ("eager", "checkpoint", "adjoint"):
+        for method in ("eager", "compile", "checkpoint", "adjoint"):
             m = checkpoint_layers(model) if method == "checkpoint" else copy.deepcopy(model)
-            fwd = (_adjoint_step_fn(m, x, {"inner": args.inner, "shard_size": S}) if method == "adjoint"
-                   else (lambda m=m: m(x)))
+            if method in ("compile", "adjoint"):
+                torch._dynamo.reset()
+                run_m = _compiled(m, method, {"inner": args.inner, "shard_size": S})
+                fwd = (lambda run_m=run_m: run_m(x))
+            else:
+                fwd = (lambda m=m: m(x))
 
             def step(m=m, fwd=fwd) -> None:
                 for p in m.parameters():
@@ -141,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int)
     p.add_argument("--repeats", type=int)
     p.add_argument("--shard-size", type=int, default=None, help="steps per shard (default ceil(sqrt(T)))")
-    p.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"],
-                   help="inner compiler of the adjoint backend (eager: same kernels as the eager baseline)")
+    p.add_argument("--inner", default="inductor", choices=["eager", "aot_eager", "inductor"],
+                   help="inner compiler of the adjoint backend (default inductor, like the compile baseline)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 on CPU: steadier timings on a shared machine)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -153,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.shard_size is not None and args.shard_size < 1:
         p.error(f"--shard-size={args.shard_size}: expected an int >= 1")
     logging.basicConfig(level=logging.WARNING)
+    from adjoint_compile.measure import prepare_cpu_measurement
+
+    prepare_cpu_measurement()
     if args.threads or torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads or 1)
     rows = run(args)
