@@ -24,6 +24,8 @@ from ..regions import PROVENANCE, Recurrence
 from ..runtime.sharded import ShardedRegion, default_shard_size
 from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around
 
+from .graph_utils import stable_toposort as _toposort
+
 log = logging.getLogger(__name__)
 
 __all__ = ["outline", "lower_region", "lower_recurrences"]
@@ -70,36 +72,6 @@ def _convex(nodes: list[fx.Node]) -> bool:
         elif any(a in members or a in tainted for a in ins):
             tainted.add(n)
     return True
-
-
-def _toposort(graph: fx.Graph) -> None:
-    """Reorder ``graph`` so that every node follows its inputs, keeping the current order where it is valid."""
-    order = list(graph.nodes)
-    index = {n: i for i, n in enumerate(order)}
-    import heapq
-
-    indeg = {n: len(set(n.all_input_nodes)) for n in order}
-    ready = [(index[n], n.name) for n in order if indeg[n] == 0]
-    by_name = {n.name: n for n in order}
-    heapq.heapify(ready)
-    out: list[fx.Node] = []
-    while ready:
-        _, name = heapq.heappop(ready)
-        n = by_name[name]
-        out.append(n)
-        for u in n.users:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, (index[u], u.name))
-    assert len(out) == len(order), "cycle while reordering the graph"
-    if out == order:
-        return
-    prev = out[0]
-    if order[0] is not prev:
-        order[0].prepend(prev)
-    for n in out[1:]:
-        prev.append(n)
-        prev = n
 
 
 def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, options: Any) -> fx.Node | None:

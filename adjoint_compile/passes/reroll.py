@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from ..regions import PROVENANCE, Recurrence, Region
 from .affine import Atom, Const, Expr, Prod, Quot, Sum, classify_update, example_value, forward_reach, shape_of
 
+from .graph_utils import stable_toposort as _toposort
+
 log = logging.getLogger(__name__)
 
 __all__ = ["reroll", "needs_reroll", "REROLL_SOURCES"]
@@ -734,35 +736,6 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
 
 # ----------------------------------------------------------------------------------------------------------------
 # the pass
-
-
-def _toposort(graph: fx.Graph) -> None:
-    """Reorder ``graph`` so that every node follows its inputs, keeping the current order wherever it is valid."""
-    order = list(graph.nodes)
-    index = {n: i for i, n in enumerate(order)}
-    indeg = {n: len(set(n.all_input_nodes)) for n in order}
-    ready = [(index[n], n.name) for n in order if indeg[n] == 0]
-    by_name = {n.name: n for n in order}
-    heapq.heapify(ready)
-    out: list[fx.Node] = []
-    while ready:
-        _, name = heapq.heappop(ready)
-        n = by_name[name]
-        out.append(n)
-        for u in n.users:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, (index[u], u.name))
-    if len(out) != len(order):
-        raise RuntimeError("reroll made a cycle in the graph")  # NB: a bug here, never a user error
-    if out == order:
-        return
-    prev = out[0]
-    if order[0] is not prev:
-        order[0].prepend(prev)
-    for n in out[1:]:
-        prev.append(n)
-        prev = n
 
 
 def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
