@@ -16,48 +16,16 @@ from adjoint_compile.passes.affine import classify_update, forward_reach
 from adjoint_compile.passes.find_recurrences import find_recurrences
 from adjoint_compile.passes.find_residuals import find_residuals
 from adjoint_compile.passes.recognize import recognize
+from helpers import trace
 
 B, T, D = 2, 5, 3
 
 
-def _scan_ref(a, b, h0, dim):
-    a_, b_ = a.movedim(dim, 0), b.movedim(dim, 0)
-    h = torch.zeros_like(b_[0]) if h0 is None else h0.expand_as(b_[0])
-    out = []
-    for t in range(a_.shape[0]):
-        h = a_[t] * h + b_[t]
-        out.append(h)
-    return torch.stack(out, 0).movedim(0, dim)
-
-
-if not hasattr(torch.ops.adjoint_compile, "linear_scan"):  # NB: stand-in until ops.py lands; same contract
-    @torch.library.custom_op("adjoint_compile::linear_scan", mutates_args=())
-    def _standin(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, dim: int = 1,
-                 reverse: bool = False, window: int | None = None, impl: str | None = None) -> torch.Tensor:
-        return _scan_ref(a, b, h0, dim).contiguous()
-
-    @_standin.register_fake
-    def _(a, b, h0=None, dim=1, reverse=False, window=None, impl=None):
-        return torch.empty_like(b)
-
-
 def lscan(a, b, h0=None, dim=1, reverse=False):
-    if hasattr(ac_ops, "linear_scan"):
-        return ac_ops.linear_scan(a, b, h0, dim=dim, reverse=reverse)
-    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse)
+    return ac_ops.linear_scan(a, b, h0, dim=dim, reverse=reverse)
 
 
-def trace(fn, *args):
-    graphs = []
 
-    def grab(gm, ex):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def x_(*shape):

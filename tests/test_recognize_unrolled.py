@@ -10,21 +10,12 @@ import torch.nn as nn
 
 from adjoint_compile.passes.recognize import recognize
 from adjoint_compile.passes.unrolled import find_unrolled
+from helpers import trace
 
 B, D = 2, 3
 
 
-def trace(fn, *args):
-    graphs = []
 
-    def grab(gm, ex):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def linear_loop(a, b, h):

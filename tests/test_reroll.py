@@ -10,68 +10,19 @@ import torch.nn.functional as F
 from torch._higher_order_ops.associative_scan import associative_scan_op
 from torch._higher_order_ops.scan import scan as torch_scan
 
-import adjoint_compile.ops  # noqa: F401 - registers the real linear_scan when it has landed
+import adjoint_compile.ops  # noqa: F401 - registers linear_scan
 from adjoint_compile.backend import HISTORY
 from adjoint_compile.passes import reroll as reroll_mod
 from adjoint_compile.passes.find_recurrences import is_linear_scan
 from adjoint_compile.passes.recognize import recognize
 from adjoint_compile.passes.reroll import needs_reroll, reroll
 from adjoint_compile.regions import PROVENANCE
+from helpers import trace
 
 B, D = 2, 3
 
 
-def _scan_ref(a, b, h0, dim):
-    a_, b_ = a.movedim(dim, 0), b.movedim(dim, 0)
-    h = torch.zeros_like(b_[0]) if h0 is None else h0.expand_as(b_[0])
-    out = []
-    for t in range(a_.shape[0]):
-        h = a_[t] * h + b_[t]
-        out.append(h)
-    return torch.stack(out, 0).movedim(0, dim)
-
-
-if not hasattr(torch.ops.adjoint_compile, "linear_scan"):  # NB: stand-in until ops.py lands; same contract
-    @torch.library.custom_op("adjoint_compile::linear_scan", mutates_args=())
-    def _standin(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, dim: int = 1,
-                 reverse: bool = False, window: int | None = None, impl: str | None = None) -> torch.Tensor:
-        return _scan_ref(a, b, h0, dim).contiguous()
-
-    @_standin.register_fake
-    def _(a, b, h0=None, dim=1, reverse=False, window=None, impl=None):
-        return torch.empty_like(b)
-
-    def _setup(ctx, inputs, output):
-        a, b, h0, dim, *_ = inputs
-        ctx.save_for_backward(a, b, h0)
-        ctx.dim = dim
-
-    def _bwd(ctx, g):
-        a, b, h0 = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() if x is not None else None for x in (a, b, h0)]
-            out = _scan_ref(*leaves, ctx.dim)
-            gs = torch.autograd.grad(out, [x for x in leaves if x is not None], g)
-        return gs[0], gs[1], (gs[2] if h0 is not None else None), None, None, None, None
-
-    torch.library.register_autograd("adjoint_compile::linear_scan", _bwd, setup_context=_setup)
-
-
 # ------------------------------------------------------------------------------------------------------ helpers
-
-
-def trace(fn, *args):
-    """The dynamo graph of fn(*args)."""
-    graphs = []
-
-    def grab(gm, ex):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def call(gm, names, args):

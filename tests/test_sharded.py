@@ -16,6 +16,7 @@ from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_sc
 from adjoint_compile.options import Options
 from adjoint_compile.regions import PROVENANCE, Recurrence
 from adjoint_compile.runtime.sharded import ShardedRegion, default_shard_size, make_sharded, verify_region
+from helpers import grab_graph
 
 B, D, N = 2, 6, 3
 
@@ -60,18 +61,7 @@ class Stack(nn.Module):
         return x
 
 
-def trace(fn, *args, dynamic=False):
-    """The dynamo graph of fn(*args) and the real tensors it takes (parameters included)."""
-    got = []
 
-    def grab(gm, ex):
-        got.append((gm, ex))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True, dynamic=dynamic)(*args)
-    assert len(got) == 1
-    return got[0]
 
 
 def rel_err(a, b):
@@ -90,7 +80,7 @@ def stack_case(layers: int, T: int, dtype: torch.dtype, with_h0: bool):
     x = torch.randn(B, T, D, dtype=dtype, requires_grad=True)
     h0 = torch.randn(B, D, N, dtype=dtype, requires_grad=True) if with_h0 else None
     args = (x, h0) if with_h0 else (x,)
-    gm, ex = trace(m, *args)
+    gm, ex = grab_graph(m, *args)
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     info = analyze(gm, infer_seeds(gm, scans))
     nodes, bounds = region_around(gm, scans, info)
@@ -173,7 +163,7 @@ def test_several_outputs_and_a_shorter_last_shard():
 
     torch.manual_seed(0)
     x, w = torch.randn(B, 11, D, dtype=torch.double), torch.randn(D, D, dtype=torch.double)
-    gm, ex = trace(f, x, w)
+    gm, ex = grab_graph(f, x, w)
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     info = analyze(gm, infer_seeds(gm, scans))
     nodes, bounds = region_around(gm, scans, info)
@@ -250,7 +240,7 @@ def test_lower_region_in_the_dynamo_graph(with_h0):
     m = Stack(2).double()
     x = torch.randn(B, 13, D, dtype=torch.double, requires_grad=True)
     args = (x, torch.randn(B, D, N, dtype=torch.double, requires_grad=True)) if with_h0 else (x,)
-    gm, ex = trace(m, *args)
+    gm, ex = grab_graph(m, *args)
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     info = analyze(gm, infer_seeds(gm, scans))
     nodes, _ = region_around(gm, scans, info)
@@ -276,7 +266,7 @@ def test_lower_region_fails_soft_and_leaves_the_graph_alone():
         r = scan(a, h, reverse=True)
         return torch.tanh(r)
 
-    gm, ex = trace(f, torch.randn(B, 9, D))
+    gm, ex = grab_graph(f, torch.randn(B, 9, D))
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     info = analyze(gm, infer_seeds(gm, scans))
     before = gm.code
@@ -295,7 +285,7 @@ def test_literal_length_off_the_step_position_is_caught():
         h = scan(torch.sigmoid(x), x)
         return h.view(B, 9, 3, 3).sum(-1)
 
-    gm, ex = trace(f, torch.randn(B, 9, 9, dtype=torch.double))
+    gm, ex = grab_graph(f, torch.randn(B, 9, 9, dtype=torch.double))
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     info = analyze(gm, infer_seeds(gm, scans))
     nodes, _ = region_around(gm, scans, info)
@@ -306,7 +296,7 @@ def test_literal_length_off_the_step_position_is_caught():
     assert rel_err(out[0], ref[0]) <= 1e-12
     # a region that mixes steps cannot be sharded: a clear error
     with pytest.raises(UnsupportedRegion, match="mixes steps"):
-        gm2, ex2 = trace(lambda x: torch.cumsum(scan(torch.sigmoid(x), x), 1), torch.randn(B, 9, D))
+        gm2, ex2 = grab_graph(lambda x: torch.cumsum(scan(torch.sigmoid(x), x), 1), torch.randn(B, 9, D))
         sub2, _, _ = outline(gm2, [n for n in gm2.graph.nodes if n.op == "call_function"])
         make_sharded(sub2, [1], None, 4)(ex2[0])
 
@@ -314,7 +304,7 @@ def test_literal_length_off_the_step_position_is_caught():
 def test_lower_recurrences_marks_records():
     torch.manual_seed(0)
     m = Stack(2)
-    gm, ex = trace(m, torch.randn(B, 10, D))
+    gm, ex = grab_graph(m, torch.randn(B, 10, D))
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     recs = [Recurrence(kind="linear_recurrence", source="linear_scan", length=10, nodes=[s], outputs=[s])
             for s in scans]
@@ -327,7 +317,7 @@ def test_lower_recurrences_marks_records():
 
 
 def test_dynamic_shapes_fail_soft_with_a_reason():
-    gm, ex = trace(Stack(1), torch.randn(B, 10, D), dynamic=True)
+    gm, ex = grab_graph(Stack(1), torch.randn(B, 10, D), dynamic=True)
     before = gm.code
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     recs = [Recurrence(kind="linear_recurrence", source="linear_scan", length=None, nodes=[s], outputs=[s])

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import adjoint_compile.ops as ac_ops
 from adjoint_compile.passes.time_local import analyze, is_linear_scan, region_around, scan_args
+from helpers import trace
 
 B, T, D = 2, 5, 6
 
@@ -18,18 +19,7 @@ def scan(a, b, h0=None, dim=1, reverse=False):
     return ac_ops.linear_scan(a, b, h0, dim=dim, reverse=reverse)
 
 
-def trace(fn, *args, dynamic=False):
-    """The dynamo graph of fn(*args)."""
-    graphs = []
 
-    def grab(gm, ex):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True, dynamic=dynamic)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def node(gm, pred):

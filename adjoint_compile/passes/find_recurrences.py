@@ -24,37 +24,15 @@ import torch.fx as fx
 from ..regions import PROVENANCE, Recurrence, Rejection
 from .affine import Atom, Const, UpdateForm, affine, classify_update, forward_reach, NotAffine, op_name, shape_of
 
+from .graph_utils import is_linear_scan, scan_args
+
 log = logging.getLogger(__name__)
 
 __all__ = ["is_linear_scan", "is_scan_hop", "is_associative_scan_hop", "match_linear_scan", "match_scan",
            "match_associative_scan", "find_recurrences"]
 
-_SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
-_SCAN_DEFAULTS: dict[str, Any] = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
 #: capture forms that the reroll pass turns into a linear_scan (recorded in the new node's provenance).
 _REROLLED = ("scan", "associative_scan", "unrolled_loop")
-
-
-def is_linear_scan(node: fx.Node) -> bool:
-    """True for a call of ``torch.ops.adjoint_compile.linear_scan`` (overload or packet)."""
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name == "adjoint_compile::linear_scan"
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name == "adjoint_compile::linear_scan"
-    return False
-
-
-def _linear_scan_args(node: fx.Node) -> dict[str, Any]:
-    names = list(_SCAN_ARGS)
-    if isinstance(node.target, torch._ops.OpOverload):
-        names = [a.name for a in node.target._schema.arguments]
-    out = dict(_SCAN_DEFAULTS)
-    out.update(zip(names, node.args))
-    out.update(node.kwargs)
-    return out
 
 
 def _hop_name(node: fx.Node) -> str | None:
@@ -96,7 +74,7 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     """A :class:`Recurrence` for a ``linear_scan`` node, or None if ``node`` is not one (or is unreadable)."""
     if not is_linear_scan(node):
         return None
-    a = _linear_scan_args(node)
+    a = scan_args(node)
     shp = shape_of(node)
     dim = a["dim"]
     if shp is None or not isinstance(dim, int) or not -len(shp) <= dim < len(shp):

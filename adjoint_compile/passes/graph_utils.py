@@ -2,8 +2,38 @@
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
+import torch
 import torch.fx as fx
+
+#: linear_scan's arguments in schema order, and the defaults of the optional ones.
+SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
+SCAN_DEFAULTS: dict[str, Any] = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
+
+
+def is_linear_scan(node: fx.Node) -> bool:
+    """True for a call of ``torch.ops.adjoint_compile.linear_scan`` (overload or packet)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name == "adjoint_compile::linear_scan"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name == "adjoint_compile::linear_scan"
+    return False
+
+
+def scan_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a linear_scan node by name: a, b, h0, dim, reverse, window, impl."""
+    t = node.target
+    names = list(SCAN_ARGS)
+    if isinstance(t, torch._ops.OpOverload):
+        names = [a.name for a in t._schema.arguments]
+    out = dict(SCAN_DEFAULTS)
+    out.update(zip(names, node.args))
+    out.update(node.kwargs)
+    return out
 
 
 def stable_toposort(graph: fx.Graph) -> None:

@@ -34,6 +34,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .graph_utils import is_linear_scan, scan_args
+
 log = logging.getLogger(__name__)
 
 __all__ = ["TimeLocalInfo", "analyze", "region_around", "infer_seeds", "is_linear_scan", "scan_args"]
@@ -708,34 +710,6 @@ _by_name(["stack"], _cat(True), _FN, _METHOD)
 _by_name(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d"], _conv, _FN, _METHOD)
 _FN[F.pad] = _pad
 _FN[torch.dropout] = _dropout
-
-
-def is_linear_scan(node: fx.Node) -> bool:
-    """True for a call of ``torch.ops.adjoint_compile.linear_scan`` (overload or packet)."""
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name == "adjoint_compile::linear_scan"
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name == "adjoint_compile::linear_scan"
-    return False
-
-
-_SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
-_SCAN_DEFAULTS = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
-
-
-def scan_args(node: fx.Node) -> dict[str, Any]:
-    """The arguments of a linear_scan node by name: a, b, h0, dim, reverse, window, impl."""
-    t = node.target
-    names = list(_SCAN_ARGS)
-    if isinstance(t, torch._ops.OpOverload):
-        names = [a.name for a in t._schema.arguments]
-    out = dict(_SCAN_DEFAULTS)
-    out.update(zip(names, node.args))
-    out.update(node.kwargs)
-    return out
 
 
 def _op_name(node: fx.Node) -> str:
