@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from . import options as _options

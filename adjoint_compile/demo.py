@@ -14,9 +14,7 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

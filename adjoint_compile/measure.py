@@ -5,7 +5,7 @@ memory over the block: the high-water mark is reset through ``/proc/self/clear_r
 glibc's mmap threshold pinned at 64 KiB so that every freed tensor goes back to the OS at once (otherwise glibc keeps
 freed blocks and the figure depends on history).
 
-NB: not a TorchDispatchMode (``LiveBytes`` below, or ``torch.distributed._tools.mem_tracker``): while one is active,
+NB: not a TorchDispatchMode (like ``torch.distributed._tools.mem_tracker``): while one is active,
 dynamo runs a compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. RSS sees
 everything — inductor's buffers, our runtime's — at the price of counting a little non-tensor memory too.
 Time: the median of repeats after a warm-up, with ``torch.cuda.synchronize`` on GPUs.
@@ -17,49 +17,11 @@ import gc
 import os
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
-
-class LiveBytes(TorchDispatchMode):
-    """Tracks bytes of tensor storage created under it and still alive; ``peak`` is the high-water mark.
-
-    For eager code and tests only: under it, dynamo-compiled functions fall back to eager (see the module doc).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: dict[int, weakref.finalize] = {}
-
-    def _track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._seen:
-            return
-        n = st.nbytes()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-
-        def release(key: int = key, n: int = n) -> None:
-            self.live -= n
-            self._seen.pop(key, None)
-
-        self._seen[key] = weakref.finalize(st, release)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type not in ("meta",) and not t.is_sparse:
-                self._track(t)
-        return out
 
 
 @contextmanager
@@ -246,7 +208,7 @@ def compare_training_step(
         else:
             raise ValueError(f"unknown method {method!r}; expected eager, compile, checkpoint or adjoint")
 
-        def step() -> None:
+        def step(m: torch.nn.Module = m, run: Callable[..., Any] = run) -> None:
             for p in m.parameters():
                 p.grad = None
             loss_fn(run(*inputs)).backward()

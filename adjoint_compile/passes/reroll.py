@@ -39,7 +39,6 @@ Intended pipeline (exact mode): ``recognize -> reroll -> recognize again -> lowe
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import operator
 from collections.abc import Callable
