@@ -8,7 +8,7 @@ Methods, on copies of one model (examples/selective_ssm.py, ``SSMStack(d_model, 
 * ``compile``    plain ``torch.compile`` (inductor);
 * ``adjoint``    ``torch.compile(backend="adjoint")``: the whole stack is one time-local region run by the sharded
                  exact adjoint (runtime/sharded.py): saves the region input and K states per shard boundary, and
-                 recomputes one shard of S = ⌈√T⌉ steps (or ``--shard-size``) at a time.
+                 recomputes one shard of S steps at a time (``--shard-size``, or the backend's default rule).
 
 Peak memory: on CPU the growth of the process's resident-memory high-water mark over one step (adjoint_compile.measure;
 a dispatch-mode counter would make dynamo run the compiled methods eagerly), on CUDA ``torch.cuda.max_memory_allocated``; step time: median of ``--repeats`` steps;
@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 from adjoint_compile import backend  # noqa: E402
 from adjoint_compile.measure import (  # noqa: E402
     checkpoint_layers, format_table, grads_of, max_rel_error, median_time, track_peak)
-from adjoint_compile.runtime.sharded import default_shard_size  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +62,11 @@ def _compiled(m: torch.nn.Module, method: str, options: dict) -> Callable[..., t
     return call
 
 
+def _shard_size_used() -> int | None:
+    res = backend.HISTORY[-1] if backend.HISTORY else None
+    return next((r.details.get("shard_size") for r in res.regions if r.rewrite == "adjoint"), None) if res else None
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import selective_ssm
 
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         model = selective_ssm.SSMStack(args.d_model, args.d_state, args.n_layers).to(device)
         x = torch.randn(args.batch, T, args.d_model, device=device)
         w = torch.randn(args.batch, T, args.d_model, device=device)
-        S = args.shard_size or default_shard_size(T)
+        S = args.shard_size  # None: the backend's default (runtime/sharded.py default_shard_size)
         t0 = time.perf_counter()
         got: list[dict] = []
         ref = None
@@ -99,11 +103,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             got.append({"method": method, "device": str(device), "T": T, "peak_bytes": mem["peak"],
                         "step_s": median_time(step, device, repeats=args.repeats, warmup=0),
                         "max_grad_rel_err": None if method == "eager" else max_rel_error(grads, ref),
-                        "shard_size": S if method == "adjoint" else None})
+                        "shard_size": _shard_size_used() if method == "adjoint" else None})
             del m, fwd
         torch._dynamo.reset()
         print(f"\nT={T}  B={args.batch} d_model={args.d_model} d_state={args.d_state} layers={args.n_layers} "
-              f"shard_size={S} device={device}  ({time.perf_counter() - t0:.1f} s)")
+              f"shard_size={got[-1]['shard_size']} device={device}  ({time.perf_counter() - t0:.1f} s)")
         print(format_table(got))
         rows.extend(got)
     return rows
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layers", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--repeats", type=int)
-    p.add_argument("--shard-size", type=int, default=None, help="steps per shard (default ceil(sqrt(T)))")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="steps per shard (default: the backend's rule, runtime/sharded.py default_shard_size)")
     p.add_argument("--inner", default="inductor", choices=["eager", "aot_eager", "inductor"],
                    help="inner compiler of the adjoint backend (default inductor, like the compile baseline)")
     p.add_argument("--threads", type=int, default=None,

@@ -353,3 +353,13 @@ def test_verify_region_reports_a_small_error():
     f = make_sharded(case[4], case[5], case[6], 4, verify=True)
     f(*region_inputs(case))
     assert f.last_verify_error is not None and f.last_verify_error <= 1e-11
+
+
+def test_default_shard_size_keeps_enough_work_per_shard():
+    from adjoint_compile.runtime.sharded import MIN_SHARD_ELEMENTS
+
+    # 256 state elements per step: shards of at least MIN_SHARD_ELEMENTS / 256 steps, never more than T
+    assert default_shard_size(4096, 256) == max(64, MIN_SHARD_ELEMENTS // 256)
+    assert default_shard_size(4096, 10**9) == 64
+    assert default_shard_size(100, 1) == 100
+    assert default_shard_size(1, 10) == 1

@@ -21,7 +21,7 @@ import torch.fx as fx
 from ..errors import UnsupportedRegion
 from ..options import Options
 from ..regions import PROVENANCE, Recurrence
-from ..runtime.sharded import ShardedRegion, default_shard_size
+from ..runtime.sharded import ShardedRegion
 from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around
 
 from .graph_utils import stable_toposort as _toposort
@@ -123,9 +123,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
-    S = opts.shard_size or default_shard_size(T)
-    mod = ShardedRegion(sub, in_dims, out_dims, S, verify=opts.verify)
-    mod.prepare([_ev(a) for a in inputs])  # checks the shard programs on fake tensors now (raises UnsupportedRegion)
+    mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify)
+    S = mod.prepare([_ev(a) for a in inputs])  # checks the shard programs on fake tensors now (raises UnsupportedRegion)
 
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
     gm.add_submodule(name, mod)
