@@ -31,3 +31,25 @@ def test_explain_reports_graph_breaks():
     assert "test_explain.py" in report.graph_breaks[0].location
     assert "mode=truncated window=3" in str(report)
     assert report.to_dict()["graph_breaks"][0]["reason"]
+
+
+def test_explain_shows_expected_memory_of_a_sharded_region():
+    class TinySSM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 16)
+
+        def forward(self, x):
+            a, b = self.lin(x).chunk(2, -1)
+            return ac.ops.linear_scan(torch.sigmoid(a), b) * 2
+
+    x = torch.randn(2, 64, 8)
+    report = ac.explain(TinySSM(), x, options={"shard_size": 8})
+    (r,) = report.regions
+    assert r.rewrite == "adjoint", r.reason
+    mem = r.details["expected_memory_bytes"]
+    state_step = 2 * 8 * 4  # one step of the [2, 64, 8] fp32 state
+    assert mem["sharded"] == (64 // 8 - 1) * state_step + mem["autograd"] * 8 // 64
+    assert mem["autograd"] >= 4 * 2 * 64 * 8 * 4  # at least a, b, h and the output, full length
+    assert "activations <=" in r.reason and "->" in r.reason
+    assert json.loads(report.to_json())["regions"][0]["details"]["expected_memory_bytes"] == mem

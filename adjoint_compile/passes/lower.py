@@ -49,7 +49,8 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
             into = r.details.get("rerolled_into")
             r.rewrite, r.group, r.bounds = view.rewrite, view.group, list(view.bounds)
             r.reason = view.reason + (f" (re-rolled into {into})" if into else "")
-            r.details.update({k: view.details[k] for k in ("region_call", "shard_size", "region_nodes")
+            r.details.update({k: view.details[k] for k in ("region_call", "shard_size", "region_nodes",
+                                                           "expected_memory_bytes")
                               if k in view.details})
     return made
 

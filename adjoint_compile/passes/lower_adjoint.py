@@ -129,7 +129,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
     gm.add_submodule(name, mod)
     prov = {"rewrite": "adjoint", "scans": [s.name for s in scans], "nodes": len(nodes), "shard_size": S,
-            "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs]}
+            "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
+            "memory": expected_memory(nodes, scans, info, T, S)}
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["example_value"] = tuple(_ev(o) for o in outputs)
@@ -152,6 +153,27 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     log.info("adjoint-compile: lowered a region of %d nodes with %d scan(s) over T=%d steps, shard_size=%d",
              len(nodes), len(scans), T, S)
     return call
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**17 else f"{n / 2**10:.0f} KiB"
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo, T: int, S: int) -> dict[str, int]:
+    """What the region keeps for backward, estimated from the example shapes (bytes).
+
+    ``autograd``: every step-carrying intermediate of the region, the most ordinary autograd can save (it saves a
+    subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states at the ⌈T/S⌉ - 1
+    shard boundaries plus one shard's intermediates while it is recomputed in backward.
+    """
+    per_region = sum(_nbytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
+    states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
+    boundaries = (-(-T // S) - 1) * states
+    return {"autograd": per_region, "sharded": boundaries + per_region * S // T}
 
 
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[str]:
@@ -221,8 +243,11 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
             p = call.meta[PROVENANCE]
             r.rewrite = "adjoint"
             r.group = gid
+            mem = p["memory"]
             r.reason = (f"sharded exact adjoint: {len(p['scans'])} scan(s), {p['nodes']} nodes, "
-                        f"shard_size={p['shard_size']} of T={p['steps']}")
+                        f"shard_size={p['shard_size']} of T={p['steps']}; activations "
+                        f"<= {_mib(mem['autograd'])} -> ~{_mib(mem['sharded'])}")
             r.bounds = list(p.get("bounds", []))
-            r.details.update({"region_call": name, "shard_size": p["shard_size"], "region_nodes": p["nodes"]})
+            r.details.update({"region_call": name, "shard_size": p["shard_size"], "region_nodes": p["nodes"],
+                              "expected_memory_bytes": dict(mem)})
     return made
