@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, Any] = {}
     if args.shard_size:
         options["shard_size"] = args.shard_size
-    tokens, _ = selective_copy_batch(1, args.seq_len, args.n_data, args.vocab, torch.Generator().manual_seed(0))
+    tokens, _ = selective_copy_batch(args.batch, args.seq_len, args.n_data, args.vocab, torch.Generator().manual_seed(0))
     report = ac.explain(model, tokens.to(args.device), options=options)
     print(report, flush=True)
     torch._dynamo.reset()

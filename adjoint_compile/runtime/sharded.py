@@ -81,8 +81,11 @@ class _Plan:
     """The region graph turned into shard programs: (shard inputs..., carries...) -> (outputs..., final states...)."""
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
-                 out_step_dims: Sequence[int | None] | None) -> None:
+                 out_step_dims: Sequence[int | None] | None, inner: str = "eager") -> None:
         self.region_gm = region_gm
+        #: compiler for the shard programs (backend.compile_inner's names); "eager" runs them as FX code.
+        self.inner = inner
+        self.compiled: dict[tuple, Any] = {}
         self.placeholders = [n for n in region_gm.graph.nodes if n.op == "placeholder"]
         if len(in_step_dims) != len(self.placeholders):
             raise ValueError(f"in_step_dims: {len(in_step_dims)} entries for {len(self.placeholders)} region inputs")
@@ -160,6 +163,7 @@ class _Plan:
             self.carry_shapes.append(tuple(shp))
         self.shard_size = shard_size or default_shard_size(self.T, max(math.prod(c) for c in self.carry_shapes))
         self.specialized = {}
+        self.compiled = {}
         self.prepared_for = key
         # build and check the programs for the lengths this T needs now, so that problems surface up front
         for L in {min(self.shard_size, self.T), self.T % self.shard_size or min(self.shard_size, self.T)}:
@@ -273,9 +277,27 @@ class _Plan:
     # --------------------------------------------------------------------------------------------------- running
 
     def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        res = self.program(L)(*xs, *carries)
+        args = [*xs, *carries]
+        res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
         return list(res[:n]), list(res[n:])
+
+    def _callable(self, L: int, args: list[Any]) -> Any:
+        """The shard program for L steps, compiled by the inner compiler on first use for this call pattern.
+
+        NB: keyed by grad mode and each argument's requires_grad (None for an absent h0): an aot_autograd function
+        compiled for inputs that did not require grad would silently return no gradient for them later.
+        """
+        if self.inner == "eager":
+            return self.program(L)
+        grad = torch.is_grad_enabled()
+        key = (L, grad, tuple(None if a is None else (grad and a.requires_grad) for a in args))
+        fn = self.compiled.get(key)
+        if fn is None:
+            from ..backend import compile_inner
+
+            fn = self.compiled[key] = compile_inner(self.program(L), args, self.inner)
+        return fn
 
 
 def _slice(x: Any, d: int | None, s: int, L: int) -> Any:
@@ -387,11 +409,13 @@ class ShardedRegion(torch.nn.Module):
     ``forward(*inputs)`` takes the region's inputs in placeholder order and returns its outputs (a tensor when the
     region graph returns one, else a tuple).  ``shard_size=None`` picks :func:`default_shard_size` of T per call.
     With ``verify=True`` the first call also runs :func:`verify_region` and logs the max relative gradient error.
+    ``inner`` ("eager", "aot_eager", "inductor") compiles each shard program, forward and recompute+VJP, on first
+    use; "eager" runs them as FX code.
     """
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, shard_size: int | None = None,
-                 verify: bool = False) -> None:
+                 verify: bool = False, inner: str = "eager") -> None:
         super().__init__()
         if shard_size is not None and (not isinstance(shard_size, int) or isinstance(shard_size, bool)
                                        or shard_size < 1):
@@ -401,7 +425,7 @@ class ShardedRegion(torch.nn.Module):
         self.out_step_dims = None if out_step_dims is None else list(out_step_dims)
         self.shard_size = shard_size
         self.verify = verify
-        self._plan = _Plan(region_gm, self.in_step_dims, self.out_step_dims)
+        self._plan = _Plan(region_gm, self.in_step_dims, self.out_step_dims, inner)
         self.last_verify_error: float | None = None
 
     def prepare(self, inputs: Sequence[Any]) -> int:
