@@ -74,7 +74,7 @@ def make(d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> SSMStack:
 
 
 def example_inputs() -> tuple[torch.Tensor, ...]:
-    return (torch.randn(2, 32, 16),)
+    return (torch.randn(2, 2048, 16),)
 
 
 if __name__ == "__main__":
