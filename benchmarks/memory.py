@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 gpu=torch.cuda.get_device_name() if dev == "cuda" else None, cpu_count=os.cpu_count())
     (args.out / f"memory_{dev}.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
     title = (f"SSMStack d_model={args.d_model} d_state={args.d_state} layers={args.n_layers} batch={args.batch} "
-             f"on {args.device}: eager vs per-layer checkpointing vs sharded exact adjoint")
+             f"on {args.device}: eager, torch.compile, per-layer checkpointing, backend=\"adjoint\"")
     plot(rows, args.out / f"memory_{dev}.png", title)
     print(f"\nwrote {args.out / f'memory_{dev}.json'} and {args.out / f'memory_{dev}.png'}")
 
