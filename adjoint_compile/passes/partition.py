@@ -36,6 +36,12 @@ class _LazyInner(torch.nn.Module):
 
     def __init__(self, gm: fx.GraphModule, inner: str) -> None:
         super().__init__()
+        # NB: split_module returns a lone output bare; aot_autograd wants a tuple, so wrap it and unwrap on call.
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        self._unwrap = not isinstance(out.args[0], (tuple, list))
+        if self._unwrap:
+            out.args = ((out.args[0],),)
+            gm.recompile()
         self.gm = gm
         self.inner = inner
         self._compiled: Callable[..., Any] | None = None
@@ -45,7 +51,8 @@ class _LazyInner(torch.nn.Module):
             from ..backend import compile_inner
 
             self._compiled = compile_inner(self.gm, list(args), self.inner)
-        return self._compiled(*args)
+        out = self._compiled(*args)
+        return out[0] if self._unwrap else out
 
 
 def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str) -> Callable[..., Any]:

@@ -52,6 +52,9 @@ class TimeLocalInfo:
     step_dim: dict[fx.Node, int | None]
     mixing: dict[fx.Node, str]
     length: int | None = None
+    #: previous-state readouts ``cat([first, h[:, :-1]], dim=d)`` of a scan output ``h``: cat node -> the parts.
+    #: Within a shard, the step before the shard's first one is the scan's carry, so the shift stays time-local.
+    shifts: dict[fx.Node, "Shift"] = dataclasses.field(default_factory=dict)
 
     def carries_step(self, n: fx.Node) -> bool:
         return self.step_dim.get(n) is not None
@@ -65,6 +68,19 @@ class TimeLocalInfo:
         if n in self.mixing:
             return "mixing"
         return "local" if self.step_dim.get(n) is not None else "step_free"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shift:
+    """``out = cat([first, scan[..., :-1 along d]], dim=d)``: out_t = h_{t-1}, and out_0 = first.
+
+    ``first`` is step-free (length 1 at d); ``sliced`` is the ``getitem`` that drops the last step of ``scan``.
+    """
+
+    first: fx.Node
+    sliced: fx.Node
+    scan: fx.Node
+    dim: int
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -759,6 +775,72 @@ def _length_of_seeds(seeds: dict[fx.Node, int]) -> int | None:
     return next(iter(lengths.values()), None)
 
 
+def _drops_last_step(sliced: fx.Node, d: int) -> bool:
+    """``sliced`` is ``x[..., :-1, ...]`` with the ``:-1`` at dim d and full slices elsewhere."""
+    if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
+        return False
+    x, idx = sliced.args
+    s = _shape(x)
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if s is None or any(not isinstance(i, slice) and i is not Ellipsis for i in items) or items.count(Ellipsis) > 1:
+        return False
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(s) - len(items) + 1) + items[k + 1:]
+    items += [slice(None)] * (len(s) - len(items))
+    for j, i in enumerate(items):
+        want_stop = -1 if j == d else None
+        if i.start not in (None, 0) or i.step not in (None, 1) or i.stop != want_stop:
+            return False
+    return True
+
+
+def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
+    """The step dim when ``node`` drops the last step of a scan output and its only user may be a shift's cat."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args
+            and isinstance(node.args[0], fx.Node) and is_linear_scan(node.args[0])):
+        return None
+    d = info.step_dim.get(node.args[0])
+    if d is None or len(node.users) != 1 or not _drops_last_step(node, d):
+        return None
+    (user,) = node.users
+    return d if _op_name(user) in ("cat", "concat", "concatenate") else None
+
+
+def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
+    """``node`` as a previous-state readout ``cat([first, h[..., :-1]], d)`` (see :class:`Shift`), or None."""
+    if _op_name(node) not in ("cat", "concat", "concatenate") or node.kwargs.keys() - {"dim"}:
+        return None
+    tensors = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not isinstance(dim, int):
+        return None
+    first, sliced = tensors
+    if not (isinstance(first, fx.Node) and isinstance(sliced, fx.Node)):
+        return None
+    d = info.step_dim.get(sliced)
+    if d is None or _shift_slice_dim(sliced, info) != d or _norm(dim, len(_shape(node) or ())) != d:
+        return None
+    fs, hs = _shape(first), _shape(sliced.args[0])
+    if (info.step_dim.get(first) is not None or first in info.mixing or fs is None or hs is None
+            or len(fs) != len(hs) or fs[d] != 1 or any(a != b for j, (a, b) in enumerate(zip(fs, hs)) if j != d)):
+        return None
+    return Shift(first=first, sliced=sliced, scan=sliced.args[0], dim=d)
+
+
+class _PendingSlices:
+    """Membership test for slices tentatively kept local by :func:`_shift_slice_dim` and not yet confirmed."""
+
+    def __init__(self, info: TimeLocalInfo) -> None:
+        self.info = info
+
+    def __contains__(self, node: fx.Node) -> bool:
+        return (node in self.info.step_dim and self.info.step_dim[node] is not None and node not in self.info.mixing
+                and node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node) and is_linear_scan(node.args[0])
+                and not any(sh.sliced is node for sh in self.info.shifts.values()))
+
+
 def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
     """Propagate the step axis through ``gm`` from ``seeds`` (``{node: step dim}``); classify every node.
 
@@ -768,6 +850,7 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
     """
     T = _length_of_seeds(seeds)
     info = TimeLocalInfo(step_dim={}, mixing={}, length=T)
+    pending_slices = _PendingSlices(info)
     for node in gm.graph.nodes:
         seed = seeds.get(node)
         if seed is not None:
@@ -775,6 +858,18 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
         if node.op in ("placeholder", "get_attr", "output"):
             info.step_dim[node] = seed if node.op != "output" else None
             continue
+        if (d := _shift_slice_dim(node, info)) is not None:
+            # NB: tentatively local (T-1 steps); confirmed by its one user, the shift's cat, or marked mixing there
+            info.step_dim[node] = d
+            continue
+        if (shift := _shift_of(node, info)) is not None:
+            info.step_dim[node] = shift.dim
+            info.shifts[node] = shift
+            continue
+        for a in _nodes_in((node.args, node.kwargs)):
+            if a in pending_slices and node not in info.shifts:
+                info.step_dim[a] = None
+                info.mixing[a] = "slicing along the step dim (not part of a previous-state readout)"
         inputs = _nodes_in((node.args, node.kwargs))
         if not any(info.step_dim.get(a) is not None for a in inputs) and seed is None:
             info.step_dim[node] = None  # step-free: parameter math and constants, whatever the op

@@ -65,6 +65,12 @@ def default_shard_size(T: int, step_elements: int = 0) -> int:
     return min(S, T)
 
 
+def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:
+    """The step before a shard's first one in a previous-state readout: the carried state, or ``first`` in the
+    sequence's first shard (where the readout gives its own ``first``)."""
+    return first if prev is None else prev.unsqueeze(d).to(first.dtype)
+
+
 def _ev(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
 
@@ -146,6 +152,8 @@ class _Plan:
             if n in info.mixing and n.op != "placeholder":
                 raise UnsupportedRegion(f"node {n.name} mixes steps: {info.mixing[n]}")
         self.info: TimeLocalInfo = info
+        #: for each previous-state readout, the index of the scan whose carry it reads in later shards
+        self.shift_scans = [self.scans.index(sh.scan) for sh in info.shifts.values()]
         self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
         for n, d in zip(self.out_nodes, self.out_step_dims):
             if d is None:
@@ -189,11 +197,18 @@ class _Plan:
             env[n] = g.node_copy(n, env.__getitem__)
         for k in range(len(self.scans)):
             carries.append(g.placeholder(f"carry_{k}"))
+        shifts = list(self.info.shifts.items())
+        prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
                 continue
             new = g.node_copy(n, env.__getitem__)
             env[n] = new
+            if n in self.info.shifts:
+                sh = self.info.shifts[n]
+                with g.inserting_before(new):
+                    head = g.call_function(_prev_or_first, (prevs[shifts.index((n, sh))], env[sh.first], sh.dim))
+                new.args = ([head, env[sh.sliced]], *new.args[1:])
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
         for k, s in enumerate(self.scans):
@@ -257,6 +272,7 @@ class _Plan:
                 args.append(torch.empty(shp, dtype=v.dtype, device=v.device))
             for s, shp in zip(self.scans, self.carry_shapes):
                 args.append(torch.empty(shp, dtype=_ev(s).dtype, device=_ev(s).device))
+            args += [args[len(self.placeholders) + k] for k in self.shift_scans]
         try:
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
         except Exception as e:  # noqa: BLE001 - any failure means the program is not proven
@@ -268,7 +284,7 @@ class _Plan:
             want = list(v.shape)
             d = self.info.step_dim.get(n)
             if d is not None:
-                want[d] = L
+                want[d] = L - 1 if any(sh.sliced is n for sh in self.info.shifts.values()) else L
             if not isinstance(w, torch.Tensor) or list(w.shape) != want:
                 got = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
                 raise UnsupportedRegion(f"node {n.name}: shape {got} in the {L}-step shard program, expected {want} "
@@ -276,8 +292,10 @@ class _Plan:
 
     # --------------------------------------------------------------------------------------------------- running
 
-    def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        args = [*xs, *carries]
+    def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any],
+            first_shard: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        prevs = [None if first_shard else carries[k] for k in self.shift_scans]
+        args = [*xs, *carries, *prevs]
         res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
         return list(res[:n]), list(res[n:])
@@ -316,7 +334,7 @@ class _ShardedFn(torch.autograd.Function):
         for s, e in bounds:
             boundary.append(carries)
             xs = [_slice(x, d, s, e - s) for x, d in zip(inputs, plan.in_step_dims)]
-            ys, finals = plan.run(e - s, xs, carries)
+            ys, finals = plan.run(e - s, xs, carries, first_shard=s == 0)
             if outs is None:
                 outs = []
                 for y, d in zip(ys, plan.out_step_dims):
@@ -362,7 +380,7 @@ class _ShardedFn(torch.autograd.Function):
                       for i, (x, w, d) in enumerate(zip(inputs, whole, plan.in_step_dims))]
                 cs = [None if c is None else c.detach().requires_grad_(k > 0 or needs[plan.h0_input[j]])
                       for j, c in enumerate(carries)]
-                ys, finals = plan.run(L, xs, cs)
+                ys, finals = plan.run(L, xs, cs, first_shard=k == 0)
                 outs, gos = [], []
                 for y, g, d in zip(ys, gouts, plan.out_step_dims):
                     if y.requires_grad and g is not None:
