@@ -114,8 +114,8 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
         dim: the step dim (negative counts from the end).
         reverse: scan from the last step to the first.
         window: W >= 1, or None for the full scan.
-        impl: None (Triton for CUDA tensors, the torch reference otherwise), "triton" (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``) or "reference".
+        impl: None (Triton for CUDA tensors; the compiled C kernel for CPU tensors, or the torch reference when
+            no C compiler is found), "triton" (CUDA, or CPU under ``TRITON_INTERPRET=1``), "cpu" or "reference".
     Returns:
         h, a new contiguous tensor shaped like ``a``.
     Raises:
@@ -146,7 +146,7 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"linear_scan: window must be an int >= 1 or None, got {window!r}")
     if impl not in _scan.IMPLS:
-        raise ValueError(f"linear_scan: impl must be None, 'triton' or 'reference', got {impl!r}")
+        raise ValueError(f"linear_scan: impl must be None, 'triton', 'cpu' or 'reference', got {impl!r}")
     if h0 is not None:
         if not isinstance(h0, Tensor):
             raise ValueError(f"linear_scan: h0 must be a torch.Tensor or None, got {type(h0).__name__}")

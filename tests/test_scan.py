@@ -15,7 +15,7 @@ from adjoint_compile import ops  # noqa: E402
 from adjoint_compile.kernels import scan as K  # noqa: E402
 from adjoint_compile.ops import linear_scan  # noqa: E402
 
-IMPLS = ["reference", "triton"]
+IMPLS = ["reference", "cpu", "triton"]
 
 
 def _inputs(shape, dim, dtype=torch.float64, h0=True, seed=0):
@@ -135,10 +135,77 @@ def test_triton_tiled_variant_matches_loop(monkeypatch, reverse, window):
 
 def test_impl_dispatch():
     cpu = torch.device("cpu")
-    assert K.resolve_impl(None, cpu) == "reference"
+    assert K.resolve_impl(None, cpu) == "cpu"  # a C compiler is there wherever inductor runs on CPU
     assert K.resolve_impl("reference", cpu) == "reference"
+    assert K.resolve_impl("cpu", cpu) == "cpu"
     with pytest.raises(ValueError, match="impl"):
         K.resolve_impl("cuda", cpu)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        K.resolve_impl("cpu", torch.device("cuda"))
+
+
+# ---------------------------------------------------------------------------------------------- compiled CPU kernel
+@pytest.mark.parametrize("T", [1, 2, 7, 50, 131])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("wsel", ["full", "1", "T-1", "2T"])
+@pytest.mark.parametrize("use_h0", [False, True])
+def test_cpu_kernel_matches_loop(T, reverse, wsel, use_h0):
+    window = {"full": None, "1": 1, "T-1": max(T - 1, 1), "2T": 2 * T}[wsel]
+    _check((2, T, 3), 1, reverse, window, use_h0, "cpu")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cpu_kernel_matches_reference_fp32(reverse):
+    """The fast path against the trusted slow one in fp32, at shard-like and long sizes (contiguous, no copies)."""
+    from adjoint_compile.kernels.scan import cpu
+    g = torch.Generator().manual_seed(3)
+    for shape in [(2, 128, 256), (3, 1001, 5)]:
+        a, b = torch.rand(shape, generator=g), torch.randn(shape, generator=g)
+        h0 = torch.randn(shape[0], shape[2], generator=g)
+        torch.testing.assert_close(cpu.scan_cpu(a, b, h0, 1, reverse), K.scan_ref(a, b, h0, 1, reverse),
+                                   atol=1e-5, rtol=1e-5)
+        out = torch.full((shape[0], shape[1] + 4, shape[2]), float("nan"))
+        # into a view of a bigger buffer (the backward's μ.narrow(...)): only that view is written
+        view = out.narrow(1, 2, shape[1])
+        cpu.prim_cpu(a, b, h0, 1, reverse, view)
+        torch.testing.assert_close(view, K.scan_ref(a, b, h0, 1, reverse), atol=1e-5, rtol=1e-5)
+        assert out[:, :2].isnan().all() and out[:, -2:].isnan().all()
+
+
+def _fresh_cpu_kernel(monkeypatch):
+    from adjoint_compile.kernels.scan import cpu
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_failed", None)
+    return cpu
+
+
+def test_without_a_c_compiler_cpu_falls_back_to_the_reference(monkeypatch, caplog):
+    cpu = _fresh_cpu_kernel(monkeypatch)
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    with caplog.at_level("WARNING", logger=cpu.__name__):
+        assert not cpu.available()
+    assert "no C compiler" in cpu.why_unavailable() and "reference" in caplog.text
+    assert K.resolve_impl(None, torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="unavailable"):
+        linear_scan(torch.ones(1, 3), torch.ones(1, 3), impl="cpu")
+    a, b = torch.rand(2, 9, 3), torch.randn(2, 9, 3)
+    torch.testing.assert_close(linear_scan(a, b), K.naive_scan(a, b))
+
+
+def test_a_failing_compiler_falls_back_with_its_message(monkeypatch, tmp_path):
+    cpu = _fresh_cpu_kernel(monkeypatch)
+    bad = tmp_path / "badcc"
+    bad.write_text("#!/bin/sh\necho 'no such luck' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    assert not cpu.available()
+    assert "no such luck" in cpu.why_unavailable()
+
+
+def test_cpu_kernel_can_be_switched_off(monkeypatch):
+    cpu = _fresh_cpu_kernel(monkeypatch)
+    monkeypatch.setenv("ADJOINT_COMPILE_CPU_KERNEL", "0")
+    assert not cpu.available() and "ADJOINT_COMPILE_CPU_KERNEL" in cpu.why_unavailable()
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -148,11 +215,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- both impls
-@pytest.mark.parametrize("impl, shape", [("reference", (2, 5, 2)), ("triton", (1, 4, 2))])
+@pytest.mark.parametrize("impl, shape", [("reference", (2, 5, 2)), ("cpu", (2, 5, 2)), ("triton", (1, 4, 2))])
 @pytest.mark.parametrize("window", [None, 3])
 def test_gradcheck(impl, shape, window):
     a, b, h0 = _inputs(shape, 1)
-    for rev in (False, True) if impl == "reference" else (window is None,):
+    for rev in (False, True) if impl != "triton" else (window is None,):
         f = lambda a, b, h0: linear_scan(a, b, h0, dim=1, reverse=rev, window=window, impl=impl)  # noqa: E731
         assert torch.autograd.gradcheck(f, (a, b, h0), eps=1e-6, atol=1e-8)
 

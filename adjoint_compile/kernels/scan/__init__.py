@@ -1,14 +1,17 @@
 """Linear-scan kernels (DESIGN.md §5): h_t = a_t ⊙ h_{t∓1} + b_t, full or windowed, forward or reverse.
 
-Three implementations with one signature ``f(a, b, h0, dim, reverse, window)``:
+Four implementations with one signature ``f(a, b, h0, dim, reverse, window)``:
 
 * :func:`naive_scan`: the per-step loop, the spec (differentiable by autograd; slow).
-* :func:`scan_ref`: the blocked torch reference, exact in fp32 and the CPU path.
+* :func:`scan_ref`: the blocked torch reference, exact in fp32; the CPU path when no C compiler is found.
+* :func:`scan_cpu`: a compiled C loop (:mod:`.cpu`), tested against the reference; the CPU path by default
+  (per-op overhead of the reference dominates the short shard scans of the adjoint-sharded backward).
 * :func:`scan_triton`: the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``); imported lazily.
 
-Backward: :func:`scan_backward_ref` / :func:`scan_backward_triton` ``(grad, a, b, h0, h, dim, reverse, window)``
-return (∂a, ∂b, ∂h0) in the compute dtype. :func:`scan` and :func:`scan_backward` are the one place that picks
-an implementation (``impl`` None / "triton" / "reference").
+Backward: :func:`scan_backward_ref` / :func:`scan_backward_cpu` / :func:`scan_backward_triton`
+``(grad, a, b, h0, h, dim, reverse, window)`` return (∂a, ∂b, ∂h0) in the compute dtype. :func:`scan` and
+:func:`scan_backward` are the one place that picks an implementation (``impl`` None / "triton" / "cpu" /
+"reference").
 """
 from __future__ import annotations
 
@@ -18,13 +21,16 @@ import os
 import torch
 from torch import Tensor
 
+from . import cpu as _cpu
+from .cpu import scan_backward_cpu, scan_cpu
 from .ref import naive_scan, scan_backward_ref, scan_ref
 
 log = logging.getLogger(__name__)
 
-IMPLS = (None, "triton", "reference")
+IMPLS = (None, "triton", "cpu", "reference")
 
-__all__ = ["naive_scan", "scan_ref", "scan_triton", "scan_backward_ref", "scan_backward_triton", "scan",
+__all__ = ["naive_scan", "scan_ref", "scan_cpu", "scan_triton", "scan_backward_ref", "scan_backward_cpu",
+           "scan_backward_triton", "scan",
            "scan_backward", "resolve_impl", "IMPLS"]
 
 
@@ -56,14 +62,23 @@ def triton_available() -> bool:
 
 
 def resolve_impl(impl: str | None, device: torch.device) -> str:
-    """``impl`` → "triton" or "reference": None means Triton for CUDA tensors (when installed), else reference.
+    """``impl`` → "triton", "cpu" or "reference". None means Triton for CUDA tensors (when installed), the compiled
+    C kernel for CPU tensors (when a C compiler is found), else the reference.
 
-    Raises ValueError for an unknown ``impl``, or "triton" on a CPU tensor without ``TRITON_INTERPRET=1``.
+    Raises ValueError for an unknown ``impl``, "triton" on a CPU tensor without ``TRITON_INTERPRET=1``, or "cpu"
+    on a non-CPU tensor or without the kernel.
     """
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of None, 'triton', 'reference'; got {impl!r}")
+        raise ValueError(f"impl must be one of None, 'triton', 'cpu', 'reference'; got {impl!r}")
     if impl is None:
-        return "triton" if device.type == "cuda" and triton_available() else "reference"
+        if device.type == "cuda" and triton_available():
+            return "triton"
+        return "cpu" if device.type == "cpu" and _cpu.available() else "reference"
+    if impl == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"impl='cpu' needs CPU tensors, got {device.type} ones")
+        if not _cpu.available():
+            raise ValueError(f"impl='cpu': the compiled CPU kernel is unavailable ({_cpu.why_unavailable()})")
     if impl == "triton":
         if not triton_available():
             raise ValueError("impl='triton' needs the triton package, which is not installed")
@@ -76,14 +91,20 @@ def resolve_impl(impl: str | None, device: torch.device) -> str:
 def scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, window: int | None,
          impl: str | None) -> Tensor:
     """Forward dispatch: a new contiguous h of ``a``'s shape in ``promote_types(a.dtype, b.dtype)``."""
-    if resolve_impl(impl, a.device) == "triton":
+    which = resolve_impl(impl, a.device)
+    if which == "triton":
         return scan_triton(a, b, h0, dim, reverse, window).contiguous()
+    if which == "cpu":
+        return scan_cpu(a, b, h0, dim, reverse, window)
     return scan_ref(a, b, h0, dim, reverse, window)
 
 
 def scan_backward(grad: Tensor, a: Tensor, b: Tensor | None, h0: Tensor | None, h: Tensor | None, dim: int,
                   reverse: bool, window: int | None, impl: str | None):
     """Backward dispatch: (∂a, ∂b, ∂h0) in the compute dtype."""
-    if resolve_impl(impl, a.device) == "triton":
+    which = resolve_impl(impl, a.device)
+    if which == "triton":
         return scan_backward_triton(grad, a, b, h0, h, dim, reverse, window)
+    if which == "cpu":
+        return scan_backward_cpu(grad, a, b, h0, h, dim, reverse, window)
     return scan_backward_ref(grad, a, b, h0, h, dim, reverse, window)
