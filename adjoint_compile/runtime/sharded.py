@@ -44,7 +44,7 @@ _SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 #: below this many state elements per shard (one scan's state times the shard's steps), per-op overhead dominates
 #: a shard's work: measured on 2 CPU cores, a 4096-step SSM stack with 256 state elements per step ran 0.86 s a step
 #: with 64-step shards and 0.47 s with 256-step ones (eager: 0.19 s).
-MIN_SHARD_ELEMENTS = 2**16
+MIN_SHARD_ELEMENTS = 2**18
 
 
 def default_shard_size(T: int, step_elements: int = 0) -> int:
@@ -92,6 +92,8 @@ class _Plan:
         #: compiler for the shard programs (backend.compile_inner's names); "eager" runs them as FX code.
         self.inner = inner
         self.compiled: dict[tuple, Any] = {}
+        #: recompute + VJP programs, keyed by call pattern (see :meth:`vjp`)
+        self.vjps: dict[tuple, Any] = {}
         self.placeholders = [n for n in region_gm.graph.nodes if n.op == "placeholder"]
         if len(in_step_dims) != len(self.placeholders):
             raise ValueError(f"in_step_dims: {len(in_step_dims)} entries for {len(self.placeholders)} region inputs")
@@ -172,6 +174,7 @@ class _Plan:
         self.shard_size = shard_size or default_shard_size(self.T, max(math.prod(c) for c in self.carry_shapes))
         self.specialized = {}
         self.compiled = {}
+        self.vjps = {}
         self.prepared_for = key
         # build and check the programs for the lengths this T needs now, so that problems surface up front
         for L in {min(self.shard_size, self.T), self.T % self.shard_size or min(self.shard_size, self.T)}:
@@ -318,6 +321,85 @@ class _Plan:
         return fn
 
 
+    def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
+            gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool]
+            ) -> tuple[list[Any], list[Any]]:
+        """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
+        and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs and carries.
+
+        Returns (per input: its grad or None, per scan: the grad of its carry or None). The program is traced once
+        per call pattern (make_fx over recompute + ``autograd.grad``: forward and backward ops in one aten graph)
+        and compiled by the inner compiler, so a shard costs one call instead of a compiled forward, a compiled
+        backward and an autograd-engine pass between them.
+        """
+        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and isinstance(x, torch.Tensor)]
+        wrt_c = [j for j, n in enumerate(needs_c) if n]
+        has_g = tuple(g is not None for g in gouts)
+        has_a = tuple(a is not None for a in adjs)
+        has_c = tuple(c is not None for c in carries)
+        none_x, none_c = [None] * len(xs), [None] * len(carries)
+        if not (wrt_x or wrt_c) or not (any(has_g) or any(has_a)):
+            return none_x, none_c
+        key = (L, first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
+        args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
+                *(a for a in adjs if a is not None)]
+        fn = self.vjps.get(key)
+        if fn is None:
+            fn = self.vjps[key] = self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args)
+        got = fn(*args)
+        gx, gc = list(none_x), list(none_c)
+        for i, g in zip(wrt_x, got[: len(wrt_x)]):
+            gx[i] = g
+        for j, g in zip(wrt_c, got[len(wrt_x):]):
+            gc[j] = g
+        return gx, gc
+
+    def _build_vjp(self, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[int], has_g: tuple,
+                   has_a: tuple, has_c: tuple, example: list[Any]) -> Any:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        prog = self.program(L)
+        n_x, n_out = len(self.placeholders), len(self.out_nodes)
+        n_c = sum(has_c)
+        unused: list[bool] = []
+
+        def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            it = iter(flat[n_x + n_c:])
+            gos = [next(it) if h else None for h in has_g]
+            adjs = [next(it) if h else None for h in has_a]
+            with torch.enable_grad():
+                xs = [x.detach().requires_grad_(i in wrt_x) for i, x in enumerate(flat[:n_x])]
+                ci = iter(flat[n_x: n_x + n_c])
+                cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
+                prevs = [None if first_shard else cs[k] for k in self.shift_scans]
+                res = prog(*xs, *cs, *prevs)
+                outs, cots = [], []
+                for y, g in zip([*res[:n_out], *res[n_out:]], [*gos, *adjs]):
+                    if g is not None and y.requires_grad:
+                        outs.append(y)
+                        cots.append(g)
+                wrt = [xs[i] for i in wrt_x] + [cs[j] for j in wrt_c]
+                got = (torch.autograd.grad(outs, wrt, cots, allow_unused=True) if outs
+                       else [None] * len(wrt))
+            # NB: zeros for inputs the outputs do not depend on (the compiled program returns tensors only); the
+            # caller gets None for them, as from autograd
+            unused[:] = [g is None for g in got]
+            return tuple(torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt))
+
+        gm = make_fx(joint, tracing_mode="fake")(*example)
+        fn = gm if self.inner == "eager" else None
+        gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
+        log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
+                  len(gm.graph.nodes))
+        if fn is None:
+            from ..backend import compile_inner
+
+            fn = compile_inner(gm, example, self.inner)
+        if not any(unused):
+            return fn
+        return lambda *a: [None if u else g for g, u in zip(fn(*a), unused)]
+
+
 def _slice(x: Any, d: int | None, s: int, L: int) -> Any:
     # NB: contiguous: ops on a strided time slice take slow paths (F.linear on a narrow()ed [B, L, D]: ~10x slower)
     return x if d is None else x.narrow(d, s, L).contiguous()
@@ -359,58 +441,36 @@ class _ShardedFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs, flat = saved[: ctx.n_in], saved[ctx.n_in:]
         K = len(plan.scans)
-        needs = ctx.needs_input_grad[2:]
+        needs = list(ctx.needs_input_grad[2:])
         grads: list[Any] = [None] * len(inputs)
         for i, (x, d) in enumerate(zip(inputs, plan.in_step_dims)):
             if needs[i] and d is not None:
-                grads[i] = torch.zeros_like(x)
-        # step-free inputs: one leaf each for all shards; their grads are summed over shards
-        whole = [x.detach().requires_grad_(needs[i]) if d is None else None
-                 for i, (x, d) in enumerate(zip(inputs, plan.in_step_dims))]
+                grads[i] = torch.empty_like(x)
+        # step-free inputs (parameters) are whole in every shard; their grads are summed over shards
+        free = [i for i, d in enumerate(plan.in_step_dims) if d is None and needs[i]]
+        acc: dict[int, torch.Tensor] = {}
         adj: list[Any] = [None] * K
         for k in range(len(ctx.bounds) - 1, -1, -1):
             s, e = ctx.bounds[k]
             L = e - s
-            if k == 0:
-                carries = [None if i is None else inputs[i] for i in plan.h0_input]
-            else:
-                carries = list(flat[(k - 1) * K: k * K])
-            with torch.enable_grad():
-                xs = [w if d is None else _slice(x, d, s, L).detach().requires_grad_(needs[i])
-                      for i, (x, w, d) in enumerate(zip(inputs, whole, plan.in_step_dims))]
-                cs = [None if c is None else c.detach().requires_grad_(k > 0 or needs[plan.h0_input[j]])
-                      for j, c in enumerate(carries)]
-                ys, finals = plan.run(L, xs, cs, first_shard=k == 0)
-                outs, gos = [], []
-                for y, g, d in zip(ys, gouts, plan.out_step_dims):
-                    if y.requires_grad and g is not None:
-                        outs.append(y)
-                        gos.append(g.narrow(d, s, L))
-                for f, a in zip(finals, adj):
-                    if a is not None and f.requires_grad:
-                        outs.append(f)
-                        gos.append(a)
-                wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-                wrt_c = [c for c in cs if c is not None and c.requires_grad]
-                got = (torch.autograd.grad(outs, wrt + wrt_c, gos, allow_unused=True)
-                       if outs and (wrt or wrt_c) else [None] * (len(wrt) + len(wrt_c)))
-            gi = iter(got[: len(wrt)])
-            for i, (x, d) in enumerate(zip(xs, plan.in_step_dims)):
-                if not (isinstance(x, torch.Tensor) and x.requires_grad):
-                    continue
-                g = next(gi)
-                if g is None:
-                    continue
-                if d is None:
-                    grads[i] = g if grads[i] is None else grads[i] + g
-                else:
+            carries = ([None if i is None else inputs[i] for i in plan.h0_input] if k == 0
+                       else list(flat[(k - 1) * K: k * K]))
+            xs = [_slice(x, d, s, L) for x, d in zip(inputs, plan.in_step_dims)]
+            # NB: contiguous: compiled programs are specialized to their example inputs' strides
+            gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, plan.out_step_dims)]
+            needs_c = [c is not None and (k > 0 or needs[plan.h0_input[j]]) for j, c in enumerate(carries)]
+            gx, adj = plan.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c)
+            for i, (g, d) in enumerate(zip(gx, plan.in_step_dims)):
+                if g is not None and d is not None:
                     grads[i].narrow(d, s, L).copy_(g)
-            gc = iter(got[len(wrt):])
-            new_adj: list[Any] = [None] * K
-            for j, c in enumerate(cs):
-                if c is not None and c.requires_grad:
-                    new_adj[j] = next(gc)
-            adj = new_adj
+            old = [i for i in free if gx[i] is not None and i in acc]
+            if old:
+                torch._foreach_add_([acc[i] for i in old], [gx[i] for i in old])
+            for i in free:
+                if gx[i] is not None and i not in acc:
+                    acc[i] = gx[i].clone()
+        for i, g in acc.items():
+            grads[i] = g
         # the first shard's carry grads are the h0 grads
         for j, i in enumerate(plan.h0_input):
             if i is not None and needs[i] and adj[j] is not None:
