@@ -1,9 +1,19 @@
 """Measuring tools shared by the demo and the benchmarks (DESIGN.md §7).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``. On CPU (Linux) the growth of the process's peak resident
-memory over the block: the high-water mark is reset through ``/proc/self/clear_refs`` and read from ``VmHWM``, with
-glibc's mmap threshold pinned at 64 KiB so that every freed tensor goes back to the OS at once (otherwise glibc keeps
-freed blocks and the figure depends on history).
+memory over the block: the high-water mark is reset through ``/proc/self/clear_refs`` and read from ``VmHWM``. While
+a block is measured, glibc's mmap threshold is pinned at 64 KiB (and its trim threshold at 0) and ``malloc_trim``
+first hands every free heap page back, so that each tensor allocated inside the block is new resident memory
+(otherwise glibc reuses freed blocks and the figure depends on history).
+
+Peak memory is measured with glibc's mmap threshold pinned at 64 KiB and its trim threshold at 0, set when the
+first measurement is prepared: every freed tensor then goes back to the OS at once, so RSS follows the live bytes.
+Step times are taken afterwards, with the thresholds set high (32 MiB mmap, 64 MiB trim: about where glibc's own
+dynamic thresholds settle in a training loop). NB: pinned low, every allocation over 64 KiB is a fresh mmap that
+page-faults on first touch, which slowed the sharded backward (many shard-sized tensors) ~2x more than plain
+compile; and once the heap has held freed blocks, RSS no longer follows the live bytes (fragmentation inflated a
+peak ~1.7x). So :func:`measure_steps` measures every method's memory first and every step time after, and
+:func:`track_peak` refuses to run on CPU once timing has begun.
 
 NB: not a TorchDispatchMode (like ``torch.distributed._tools.mem_tracker``): while one is active,
 dynamo runs a compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. RSS sees
@@ -37,6 +47,9 @@ def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - base
     elif _rss_available():
+        if _TIMING:
+            raise RuntimeError("peak CPU memory cannot be measured after step times were taken in this process "
+                               "(malloc is then set up for speed; see adjoint_compile.measure): measure memory first")
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
@@ -59,36 +72,51 @@ def _proc_status(key: str) -> int:
 
 
 _RSS_OK: bool | None = None
+_LIBC: Any = None
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def prepare_cpu_measurement() -> bool:
-    """Pin malloc's thresholds now. Call it at the start of a program that will measure CPU memory: blocks freed
-    before the pinning stay in malloc's heap and are reused silently, which would hide allocations from RSS."""
+    """Pin malloc's thresholds for memory measurement now; returns whether CPU memory can be measured here (Linux,
+    glibc). Call it at program start: blocks freed before the pinning stay in malloc's heap and are reused."""
     return _rss_available()
+
+
+_TIMING = False
+
+
+def start_timing() -> None:
+    """Set malloc up for timing (see the module docstring); CPU memory can no longer be measured afterwards."""
+    global _TIMING
+    if _rss_available() and not _TIMING:
+        _LIBC.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+        _LIBC.mallopt(M_TRIM_THRESHOLD, 64 * 2**20)
+    _TIMING = True
 
 
 def _rss_available() -> bool:
     """Linux with glibc: pin malloc's mmap threshold once so that freed tensors are unmapped immediately."""
-    global _RSS_OK
+    global _RSS_OK, _LIBC
     if _RSS_OK is None:
         _RSS_OK = False
         if os.path.exists("/proc/self/clear_refs"):
             try:
                 import ctypes
 
-                libc = ctypes.CDLL("libc.so.6")
-                M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-                _RSS_OK = bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
+                _LIBC = ctypes.CDLL("libc.so.6")
+                _RSS_OK = bool(_LIBC.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(_LIBC.mallopt(M_TRIM_THRESHOLD, 0))
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
-            except OSError:
+            except (OSError, AttributeError):
                 _RSS_OK = False
     return _RSS_OK
 
 
 def median_time(fn: Callable[[], Any], device: torch.device | str, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds."""
+    """Median wall time of ``fn()`` in seconds (on CPU after :func:`start_timing`)."""
     device = torch.device(device)
+    if device.type == "cpu":
+        start_timing()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     for _ in range(warmup):
         fn()
@@ -189,46 +217,71 @@ def compare_training_step(
     (per-layer activation checkpointing, eager), "adjoint" (torch.compile(backend="adjoint")). Each row has the
     peak bytes of one step, the median step time, and the largest relative gradient difference to "eager".
     """
-    device = torch.device(device)
-    if device.type == "cpu":
-        prepare_cpu_measurement()
+    def build(method: str) -> Callable[[], tuple[Callable[[], None], torch.nn.Module]]:
+        def make() -> tuple[Callable[[], None], torch.nn.Module]:
+            m = copy.deepcopy(model).to(device)
+            if method == "eager":
+                run = m
+            elif method == "compile":
+                run = torch.compile(m)
+            elif method == "checkpoint":
+                m = checkpoint_layers(m)
+                run = m
+            elif method == "adjoint":
+                run = torch.compile(m, backend="adjoint", options=dict(adjoint_options or {}))
+            else:
+                raise ValueError(f"unknown method {method!r}; expected eager, compile, checkpoint or adjoint")
+
+            def step() -> None:
+                for p in m.parameters():
+                    p.grad = None
+                loss_fn(run(*inputs)).backward()
+
+            return step, m
+        return make
+
+    got = measure_steps({method: build(method) for method in methods}, device, repeats)
     rows: list[dict[str, Any]] = []
-    ref_grads: dict[str, torch.Tensor] | None = None
     for method in methods:
-        m = copy.deepcopy(model).to(device)
-        if method == "eager":
-            run = m
-        elif method == "compile":
-            run = torch.compile(m)
-        elif method == "checkpoint":
-            m = checkpoint_layers(m)
-            run = m
-        elif method == "adjoint":
-            run = torch.compile(m, backend="adjoint", options=dict(adjoint_options or {}))
-        else:
-            raise ValueError(f"unknown method {method!r}; expected eager, compile, checkpoint or adjoint")
+        r = got[method]
+        rows.append({"method": method, "device": str(torch.device(device)), "peak_bytes": r["peak_bytes"],
+                     "step_s": r["step_s"],
+                     "max_grad_rel_err": None if method == methods[0]
+                     else max_rel_error(r["grads"], got[methods[0]]["grads"])})
+    return rows
 
-        def step(m: torch.nn.Module = m, run: Callable[..., Any] = run) -> None:
-            for p in m.parameters():
-                p.grad = None
-            loss_fn(run(*inputs)).backward()
 
-        step()  # warm-up: compiles, and fills .grad for the comparison below
-        grads = grads_of(m)
+def measure_steps(
+    builders: dict[Any, Callable[[], tuple[Callable[[], None], torch.nn.Module]]],
+    device: torch.device | str,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[Any, dict[str, Any]]:
+    """Peak memory, gradients and median step time of several training steps, measured fairly.
+
+    ``builders[key]()`` makes a fresh ``(step, model)``: ``step()`` runs one training step (it zeroes ``model``'s
+    grads itself). Phase 1 runs every builder's step once to warm up (compiling), keeps the model's gradients and
+    measures one more step's peak memory; phase 2 builds each again (compile caches make this quick) and times it.
+    Memory comes first because CPU peaks are only faithful before timing (module docstring). Returns
+    ``{key: {"peak_bytes", "step_s", "grads"}}``.
+    """
+    device = torch.device(device)
+    say = progress or (lambda msg: None)
+    out: dict[Any, dict[str, Any]] = {}
+    for key, build in builders.items():
+        say(f"memory: {key}")
+        step, model = build()
+        step()
+        grads = grads_of(model)
         with track_peak(device) as mem:
             step()
-        t = median_time(step, device, repeats=repeats, warmup=0)
-        if ref_grads is None:
-            ref_grads = grads
-        rows.append(
-            {
-                "method": method,
-                "device": str(device),
-                "peak_bytes": mem["peak"],
-                "step_s": t,
-                "max_grad_rel_err": None if method == methods[0] else max_rel_error(grads, ref_grads),
-            }
-        )
-        del run, m
+        out[key] = {"peak_bytes": mem["peak"], "grads": grads}
+        del step, model
         torch._dynamo.reset()
-    return rows
+    for key, build in builders.items():
+        say(f"time: {key}")
+        step, model = build()
+        out[key]["step_s"] = median_time(step, device, repeats=repeats, warmup=1)
+        del step, model
+        torch._dynamo.reset()
+    return out

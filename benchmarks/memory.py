@@ -11,7 +11,9 @@ Methods, on copies of one model (examples/selective_ssm.py, ``SSMStack(d_model, 
                  recomputes one shard of S steps at a time (``--shard-size``, or the backend's default rule).
 
 Peak memory: on CPU the growth of the process's resident-memory high-water mark over one step (adjoint_compile.measure;
-a dispatch-mode counter would make dynamo run the compiled methods eagerly), on CUDA ``torch.cuda.max_memory_allocated``; step time: median of ``--repeats`` steps;
+a dispatch-mode counter would make dynamo run the compiled methods eagerly), on CUDA ``torch.cuda.max_memory_allocated``;
+all memory is measured first, then all step times (CPU peaks are only faithful before timing: see measure.py);
+step time: median of ``--repeats`` steps;
 gradient error: max over parameters of max|g - g_eager| / max|g_eager|.  Prints a table per T, writes
 ``benchmarks/results/memory_<device>.json`` and a plot ``memory_<device>.png`` (peak memory and time vs T).
 
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from adjoint_compile import backend  # noqa: E402
 from adjoint_compile.measure import (  # noqa: E402
-    checkpoint_layers, format_table, grads_of, max_rel_error, median_time, track_peak)
+    checkpoint_layers, format_table, max_rel_error, measure_steps)
 
 log = logging.getLogger(__name__)
 
@@ -68,48 +70,55 @@ def _shard_size_used() -> int | None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    """Every (T, method): peak memory first, then step time (adjoint_compile.measure.measure_steps)."""
     import selective_ssm
 
     device = torch.device(args.device)
-    rows: list[dict] = []
+    shard_used: dict[int, int | None] = {}
+    data: dict[int, tuple] = {}
     for T in args.lengths:
         torch.manual_seed(0)
         model = selective_ssm.SSMStack(args.d_model, args.d_state, args.n_layers).to(device)
-        x = torch.randn(args.batch, T, args.d_model, device=device)
-        w = torch.randn(args.batch, T, args.d_model, device=device)
-        S = args.shard_size  # None: the backend's default (runtime/sharded.py default_shard_size)
-        t0 = time.perf_counter()
-        got: list[dict] = []
-        ref = None
-        for method in ("eager", "compile", "checkpoint", "adjoint"):
+        data[T] = (model, torch.randn(args.batch, T, args.d_model, device=device),
+                   torch.randn(args.batch, T, args.d_model, device=device))
+
+    def builder(T: int, method: str) -> Callable[[], tuple[Callable[[], None], torch.nn.Module]]:
+        def build() -> tuple[Callable[[], None], torch.nn.Module]:
+            model, x, w = data[T]
             m = checkpoint_layers(model) if method == "checkpoint" else copy.deepcopy(model)
             if method in ("compile", "adjoint"):
-                torch._dynamo.reset()
-                run_m = _compiled(m, method, {"inner": args.inner, "shard_size": S})
-                fwd = (lambda run_m=run_m: run_m(x))
+                # S None: the backend's default (runtime/sharded.py default_shard_size)
+                run_m = _compiled(m, method, {"inner": args.inner, "shard_size": args.shard_size})
+                fwd = (lambda: run_m(x))
             else:
-                fwd = (lambda m=m: m(x))
+                fwd = (lambda: m(x))
 
-            def step(m=m, fwd=fwd) -> None:
+            def step() -> None:
                 for p in m.parameters():
                     p.grad = None
                 (fwd() * w).mean().backward()
+                if method == "adjoint":
+                    shard_used[T] = _shard_size_used()
 
-            step()  # warm-up
-            grads = grads_of(m)
-            ref = ref or grads
-            with track_peak(device) as mem:
-                step()
-            got.append({"method": method, "device": str(device), "T": T, "peak_bytes": mem["peak"],
-                        "step_s": median_time(step, device, repeats=args.repeats, warmup=0),
-                        "max_grad_rel_err": None if method == "eager" else max_rel_error(grads, ref),
-                        "shard_size": _shard_size_used() if method == "adjoint" else None})
-            del m, fwd
-        torch._dynamo.reset()
+            return step, m
+        return build
+
+    methods = ("eager", "compile", "checkpoint", "adjoint")
+    t0 = time.perf_counter()
+    got = measure_steps({(T, meth): builder(T, meth) for T in args.lengths for meth in methods}, device,
+                        repeats=args.repeats,
+                        progress=lambda msg: print(f"  [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True))
+    rows: list[dict] = []
+    for T in args.lengths:
+        ref = got[(T, "eager")]["grads"]
+        part = [{"method": meth, "device": str(device), "T": T, "peak_bytes": got[(T, meth)]["peak_bytes"],
+                 "step_s": got[(T, meth)]["step_s"],
+                 "max_grad_rel_err": None if meth == "eager" else max_rel_error(got[(T, meth)]["grads"], ref),
+                 "shard_size": shard_used.get(T) if meth == "adjoint" else None} for meth in methods]
         print(f"\nT={T}  B={args.batch} d_model={args.d_model} d_state={args.d_state} layers={args.n_layers} "
-              f"shard_size={got[-1]['shard_size']} device={device}  ({time.perf_counter() - t0:.1f} s)")
-        print(format_table(got))
-        rows.extend(got)
+              f"shard_size={shard_used.get(T)} device={device}")
+        print(format_table(part))
+        rows.extend(part)
     return rows
 
 
