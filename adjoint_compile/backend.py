@@ -90,12 +90,75 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str)
     raise AssertionError(f"inner={inner!r} should have been rejected by options.validate")
 
 
+#: distinct call signatures a graph with symbolic sizes is specialized to (like dynamo's recompile limit); later
+#: signatures run the symbolic graph with ordinary autograd, with a warning.
+SPECIALIZE_LIMIT = 8
+
+
+class _Specializing:
+    """The callable for a graph with symbolic sizes that holds recurrences the sharded runtime could take: each new
+    call signature gets the graph specialized to its sizes (passes/specialize.py) and its own pipeline run."""
+
+    def __init__(self, gm: fx.GraphModule, opts: Options, fallback: Callable[[], Callable[..., Any]]) -> None:
+        self.gm, self.opts, self._fallback_factory = gm, opts, fallback
+        self._fallback: Callable[..., Any] | None = None
+        self.cache: dict[tuple, Callable[..., Any]] = {}
+        self._warned = False
+
+    def fallback(self, *args: Any) -> Any:
+        if self._fallback is None:
+            self._fallback = self._fallback_factory()
+        return self._fallback(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        import torch
+
+        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
+        fn = self.cache.get(key)
+        if fn is None:
+            if len(self.cache) >= SPECIALIZE_LIMIT:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("adjoint-compile: %d call signatures already specialized (SPECIALIZE_LIMIT); further "
+                                "sizes run with ordinary autograd", SPECIALIZE_LIMIT)
+                return self.fallback(*args)
+            from .passes.specialize import specialize
+
+            try:
+                sgm = specialize(self.gm, args)
+            except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
+                log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
+                            "ordinary autograd", type(e).__name__, e)
+                fn = self.fallback
+            else:
+                fn = run_pipeline(sgm, list(args), self.opts).fn
+            self.cache[key] = fn
+        return fn(*args)
+
+
 def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> CompiledGraph:
     captured = capture(gm, example_inputs)
-    regions, rejections = recognize(captured, opts)
+    from .passes.specialize import has_symbolic_sizes, no_guards
+
+    if opts.mode == "exact" and has_symbolic_sizes(captured.gm):
+        with no_guards(captured.gm):
+            regions, rejections = recognize(captured, opts)
+        symbolic = [r for r in regions if r.kind == "linear_recurrence"]
+        if symbolic:
+            for r in symbolic:
+                r.rewrite = "none"
+                r.reason = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then "
+                            f"(up to {SPECIALIZE_LIMIT} signatures; see the later compiled graphs)")
+            fn = _Specializing(captured.gm, opts, lambda: stitch(captured, [], opts))
+            return _record(CompiledGraph(captured, regions, rejections, [], fn), opts)
+    else:
+        regions, rejections = recognize(captured, opts)
     lowered = lower(captured, regions, opts) if regions else []
     fn = stitch(captured, lowered, opts)
-    result = CompiledGraph(captured, regions, rejections, lowered, fn)
+    return _record(CompiledGraph(captured, regions, rejections, lowered, fn), opts)
+
+
+def _record(result: CompiledGraph, opts: Options) -> CompiledGraph:
     _log_decisions(result, opts)
     HISTORY.append(result)
     del HISTORY[:-_HISTORY_LIMIT]

@@ -61,3 +61,56 @@ def test_selective_ssm_stack_bf16_tolerance():
     assert HISTORY[-1].lowered
     for a, e, r in zip(got16, eager16, ref32):
         assert _rel(a, r) <= 2 * _rel(e, r) + 1e-2
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_dynamic_shapes_are_specialized_per_length_and_sharded(dynamic):
+    """A new T makes dynamo recompile with a symbolic length (dynamic=None) or starts symbolic (dynamic=True); the
+    backend specializes that graph to each call's sizes, so every length is sharded, with exact gradients."""
+    from adjoint_compile.passes.specialize import has_symbolic_sizes
+
+    torch.manual_seed(0)
+    model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
+    f = torch.compile(model, backend="adjoint", dynamic=dynamic, options={"inner": "eager", "shard_size": 4})
+    start = len(HISTORY)
+    seen = set()
+    for T in (13, 17, 22, 17):
+        x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
+        ref = _step(model, model, x, w)
+        before = len(HISTORY)
+        got = _step(f, model, x, w)
+        for a, b in zip(got, ref):
+            assert _rel(a, b) <= 1e-5, T
+        if T in seen:  # its specialization is reused: nothing new compiled
+            assert len(HISTORY) == before
+            continue
+        seen.add(T)
+        # the graph that ran for this T: a static one with the stack sharded
+        res = HISTORY[-1]
+        assert res.lowered and not has_symbolic_sizes(res.captured.gm), T
+        vals = [n.meta["example_value"] for n in res.captured.gm.graph.nodes if n.op == "placeholder"]
+        assert any(isinstance(v, torch.Tensor) and tuple(v.shape) == (2, T, 8) for v in vals), T
+    new = HISTORY[start:]
+    symbolic = [r for r in new if has_symbolic_sizes(r.captured.gm)]
+    assert symbolic, "dynamo never handed over a symbolic graph: the test does not exercise specialization"
+    rec = [r for r in symbolic[0].regions if r.kind == "linear_recurrence"]
+    assert rec and all("specialized" in r.reason for r in rec)
+    assert len([r for r in new if not has_symbolic_sizes(r.captured.gm)]) == 3  # one static graph per distinct T
+
+
+def test_past_the_specialization_limit_sizes_keep_ordinary_autograd_with_a_warning(monkeypatch, caplog):
+    from adjoint_compile import backend
+
+    monkeypatch.setattr(backend, "SPECIALIZE_LIMIT", 1)
+    torch.manual_seed(0)
+    model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 4})
+    # 13: static; 17: dynamo recompiles with a symbolic T, specialized to 17; 22: past the limit of 1
+    for T in (13, 17, 22):
+        x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
+        ref = _step(model, model, x, w)
+        with caplog.at_level("WARNING", logger="adjoint_compile.backend"):
+            got = _step(f, model, x, w)
+        for a, b in zip(got, ref):
+            assert _rel(a, b) <= 1e-5, T
+    assert "SPECIALIZE_LIMIT" in caplog.text

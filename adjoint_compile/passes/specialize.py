@@ -1,0 +1,116 @@
+"""Dynamic shapes: a dynamo graph with symbolic sizes, specialized to the concrete sizes of one call.
+
+After a recompile for a new sequence length (or with ``torch.compile(dynamic=True)``) dynamo hands the backend a
+graph whose sizes are symbols.  The sharded runtime needs literal lengths (it rewrites T to the shard length in
+view/reshape arguments), so such a graph is specialized per call signature and run through the pipeline again:
+
+Before (symbolic)::
+
+    s0: Sym(s0) = placeholder[target=s0]
+    x: f32[2, s0, 16] = placeholder[target=x]
+    size = x.size(1)                                  # Sym(s0)
+    view = h.view(2, size, 64)
+
+After, for a call with T = 96::
+
+    s0 = placeholder[target=s0]                       # kept (callers pass it), unused
+    x: f32[2, 96, 16] = placeholder[target=x]
+    view = h.view(2, 96, 64)
+
+Every node whose value is a Python number, bool or size tuple is evaluated on the call's shapes (fake tensors of
+static shape) and replaced by its literal in its users; the dead size computations are removed; every node's
+``example_value``/``val`` is the static fake tensor.  Provenance: ``meta["adjoint_compile"]["specialized_from"]``
+on the graph module names the symbolic graph's sizes.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+__all__ = ["has_symbolic_sizes", "no_guards", "specialize"]
+
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, _SYM):
+        return True
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in v.shape)
+    if isinstance(v, (tuple, list)):
+        return any(_symbolic(x) for x in v)
+    return False
+
+
+def has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether any placeholder of dynamo's graph has a symbolic value or shape."""
+    return any(_symbolic(n.meta.get("example_value", n.meta.get("val")))
+               for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def no_guards(gm: fx.GraphModule) -> Any:
+    """A context in which inspecting ``gm``'s symbolic sizes adds no guard to dynamo's shape environment.
+
+    NB: comparing a symbolic size in Python (``T == 17``) makes dynamo guard on it, and a guard that pins T turns
+    the graph static again, so every new length would recompile (and dynamo gives up after its recompile limit).
+    Recognition of a symbolic graph only decides whether to specialize it per call; the real decisions are made
+    again on each static specialization.
+    """
+    import contextlib
+
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("example_value", n.meta.get("val"))
+        syms = [v] if isinstance(v, torch.SymInt) else list(v.shape) if isinstance(v, torch.Tensor) else []
+        for s in syms:
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env.suppress_guards()
+    return contextlib.nullcontext()
+
+
+def _literal(v: Any) -> bool:
+    if isinstance(v, (bool, int, float)):
+        return True
+    return isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v)
+
+
+def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
+    """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers).
+
+    Raises whatever fake propagation raises when the graph does not run on these arguments.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(gm.graph, env)
+    g.output(out)
+    new = fx.GraphModule(gm, g)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(new, mode).propagate_dont_convert_inputs(*fakes)
+    folded = 0
+    for n in list(new.graph.nodes):
+        v = n.meta.get("val")
+        n.meta["example_value"] = v
+        if n.op == "output" or not _literal(v):
+            continue
+        for user in list(n.users):
+            user.args = fx.node.map_arg(user.args, lambda x: v if x is n else x)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda x: v if x is n else x)
+        folded += 1
+    new.graph.eliminate_dead_code()
+    new.graph.lint()
+    new.recompile()
+    sizes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+    new.meta["adjoint_compile"] = {"specialized_from": "symbolic sizes", "sizes": sizes}
+    log.debug("adjoint-compile: specialized a symbolic graph to %s (%d size values folded)", sizes, folded)
+    return new
