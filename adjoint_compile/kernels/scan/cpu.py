@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from . import ref as _ref
-from . import window as _window
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +223,7 @@ def scan_cpu(a: Tensor, b: Tensor, h0: Tensor | None = None, dim: int = 1, rever
     """The linear scan (full or windowed) with the compiled kernel; same contract as :func:`.ref.scan_ref`."""
     if a.device.type != "cpu":
         raise ValueError(f"scan_cpu: tensors must be on the CPU, got {a.device}")
-    d = dim % a.ndim
-    out_dtype = torch.promote_types(a.dtype, b.dtype)
-    if window is None or _window.is_full(window, a.shape[d], h0 is not None):
-        h = prim_cpu(a, b, h0, d, reverse)
-    else:
-        h = _window.windowed_scan(prim_cpu, a, b, h0, d, reverse, window)
-    return h.to(out_dtype).contiguous()
+    return _ref.forward_with(prim_cpu, a, b, h0, dim, reverse, window)
 
 
 def scan_backward_cpu(grad: Tensor, a: Tensor, b: Tensor | None, h0: Tensor | None, h: Tensor | None,

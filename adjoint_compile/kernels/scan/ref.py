@@ -229,12 +229,19 @@ def scan_ref(a: Tensor, b: Tensor, h0: Tensor | None = None, dim: int = 1, rever
 
     Returns a new contiguous tensor of ``a``'s shape in ``promote_types(a.dtype, b.dtype)``.
     """
+    return forward_with(_prim_ref, a, b, h0, dim, reverse, window)
+
+
+def forward_with(prim, a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, window: int | None
+                 ) -> Tensor:
+    """The scan (full or windowed) built on the full-scan primitive ``prim`` (shared by the reference and the CPU
+    kernel): a new contiguous tensor of ``a``'s shape in ``promote_types(a.dtype, b.dtype)``."""
     d = dim % a.ndim
     out_dtype = torch.promote_types(a.dtype, b.dtype)
     if window is None or _window.is_full(window, a.shape[d], h0 is not None):
-        h = blocked_scan(a, b, h0, d, reverse)
+        h = prim(a, b, h0, d, reverse, None)
     else:
-        h = _window.windowed_scan(_prim_ref, a, b, h0, d, reverse, window)
+        h = _window.windowed_scan(prim, a, b, h0, d, reverse, window)
     return h.to(out_dtype).contiguous()
 
 
