@@ -3,7 +3,8 @@
     python benchmarks/scan.py                      # quick CPU sizes (T = 1K .. 1M), about a minute
     python benchmarks/scan.py --device cuda --full # GPU sizes; also reports the fraction of peak bandwidth
 
-Methods: ``linear_scan`` (impl "reference" everywhere, "triton" on CUDA), a per-step Python loop (the spec;
+Methods: ``linear_scan`` (impl "reference" everywhere, "cpu" (the compiled C loop) on CPU, "triton" on CUDA), a
+per-step Python loop (the spec;
 only up to --loop-max-t steps), torch's ``associative_scan`` (combine_mode "generic" on CPU, "pointwise" on
 CUDA) where it runs, and accelerated-scan / flash-linear-attention's HGRN kernels when installed (else reported
 as "not installed"). Effective bandwidth counts the bytes a scan must move at least: forward reads a, b and
@@ -70,6 +71,11 @@ def _methods(device, loop_max_t):
     }
     if device.type == "cuda":
         ms["linear_scan[triton]"] = (lambda a, b: linear_scan(a, b, impl="triton"), lambda T: None)
+    if device.type == "cpu":
+        from adjoint_compile.kernels.scan import cpu as _cpu
+
+        why = None if _cpu.available() else f"unavailable: {_cpu.why_unavailable()}"
+        ms["linear_scan[cpu]"] = (lambda a, b: linear_scan(a, b, impl="cpu"), lambda T: why)
     ms["per-step loop"] = (lambda a, b: naive_scan(a, b, None, 1),
                            lambda T: None if T <= loop_max_t else f"skipped above T={loop_max_t} (too slow)")
     try:
