@@ -114,3 +114,24 @@ def test_past_the_specialization_limit_sizes_keep_ordinary_autograd_with_a_warni
         for a, b in zip(got, ref):
             assert _rel(a, b) <= 1e-5, T
     assert "SPECIALIZE_LIMIT" in caplog.text
+
+
+def test_the_residual_chain_swallowed_by_the_sharded_region_says_so():
+    import adjoint_compile as ac
+
+    torch.manual_seed(0)
+    model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=3)
+    report = ac.explain(model, torch.randn(2, 16, 8), options={"inner": "eager"})
+    rows = report.to_dict()["regions"]
+    chains = [r for r in rows if r["kind"] == "residual_chain"]
+    assert chains and all(r["rewrite"] == "none" for r in chains)
+    for c in chains:
+        assert "inside the sharded region" in c["reason"], c["reason"]
+        assert c["details"]["nodes_in_sharded_regions"] == len(c["nodes"]) > 0
+    # a chain with no recurrence to swallow it keeps the plain exact-mode reason
+    spec = importlib.util.spec_from_file_location("example_relu_resnet", ROOT / "examples" / "relu_resnet.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rep = ac.explain(mod.make(), *mod.example_inputs(), options={"inner": "eager"})
+    other = [r for r in rep.to_dict()["regions"] if r["kind"] == "residual_chain"]
+    assert other and all("shards recurrences only" in r["reason"] for r in other)

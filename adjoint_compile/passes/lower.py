@@ -44,6 +44,20 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
         if r.kind == "gated_recurrence" and r.rewrite == "none":
             r.reason = ("a gated recurrence (its coefficient depends on h) has no adjoint-sharded rewrite yet; "
                         "it keeps ordinary autograd")
+    for r in regions:
+        if isinstance(r, Recurrence) or not r.nodes:
+            continue
+        # NB: lowering erases the nodes it moves into a region call; a chain whose every node went there is
+        # differentiated exactly by the sharded adjoint already (its rewrite is still "none": the chain is not
+        # rewritten as a chain).
+        inside = sum(1 for n in r.nodes if getattr(n, "_erased", False))
+        if inside == len(r.nodes):
+            r.reason = (f"all of its nodes run inside the sharded region ({', '.join(made)}), whose exact adjoint "
+                        f"already carries ∂L/∂Y_k-1 through every layer; mode='highway' (not implemented yet) would "
+                        f"rewrite the chain itself")
+        elif inside:
+            r.reason += f"; {inside} of its {len(r.nodes)} nodes run inside sharded regions ({', '.join(made)})"
+        r.details["nodes_in_sharded_regions"] = inside
     for view, originals in pairs:
         for r in originals:
             into = r.details.get("rerolled_into")
