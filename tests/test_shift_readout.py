@@ -113,3 +113,60 @@ def test_previous_state_readout_with_compiled_shard_programs():
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+_PADS = (torch.nn.functional.pad, torch._C._nn.pad)
+
+
+class PadReadout(nn.Module):
+    """y_t = W h_{t-1} + x_t with h_{-1} = ``value``, the shift written with F.pad (two forms)."""
+
+    def __init__(self, form: str, value: float = 0.0):
+        super().__init__()
+        self.form, self.value = form, value
+        self.lin = nn.Linear(D, 2 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, -1)
+        h = ac.ops.linear_scan(torch.sigmoid(a), b)
+        if self.form == "pad_then_slice":
+            h_prev = torch.nn.functional.pad(h, (0, 0, 1, 0), value=self.value)[:, :-1]
+        else:  # "crop": negative padding drops the last step in the same call
+            h_prev = torch.nn.functional.pad(h, (0, 0, 1, -1), value=self.value)
+        return self.out(h_prev) * torch.tanh(h) + x
+
+
+@pytest.mark.parametrize("form", ["pad_then_slice", "crop"])
+@pytest.mark.parametrize("value", [0.0, 0.5])
+@pytest.mark.parametrize("T,shard", [(1, 3), (7, 3), (10, 4)])
+def test_pad_style_previous_state_readout_is_sharded_with_exact_gradients(form, value, T, shard):
+    torch.manual_seed(0)
+    model = PadReadout(form, value)
+    x = torch.randn(B, T, D, requires_grad=True)
+    ref_out, ref_g = _grads(model, model, x, None)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
+    out, g = _grads(f, model, x, None)
+    res = HISTORY[-1]
+    assert res.lowered, [r.reason for r in res.regions]
+    nodes = [n for m in res.captured.gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    assert not any(n.target in _PADS for n in nodes)
+    assert any(n.meta.get("adjoint_compile", {}).get("pass") == "canonical_shifts" for n in nodes)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pad_that_is_not_a_one_step_shift_is_left_alone():
+    from adjoint_compile.passes.canonical_shifts import canonicalize_shifts
+
+    def fn(a, b):
+        h = ac.ops.linear_scan(a, b)
+        two = torch.nn.functional.pad(h, (0, 0, 2, 0))[:, :-2]       # two steps back
+        feat = torch.nn.functional.pad(h, (1, 0))                     # pads channels, not steps
+        refl = torch.nn.functional.pad(h, (0, 0, 1, 0), mode="replicate")[:, :-1]
+        return two.sum() + feat.sum() + refl.sum()
+
+    gm = trace(fn, torch.rand(B, 6, D), torch.randn(B, 6, D))
+    assert canonicalize_shifts(gm) == 0
+    assert sum(n.target in _PADS for n in gm.graph.nodes) == 3

@@ -38,6 +38,9 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
                         "(mode='highway', not implemented yet)")
     if not recurrences:
         return []
+    from .canonical_shifts import canonicalize_shifts
+
+    canonicalize_shifts(captured.gm)
     pairs = _reroll(captured, recurrences, opts)
     made = lower_recurrences(captured.gm, [v for v, _ in pairs], opts)
     for r in recurrences:
