@@ -135,3 +135,24 @@ def test_the_residual_chain_swallowed_by_the_sharded_region_says_so():
     rep = ac.explain(mod.make(), *mod.example_inputs(), options={"inner": "eager"})
     other = [r for r in rep.to_dict()["regions"] if r["kind"] == "residual_chain"]
     assert other and all("shards recurrences only" in r["reason"] for r in other)
+
+
+@pytest.mark.parametrize("shard", [1, 6, 64])
+def test_mamba_with_causal_conv_every_layer_is_its_own_sharded_region(shard):
+    """The conv between layers mixes steps: each scan gets a region of its own (the upstream side of the conv path
+    is left to the next region, rather than dropping the scan), with exact gradients through all of them."""
+    spec = importlib.util.spec_from_file_location("example_mamba_conv", ROOT / "examples" / "mamba_conv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = mod.MambaStack(d_model=8, d_state=3, n_layers=3)
+    x, w = torch.randn(2, 37, 8), torch.randn(2, 37, 8)
+    ref = _step(model, model, x, w)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
+    got = _step(f, model, x, w)
+    res = HISTORY[-1]
+    rec = [r for r in res.regions if r.kind == "linear_recurrence"]
+    assert len(rec) == 3 and all(r.rewrite == "adjoint" for r in rec), [r.reason for r in rec]
+    assert len(res.lowered) == 3
+    for a, b in zip(got, ref):
+        assert _rel(a, b) <= 1e-5

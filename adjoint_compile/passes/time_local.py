@@ -929,19 +929,31 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             for m in list(n.all_input_nodes) + list(n.users):
                 if m in cand and m not in members:
                     stack.append(m)
-        # convexity: drop members fed (directly or not) by a non-member that depends on a member
+        # a getitem of a tuple made outside the region becomes an input: region inputs must be tensors
+        cut = {n for n in members if n.op == "call_function" and n.target is operator.getitem
+               and isinstance(n.args[0], fx.Node) and n.args[0] not in members
+               and isinstance(_ev(n.args[0]), (tuple, list))}
+        if cut:
+            cand -= cut
+            continue
+        # convexity: a path that leaves the members and comes back (member -> non-member -> member)
         tainted: set[fx.Node] = set()
-        dropped = set()
+        entry = None
         for n in gm.graph.nodes:
-            ins = n.all_input_nodes
             if n in members:
-                if any(a in tainted for a in ins):
-                    dropped.add(n)
-                    tainted.add(n)
-            elif any(a in members or a in tainted for a in ins):
+                if entry is None and any(a in tainted for a in n.all_input_nodes):
+                    entry = next(a for a in n.all_input_nodes if a in tainted)
+            elif any(a in members or a in tainted for a in n.all_input_nodes):
                 tainted.add(n)
-        if not dropped:
+        if entry is None:
             break
+        # NB: drop the members downstream of the path, unless that drops a scan we grow the region for (e.g. a
+        # causal conv between two SSM layers): then drop the members upstream of it, which go to a later region.
+        dropped = _reachable(entry, members, forward=True)
+        if any(x in dropped for x in seeds):
+            near = _reachable(entry, members, forward=False)
+            if not any(x in near for x in seeds):
+                dropped = near
         cand -= dropped
         log.debug("region_around: dropping %s to keep the region convex", sorted(x.name for x in dropped))
     nodes = sorted(members, key=order.__getitem__)
@@ -957,6 +969,22 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             seen.add(s)
             bounds.append((s.name, info.mixing.get(s, "does not carry the step axis")))
     return nodes, bounds
+
+
+def _reachable(start: fx.Node, members: set[fx.Node], forward: bool) -> set[fx.Node]:
+    """The members reachable from ``start`` through any nodes, along users (``forward``) or inputs."""
+    out: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in members:
+            out.add(n)
+        stack.extend(n.users if forward else n.all_input_nodes)
+    return out
 
 
 def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:

@@ -1,0 +1,81 @@
+"""A Mamba-like stack with the causal depthwise conv before each scan: the conv mixes steps, so each layer is its
+own sharded region.
+
+One layer (:class:`MambaBlock`), on u [B, T, d_model]:
+
+    x, z  = in_proj(u)                                  # [B, T, D] each (D = d_model)
+    x     = silu(causal_conv1d(x))                      # depthwise along T, kernel k (mixes k steps)
+    Δ     = softplus(dt_proj(x)); B, C = B_proj(x), C_proj(x)
+    h_t   = exp(Δ_t ⊙ A) ⊙ h_{t-1} + (Δ_t ⊙ x_t) ⊗ B_t   # ac.ops.linear_scan over T on [B, T, D*N]
+    out   = out_proj(((h ⊙ C).sum(-1) + D_skip ⊙ x) ⊙ silu(z))
+
+:class:`MambaStack` joins K layers with pre-norm residuals. The backend grows one region per scan: it ends where
+the conv begins (the conv keeps ordinary autograd; it saves one [B, T, D] input, not a [B, T, D, N] state) and
+takes the rest of the layer, the residual and the next layer's projections up to its conv.
+
+    python examples/mamba_conv.py             # prints adjoint_compile.explain(...)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+
+
+class MambaBlock(nn.Module):
+    """One Mamba-like layer with a causal depthwise conv: [B, T, d_model] -> [B, T, d_model]."""
+
+    def __init__(self, d_model: int, d_state: int, d_conv: int = 4) -> None:
+        super().__init__()
+        self.d_state = d_state
+        self.in_proj = nn.Linear(d_model, 2 * d_model)
+        self.conv = nn.Conv1d(d_model, d_model, d_conv, groups=d_model, padding=d_conv - 1)
+        self.dt_proj = nn.Linear(d_model, d_model)
+        self.B_proj = nn.Linear(d_model, d_state, bias=False)
+        self.C_proj = nn.Linear(d_model, d_state, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_model, 1))
+        self.D_skip = nn.Parameter(torch.ones(d_model))
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        Bsz, T, D = u.shape
+        N = self.d_state
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x = F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))   # causal: drop the right padding
+        dt = F.softplus(self.dt_proj(x))
+        A = -torch.exp(self.A_log)
+        a = torch.exp(dt.unsqueeze(-1) * A)
+        b = (dt * x).unsqueeze(-1) * self.B_proj(x).unsqueeze(2)
+        h = ac.ops.linear_scan(a.reshape(Bsz, T, D * N), b.reshape(Bsz, T, D * N))
+        y = (h.view(Bsz, T, D, N) * self.C_proj(x).unsqueeze(2)).sum(-1) + self.D_skip * x
+        return self.out_proj(y * F.silu(z))
+
+
+class MambaStack(nn.Module):
+    """K Mamba-like layers with pre-norm residuals and a final norm."""
+
+    def __init__(self, d_model: int = 16, d_state: int = 4, n_layers: int = 3, d_conv: int = 4) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
+        self.layers = nn.ModuleList(MambaBlock(d_model, d_state, d_conv) for _ in range(n_layers))
+        self.norm_f = nn.RMSNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x))
+        return self.norm_f(x)
+
+
+def make(d_model: int = 16, d_state: int = 4, n_layers: int = 3) -> MambaStack:
+    return MambaStack(d_model, d_state, n_layers)
+
+
+def example_inputs() -> tuple[torch.Tensor, ...]:
+    return (torch.randn(2, 2048, 16),)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    print(ac.explain(make(), *example_inputs(), options={"shard_size": 256}))
