@@ -39,8 +39,10 @@ def lower_regions(captured: Captured, regions: list[Region], opts: Options) -> l
     if not recurrences:
         return []
     from .canonical_shifts import canonicalize_shifts
+    from .seeded_dropout import seed_dropouts
 
     canonicalize_shifts(captured.gm)
+    seed_dropouts(captured.gm)
     pairs = _reroll(captured, recurrences, opts)
     made = lower_recurrences(captured.gm, [v for v, _ in pairs], opts)
     for r in recurrences:

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..runtime.random import hashed_dropout
 from .graph_utils import is_linear_scan, scan_args
 
 log = logging.getLogger(__name__)
@@ -726,6 +727,7 @@ _by_name(["stack"], _cat(True), _FN, _METHOD)
 _by_name(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d"], _conv, _FN, _METHOD)
 _FN[F.pad] = _pad
 _FN[torch.dropout] = _dropout
+_FN[hashed_dropout] = _unary  # its mask is a function of (seed, position): a shard recomputes the same one
 
 
 def _op_name(node: fx.Node) -> str:

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedRegion
 from ..passes.time_local import TimeLocalInfo, analyze, is_linear_scan, scan_args
+from .random import hashed_dropout
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,9 @@ class _Plan:
                 raise UnsupportedRegion(f"scan {s.name}: h0 must be None or an input of the region")
         self.specialized: dict[int, fx.GraphModule] = {}
         self.prepared_for: tuple | None = None
+        #: hashed dropouts (runtime/random.py): their masks depend on each element's global step, so shard programs
+        #: take the shard's first step as one more input
+        self.random = [n for n in region_gm.graph.nodes if n.op == "call_function" and n.target is hashed_dropout]
 
     # ---------------------------------------------------------------------------------------------- preparation
 
@@ -203,6 +207,7 @@ class _Plan:
             carries.append(g.placeholder(f"carry_{k}"))
         shifts = list(self.info.shifts.items())
         prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
+        t0 = g.placeholder("step_offset") if self.random else None
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
                 continue
@@ -213,6 +218,11 @@ class _Plan:
                 with g.inserting_before(new):
                     head = g.call_function(_prev_or_first, (prevs[shifts.index((n, sh))], env[sh.first], sh.dim))
                 new.args = ([head, env[sh.sliced]], *new.args[1:])
+            if n in self.random:
+                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None): place it in the sequence
+                a = list(new.args) + [None] * (7 - len(new.args))
+                a[4], a[5], a[6] = t0, self.info.step_dim[n], self.T
+                new.args, new.kwargs = tuple(a), {}
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
         for k, s in enumerate(self.scans):
@@ -277,6 +287,8 @@ class _Plan:
             for s, shp in zip(self.scans, self.carry_shapes):
                 args.append(torch.empty(shp, dtype=_ev(s).dtype, device=_ev(s).device))
             args += [args[len(self.placeholders) + k] for k in self.shift_scans]
+            if self.random:
+                args.append(torch.zeros((), dtype=torch.int64))
         try:
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
         except Exception as e:  # noqa: BLE001 - any failure means the program is not proven
@@ -297,9 +309,9 @@ class _Plan:
     # --------------------------------------------------------------------------------------------------- running
 
     def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any],
-            first_shard: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            first_shard: bool, t0: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
-        args = [*xs, *carries, *prevs]
+        args = [*xs, *carries, *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
         return list(res[:n]), list(res[n:])
@@ -321,10 +333,12 @@ class _Plan:
             fn = self.compiled[key] = compile_inner(self.program(L), args, self.inner)
         return fn
 
+    def _offset(self, t0: int) -> list[torch.Tensor]:
+        return [torch.tensor(t0, dtype=torch.int64)] if self.random else []
 
     def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
-            gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool]
-            ) -> tuple[list[Any], list[Any]]:
+            gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool],
+            t0: int = 0) -> tuple[list[Any], list[Any]]:
         """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
         and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs and carries.
 
@@ -343,7 +357,7 @@ class _Plan:
             return none_x, none_c
         key = (L, first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
         args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
-                *(a for a in adjs if a is not None)]
+                *(a for a in adjs if a is not None), *self._offset(t0)]
         fn = self.vjps.get(key)
         if fn is None:
             fn = self.vjps[key] = self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args)
@@ -362,10 +376,11 @@ class _Plan:
         prog = self.program(L)
         n_x, n_out = len(self.placeholders), len(self.out_nodes)
         n_c = sum(has_c)
+        offset = [None] if self.random else []
         unused: list[bool] = []
 
         def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            it = iter(flat[n_x + n_c:])
+            it = iter(flat[n_x + n_c: len(flat) - len(offset)])
             gos = [next(it) if h else None for h in has_g]
             adjs = [next(it) if h else None for h in has_a]
             with torch.enable_grad():
@@ -373,7 +388,7 @@ class _Plan:
                 ci = iter(flat[n_x: n_x + n_c])
                 cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
                 prevs = [None if first_shard else cs[k] for k in self.shift_scans]
-                res = prog(*xs, *cs, *prevs)
+                res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):])
                 outs, cots = [], []
                 for y, g in zip([*res[:n_out], *res[n_out:]], [*gos, *adjs]):
                     if g is not None and y.requires_grad:
@@ -417,7 +432,7 @@ class _ShardedFn(torch.autograd.Function):
         for s, e in bounds:
             boundary.append(carries)
             xs = [_slice(x, d, s, e - s) for x, d in zip(inputs, plan.in_step_dims)]
-            ys, finals = plan.run(e - s, xs, carries, first_shard=s == 0)
+            ys, finals = plan.run(e - s, xs, carries, first_shard=s == 0, t0=s)
             if outs is None:
                 outs = []
                 for y, d in zip(ys, plan.out_step_dims):
@@ -460,7 +475,7 @@ class _ShardedFn(torch.autograd.Function):
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
             gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, plan.out_step_dims)]
             needs_c = [c is not None and (k > 0 or needs[plan.h0_input[j]]) for j, c in enumerate(carries)]
-            gx, adj = plan.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c)
+            gx, adj = plan.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s)
             for i, (g, d) in enumerate(zip(gx, plan.in_step_dims)):
                 if g is not None and d is not None:
                     grads[i].narrow(d, s, L).copy_(g)

@@ -1,0 +1,107 @@
+"""Dropout inside a sharded region: masks that are a hash of (seed, position), so a shard's recomputation sees the
+forward's mask (runtime/random.py, passes/seeded_dropout.py)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adjoint_compile.backend import HISTORY
+from adjoint_compile.runtime.random import hashed_dropout, new_seed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import selective_ssm  # noqa: E402
+
+
+def test_hashed_dropout_is_bernoulli_scaled_and_off_when_asked():
+    x = torch.ones(200_000)
+    seed = torch.tensor(7)
+    y = hashed_dropout(x, 0.3, True, seed)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.005
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / 0.7))
+    assert torch.equal(hashed_dropout(x, 0.3, False, seed), x) and torch.equal(hashed_dropout(x, 0.0, True, seed), x)
+    assert not torch.equal(hashed_dropout(x, 0.3, True, torch.tensor(8)), y)  # another seed, another mask
+    # neighbouring elements are not correlated: P(both kept) ~ 0.49
+    assert abs((kept[1:] & kept[:-1]).float().mean().item() - 0.49) < 0.01
+
+
+@pytest.mark.parametrize("d", [0, 1, 2])
+def test_a_shard_gets_the_slice_of_the_full_mask(d):
+    """The property the sharded runtime relies on: shard [t0, t0+L) of the mask = the full mask's slice."""
+    x = torch.randn(3, 11, 4).movedim(1, d).contiguous()
+    T = x.shape[d]
+    seed = torch.tensor(12345)
+    full = hashed_dropout(x, 0.4, True, seed)
+    for t0, L in [(0, 4), (4, 4), (8, 3), (5, 1)]:
+        part = hashed_dropout(x.narrow(d, t0, L).contiguous(), 0.4, True, seed, torch.tensor(t0), d, T)
+        assert torch.equal(part, full.narrow(d, t0, L))
+
+
+def test_inductor_computes_the_same_mask():
+    x, seed, t0 = torch.randn(2, 5, 8), torch.tensor(99), torch.tensor(10)
+    f = lambda x, seed, t0: hashed_dropout(x, 0.3, True, seed, t0, 1, 37)  # noqa: E731
+    assert torch.equal(torch.compile(f, backend="inductor")(x, seed, t0), f(x, seed, t0))
+
+
+class DropoutStack(nn.Module):
+    """The SSM stack with dropout on every layer's output, before the residual add."""
+
+    def __init__(self, kind: str = "dropout"):
+        super().__init__()
+        self.stack = selective_ssm.SSMStack(8, 3, 2)
+        self.kind = kind
+
+    def forward(self, x):
+        for norm, layer in zip(self.stack.norms, self.stack.layers):
+            y = layer(norm(x))
+            y = F.dropout(y, 0.3, self.training) if self.kind == "dropout" else F.dropout1d(y, 0.3, self.training)
+            x = x + y
+        return self.stack.norm_f(x)
+
+
+def _step(f, model, x, w):
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(123)  # the graph draws its dropout seed first
+    out = f(x)
+    (out * w).sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("shard", [1, 5, 37])
+def test_dropout_inside_the_region_gives_autograds_gradients_for_the_same_masks(monkeypatch, inner, shard):
+    torch.manual_seed(0)
+    model = DropoutStack()
+    x, w = torch.randn(2, 37, 8), torch.randn(2, 37, 8)
+    torch.manual_seed(123)
+    seed = new_seed()
+    with monkeypatch.context() as mp:  # the reference: eager autograd with the masks the backend will draw
+        mp.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False: hashed_dropout(x, p, training, seed))
+        ref_out, ref_g = _step(model, model, x, w)
+    out, g = _step(torch.compile(model, backend="adjoint", options={"inner": inner, "shard_size": shard}),
+                   model, x, w)
+    res = HISTORY[-1]
+    assert len(res.lowered) == 1, [r.reason for r in res.regions]
+    sub = res.captured.gm.get_submodule(res.lowered[0])
+    assert sum(n.target is hashed_dropout for n in sub.region_gm.graph.nodes) == 2  # both dropouts inside
+    assert _rel(out, ref_out) <= 1e-5
+    for a, b in zip(g, ref_g):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_other_dropouts_still_end_the_region():
+    torch.manual_seed(0)
+    model = DropoutStack("dropout1d")
+    x = torch.randn(2, 12, 8)
+    torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 4})(x)
+    res = HISTORY[-1]
+    assert len(res.lowered) == 2  # one region per layer: dropout1d (whole channels) is not rewritten
+    assert not any(n.target is hashed_dropout for n in res.captured.gm.graph.nodes)
