@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from . import options as _options
@@ -111,8 +112,6 @@ class _Specializing:
         return self._fallback(*args)
 
     def __call__(self, *args: Any) -> Any:
-        import torch
-
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
         fn = self.cache.get(key)
         if fn is None:

@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .graph_utils import callables_named
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -42,13 +44,8 @@ relu relu_ layer_norm rms_norm group_norm sigmoid tanh getitem select narrow unb
 exp softplus silu gelu""".split()
 _FN_NAME: dict[Any, str] = {}
 for _name in _NAMES:
-    for _mod in _MODULES:
-        _obj = getattr(_mod, _name, None)
-        if _obj is not None and callable(_obj):
-            try:
-                _FN_NAME.setdefault(_obj, _name)
-            except TypeError:  # unhashable
-                pass
+    for _obj in callables_named(_name, _MODULES):
+        _FN_NAME.setdefault(_obj, _name)
 _ALIASES = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "truediv": "div", "true_divide": "div",
             "negative": "neg", "relu_": "relu"}
 

@@ -23,6 +23,7 @@ region as before. New nodes carry ``meta["adjoint_compile"] = {"pass": "canonica
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from ..regions import PROVENANCE
 from .graph_utils import is_linear_scan, scan_args
+from .time_local import drops_last_step
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +75,6 @@ def _front_shift_dim(pad: list[int], ndim: int) -> tuple[int, int] | None:
     return (d, hi) if lo == 1 and hi in (0, -1) else None
 
 
-def _drops_last(node: fx.Node, d: int, ndim: int) -> bool:
-    """``node`` is ``x[..., :-1 at d, ...]`` with full slices elsewhere (no Ellipsis)."""
-    if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
-        return False
-    idx = node.args[1]
-    items = list(idx) if isinstance(idx, tuple) else [idx]
-    if len(items) > ndim or not all(isinstance(i, slice) for i in items):
-        return False
-    items += [slice(None)] * (ndim - len(items))
-    return all(i.start in (None, 0) and i.step in (None, 1) and i.stop == (-1 if j == d else None)
-               for j, i in enumerate(items))
-
-
 def canonicalize_shifts(gm: fx.GraphModule) -> int:
     """Rewrite pad-style previous-state readouts of ``linear_scan`` outputs in place; returns how many."""
     done = 0
@@ -103,7 +92,7 @@ def canonicalize_shifts(gm: fx.GraphModule) -> int:
         d, hi = front
         if hi == -1:
             out = node                      # the pad crops itself
-        elif len(node.users) == 1 and _drops_last(next(iter(node.users)), d, hv.ndim):
+        elif len(node.users) == 1 and drops_last_step(next(iter(node.users)), d):
             out = next(iter(node.users))    # pad, then drop the last step
         else:
             continue
@@ -119,7 +108,7 @@ def canonicalize_shifts(gm: fx.GraphModule) -> int:
             first = g.call_function(torch.full, (first_shape, value), {"dtype": hv.dtype, "device": hv.device})
             sliced = g.call_function(operator.getitem, (h, idx))
             cat = g.call_function(torch.cat, ([first, sliced], d))
-        with hv.fake_mode if hasattr(hv, "fake_mode") else _null():
+        with hv.fake_mode if hasattr(hv, "fake_mode") else contextlib.nullcontext():
             first.meta["example_value"] = torch.full(first_shape, value, dtype=hv.dtype, device=hv.device)
             sliced.meta["example_value"] = hv[idx]
         cat.meta["example_value"] = ov
@@ -136,8 +125,3 @@ def canonicalize_shifts(gm: fx.GraphModule) -> int:
         log.debug("adjoint-compile: %d pad-style previous-state readout(s) rewritten to cat([first, h[:-1]])", done)
     return done
 
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()

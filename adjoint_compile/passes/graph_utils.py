@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,3 +64,17 @@ def stable_toposort(graph: fx.Graph) -> None:
     for n in out[1:]:
         prev.append(n)
         prev = n
+
+
+def callables_named(name: str, modules: Iterable[Any]) -> Iterator[Any]:
+    """Every hashable callable called ``name`` in ``modules`` (``torch.add``, ``Tensor.add``, ``operator.add``...):
+    the keys a table of torch-level ops needs so that every spelling of an op in a dynamo graph finds it."""
+    for mod in modules:
+        obj = getattr(mod, name, None)
+        if obj is None or not callable(obj):
+            continue
+        try:
+            hash(obj)
+        except TypeError:
+            continue
+        yield obj

@@ -17,6 +17,7 @@ shard's first step. Dropouts that are off (``training=False`` or ``p == 0``), in
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -33,7 +34,7 @@ __all__ = ["seed_dropouts"]
 
 def _spec(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(input, p) of an active, out-of-place ``F.dropout`` / ``torch.dropout`` call, or None."""
-    if node.op != "call_function" or node.target not in (F.dropout, torch.dropout, torch.nn.functional.dropout):
+    if node.op != "call_function" or node.target not in (F.dropout, torch.dropout):
         return None
     names = ("input", "p", "training", "inplace") if node.target is not torch.dropout else ("input", "p", "train")
     defaults = {"p": 0.5, "training": True, "inplace": False}
@@ -56,12 +57,10 @@ def seed_dropouts(gm: fx.GraphModule) -> int:
     first = next(n for n in g.nodes if n.op != "placeholder")
     with g.inserting_before(first):
         seed = g.call_function(new_seed, ())
-    seed.meta["example_value"] = torch.empty((), dtype=torch.int64)
     seed.meta[PROVENANCE] = {"pass": "seeded_dropout"}
     ev = found[0][0].meta.get("example_value")
-    if ev is not None and hasattr(ev, "fake_mode"):
-        with ev.fake_mode:
-            seed.meta["example_value"] = torch.empty((), dtype=torch.int64)
+    with getattr(ev, "fake_mode", None) or contextlib.nullcontext():
+        seed.meta["example_value"] = torch.empty((), dtype=torch.int64)
     for n, (x, p) in found:
         with g.inserting_before(n):
             new = g.call_function(hashed_dropout, (x, p, True, seed))

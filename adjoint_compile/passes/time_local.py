@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..runtime.random import hashed_dropout
-from .graph_utils import is_linear_scan, scan_args
+from .graph_utils import callables_named, is_linear_scan, scan_args
 
 log = logging.getLogger(__name__)
 
@@ -532,24 +532,9 @@ def _getitem(node: fx.Node, ctx: _Ctx) -> tuple[int | None, str | None]:
     return None, "unreadable index"
 
 
-def _select_like(drop: bool) -> Rule:
-    def rule(node: fx.Node, ctx: _Ctx) -> tuple[int | None, str | None]:
-        x = node.args[0]
-        d, s = ctx.sd(x), _shape(x)
-        if d is None:
-            return None, None
-        dim = ctx.arg(1, "dim")
-        if not isinstance(dim, int):
-            return None, f"{_op_name(node)} with an unreadable dim"
-        dim = _norm(dim, len(s))
-        if dim == d:
-            return None, f"{_op_name(node)} along the step dim"
-        return (d - 1 if drop and dim < d else d), None
-
-    return rule
-
-
-def _split_like(dim_pos: int, default: int = 0, drop: bool = False) -> Rule:
+def _split_like(dim_pos: int, default: int | None = 0, drop: bool = False) -> Rule:
+    """select/narrow/split/chunk/unbind along ``dim`` (argument ``dim_pos``): time-local unless along the step dim;
+    ``drop``: the op removes ``dim``."""
     def rule(node: fx.Node, ctx: _Ctx) -> tuple[int | None, str | None]:
         x = node.args[0]
         d, s = ctx.sd(x), _shape(x)
@@ -674,13 +659,8 @@ _MODULES = (torch, F, torch._C._nn, torch.special, operator, torch.Tensor, torch
 def _by_name(names: Iterable[str], rule: Rule, table_fn: dict, table_m: dict) -> None:
     for name in names:
         table_m.setdefault(name, rule)
-        for mod in _MODULES:
-            obj = getattr(mod, name, None)
-            if obj is not None and callable(obj):
-                try:
-                    table_fn.setdefault(obj, rule)
-                except TypeError:  # unhashable
-                    pass
+        for obj in callables_named(name, _MODULES):
+            table_fn.setdefault(obj, rule)
 
 
 _FN: dict[Any, Rule] = {}
@@ -717,8 +697,8 @@ _by_name(["movedim", "moveaxis"], _movedim, _FN, _METHOD)
 _by_name(["unsqueeze"], _unsqueeze, _FN, _METHOD)
 _by_name(["squeeze"], _squeeze, _FN, _METHOD)
 _FN[operator.getitem] = _getitem
-_by_name(["select"], _select_like(True), _FN, _METHOD)
-_by_name(["narrow"], _select_like(False), _FN, _METHOD)
+_by_name(["select"], _split_like(1, None, drop=True), _FN, _METHOD)
+_by_name(["narrow"], _split_like(1, None), _FN, _METHOD)
 _by_name(["index_select"], _index_select, _FN, _METHOD)
 _by_name(["split", "chunk", "tensor_split"], _split_like(2), _FN, _METHOD)
 _by_name(["unbind"], _split_like(1, drop=True), _FN, _METHOD)
@@ -777,7 +757,7 @@ def _length_of_seeds(seeds: dict[fx.Node, int]) -> int | None:
     return next(iter(lengths.values()), None)
 
 
-def _drops_last_step(sliced: fx.Node, d: int) -> bool:
+def drops_last_step(sliced: fx.Node, d: int) -> bool:
     """``sliced`` is ``x[..., :-1, ...]`` with the ``:-1`` at dim d and full slices elsewhere."""
     if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
         return False
@@ -803,7 +783,7 @@ def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
             and isinstance(node.args[0], fx.Node) and is_linear_scan(node.args[0])):
         return None
     d = info.step_dim.get(node.args[0])
-    if d is None or len(node.users) != 1 or not _drops_last_step(node, d):
+    if d is None or len(node.users) != 1 or not drops_last_step(node, d):
         return None
     (user,) = node.users
     return d if _op_name(user) in ("cat", "concat", "concatenate") else None
