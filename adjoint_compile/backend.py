@@ -1,18 +1,25 @@
 """The ``"adjoint"`` torch.compile backend (DESIGN.md §2).
 
-Dynamo hands us one FX graph per captured frame. The pipeline is a chain of small typed stages::
+Dynamo hands us one FX graph per captured frame. The pipeline is a chain of small typed stages, one module each::
 
-    capture ─► recognize ─► lower ─► stitch
-    (Captured)  (regions,    (regions replaced   (callable: inner-compiled partitions around
-                rejections)  by runtime calls)   region autograd.Functions)
+    capture ─► recognize ─► decide ─► lower ─► stitch
+    (normalize  (once: typed  (plan per     (regions      (inner-compiled partitions around the
+     once)       records)      region)       → runtime     region calls)
+                                             calls)
+
+and the callable it returns carries its own record (:class:`CompiledGraph`), which ``adjoint_compile.report``
+finds from the compiled model and ``explain()`` builds the same way.
 
 Registered under the ``torch_dynamo_backends`` entry-point group (pyproject.toml), so
 ``torch.compile(model, backend="adjoint")`` works without importing this package first.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,75 +27,71 @@ import torch
 import torch.fx as fx
 
 from . import options as _options
+from .inner import compile_inner
 from .options import Options
+from .passes import decide
 from .passes.capture import Captured, capture
+from .passes.lower import lower, lowered_calls
+from .passes.partition import stitch_partitions
+from .passes.recognize import recognize as _recognize
+from .passes.specialize import no_guards, specialize
 from .regions import Region, Rejection
 
 log = logging.getLogger(__name__)
 
+__all__ = ["adjoint_backend", "run_pipeline", "CompiledGraph", "CompiledGraphFn", "compile_inner", "SPECIALIZE_LIMIT"]
+
+_sequence = itertools.count()
+
 
 @dataclasses.dataclass
 class CompiledGraph:
-    """What the pipeline produced for one dynamo graph: kept for tests, explain() and debugging."""
+    """What the pipeline made of one dynamo graph: the records ``explain()`` and ``adjoint_compile.report`` show
+    are exactly the ones that were lowered."""
 
     captured: Captured
     regions: list[Region]
     rejections: list[Rejection]
-    #: names of region call nodes that replaced recognized regions in ``captured.gm``.
+    #: names of the region call nodes that replaced recognized regions in ``captured.gm``.
     lowered: list[str]
-    fn: Callable[..., Any]
+    #: the callable that runs the graph (None when the pipeline ran for a report only).
+    fn: Callable[..., Any] | None
+    options: Options | None = None
+    #: for a graph with symbolic sizes: the graphs it was specialized to, one per call signature, in order.
+    specializations: list["CompiledGraph"] = dataclasses.field(default_factory=list)
+    #: order of creation in this process (reports list graphs oldest first).
+    seq: int = dataclasses.field(default_factory=lambda: next(_sequence))
 
 
-#: the pipeline's results for the graphs compiled in this process, newest last (bounded, for debugging/tests).
-HISTORY: list[CompiledGraph] = []
-_HISTORY_LIMIT = 32
+class CompiledGraphFn:
+    """The callable handed back to dynamo: runs the compiled graph and carries its :class:`CompiledGraph` (dynamo
+    keeps it in the compiled frame's globals, where ``adjoint_compile.report`` finds it)."""
+
+    def __init__(self, result: CompiledGraph) -> None:
+        self.result = result
+        self._fn = result.fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
 
 
 def recognize(captured: Captured, opts: Options) -> tuple[list[Region], list[Rejection]]:
-    """Stage 2: find recurrences and residual chains. Never raises: a failure is a rejection."""
+    """Stage 2: find recurrences and residual chains, once. Never raises: a failure is a rejection."""
     try:
-        from .passes.recognize import recognize as _recognize
-
-        return _recognize(captured.gm, opts)
+        with no_guards(captured.gm) if captured.symbolic else contextlib.nullcontext():
+            return _recognize(captured.gm, opts, matched=captured.matched)
     except Exception as e:  # noqa: BLE001 - recognition must fail soft (DESIGN.md §4)
         log.warning("adjoint-compile: recognition failed, the graph keeps ordinary autograd: %s", e, exc_info=True)
         return [], [Rejection("graph", "<graph>", f"recognition raised {type(e).__name__}: {e}")]
 
 
-def lower(captured: Captured, regions: list[Region], opts: Options) -> list[str]:
-    """Stage 3: replace each region that has a rewrite for ``opts.mode`` by one runtime call node.
-
-    Returns the names of the call nodes made. Regions that are not rewritten get ``rewrite="none"`` and a reason.
-    """
-    from .passes.lower import lower_regions
-
-    return lower_regions(captured, regions, opts)
-
-
 def stitch(captured: Captured, lowered: list[str], opts: Options) -> Callable[..., Any]:
-    """Stage 4: compile what was not rewritten with the inner compiler and join it with the region calls."""
+    """Stage 5: compile what was not rewritten with the inner compiler and join it with the region calls."""
     if not lowered:
-        # NB: nothing rewritten -> hand the untouched dynamo graph to the inner compiler, so the result is exactly
-        # what that compiler alone would give (same kernels, same numerics).
+        # NB: nothing rewritten -> hand the graph to the inner compiler whole, so the result is exactly what that
+        # compiler alone would give (same kernels, same numerics).
         return compile_inner(captured.gm, captured.example_inputs, opts.inner)
-    from .passes.partition import stitch_partitions
-
     return stitch_partitions(captured.gm, lowered, opts.inner)
-
-
-def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
-    """Compile ``gm`` with the inner compiler named by the ``inner`` option."""
-    if inner == "eager":
-        return gm.forward
-    if inner == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, list(example_inputs))
-    if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, list(example_inputs))
-    raise AssertionError(f"inner={inner!r} should have been rejected by options.validate")
 
 
 #: distinct call signatures a graph with symbolic sizes is specialized to (like dynamo's recompile limit); later
@@ -100,67 +103,63 @@ class _Specializing:
     """The callable for a graph with symbolic sizes that holds recurrences the sharded runtime could take: each new
     call signature gets the graph specialized to its sizes (passes/specialize.py) and its own pipeline run."""
 
-    def __init__(self, gm: fx.GraphModule, opts: Options, fallback: Callable[[], Callable[..., Any]]) -> None:
-        self.gm, self.opts, self._fallback_factory = gm, opts, fallback
+    def __init__(self, owner: CompiledGraph, opts: Options) -> None:
+        self.owner, self.gm, self.opts = owner, owner.captured.gm, opts
         self._fallback: Callable[..., Any] | None = None
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self._warned = False
+        self._lock = threading.Lock()
 
     def fallback(self, *args: Any) -> Any:
         if self._fallback is None:
-            self._fallback = self._fallback_factory()
+            self._fallback = compile_inner(self.gm, self.owner.captured.example_inputs, self.opts.inner)
         return self._fallback(*args)
+
+    def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
+        if len(self.cache) >= SPECIALIZE_LIMIT:
+            if not self._warned:
+                self._warned = True
+                log.warning("adjoint-compile: %d call signatures already specialized (SPECIALIZE_LIMIT); further "
+                            "sizes run with ordinary autograd", SPECIALIZE_LIMIT)
+            return self.fallback
+        try:
+            sgm = specialize(self.gm, args)
+        except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
+            log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
+                        "ordinary autograd", type(e).__name__, e)
+            fn = self.fallback
+        else:
+            result = run_pipeline(sgm, list(args), self.opts)
+            self.owner.specializations.append(result)
+            fn = result.fn
+        self.cache[key] = fn
+        return fn
 
     def __call__(self, *args: Any) -> Any:
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
         fn = self.cache.get(key)
         if fn is None:
-            if len(self.cache) >= SPECIALIZE_LIMIT:
-                if not self._warned:
-                    self._warned = True
-                    log.warning("adjoint-compile: %d call signatures already specialized (SPECIALIZE_LIMIT); further "
-                                "sizes run with ordinary autograd", SPECIALIZE_LIMIT)
-                return self.fallback(*args)
-            from .passes.specialize import specialize
-
-            try:
-                sgm = specialize(self.gm, args)
-            except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
-                log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
-                            "ordinary autograd", type(e).__name__, e)
-                fn = self.fallback
-            else:
-                fn = run_pipeline(sgm, list(args), self.opts).fn
-            self.cache[key] = fn
+            with self._lock:
+                fn = self.cache.get(key) or self._specialize(key, args)
         return fn(*args)
 
 
-def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> CompiledGraph:
-    captured = capture(gm, example_inputs)
-    from .passes.specialize import has_symbolic_sizes, no_guards
+def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, *,
+                 compile: bool = True) -> CompiledGraph:
+    """capture -> recognize -> decide -> lower -> stitch on ``gm`` (modified in place).
 
-    if opts.mode == "exact" and has_symbolic_sizes(captured.gm):
-        with no_guards(captured.gm):
-            regions, rejections = recognize(captured, opts)
-        symbolic = [r for r in regions if r.kind == "linear_recurrence"]
-        if symbolic:
-            for r in symbolic:
-                r.rewrite = "none"
-                r.reason = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then "
-                            f"(up to {SPECIALIZE_LIMIT} signatures; see the later compiled graphs)")
-            fn = _Specializing(captured.gm, opts, lambda: stitch(captured, [], opts))
-            return _record(CompiledGraph(captured, regions, rejections, [], fn), opts)
-    else:
-        regions, rejections = recognize(captured, opts)
-    lowered = lower(captured, regions, opts) if regions else []
-    fn = stitch(captured, lowered, opts)
-    return _record(CompiledGraph(captured, regions, rejections, lowered, fn), opts)
-
-
-def _record(result: CompiledGraph, opts: Options) -> CompiledGraph:
+    ``compile=False`` stops before stitch (``explain()``: decisions and lowering only, nothing compiled).
+    """
+    captured = capture(gm, example_inputs, seed_dropout=opts.mode == "exact")
+    regions, rejections = recognize(captured, opts)
+    symbolic = captured.symbolic and any(p.rewrite != "none" for p in decide.plan(regions, opts))
+    plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT if symbolic else None)
+    outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
+    decide.settle(regions, plans, outcomes)
+    result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
+    if compile:
+        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, result.lowered, opts)
     _log_decisions(result, opts)
-    HISTORY.append(result)
-    del HISTORY[:-_HISTORY_LIMIT]
     return result
 
 
@@ -178,7 +177,7 @@ def adjoint_backend(
         log.warning(
             "adjoint-compile ignores torch.compile(mode=%r); choose the backward with options={'mode': ...}", mode
         )
-    return run_pipeline(gm, example_inputs, opts).fn
+    return CompiledGraphFn(run_pipeline(gm, example_inputs, opts))
 
 
 def _log_decisions(result: CompiledGraph, opts: Options) -> None:

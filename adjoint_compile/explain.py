@@ -1,11 +1,18 @@
-"""``adjoint_compile.explain``: what the backend would recognize and rewrite, and why not elsewhere.
+"""What the backend recognized and rewrote, and why not elsewhere: :func:`explain` before compiling,
+:func:`report` after.
 
-It captures the graphs exactly as ``torch.compile`` would (dynamo, with its graph breaks) and runs the backend's
-recognize and lower stages on copies of them, without compiling or running anything else.
+* ``explain(model, *inputs)`` captures the graphs exactly as ``torch.compile`` would (dynamo, with its graph breaks)
+  and runs the backend's pipeline on copies of them up to lowering, without compiling or running anything else;
+* ``report(compiled)`` reads the records the backend kept on the callables it gave dynamo for a
+  ``torch.compile(..., backend="adjoint")`` result.
+
+Both build a :class:`Report` from the same :class:`~adjoint_compile.backend.CompiledGraph` records, so the regions
+they show are exactly the ones that were lowered.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -14,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
 from .regions import Region, Rejection
 
@@ -36,12 +44,24 @@ class Report:
 
     regions: list[Region]
     rejections: list[Rejection]
-    #: the dynamo graphs, as captured (before any rewrite).
+    #: the dynamo graphs: as captured (explain), or as the backend left them (report: normalized and lowered).
     graphs: list[fx.GraphModule]
     graph_breaks: list[GraphBreak]
     options: Options
     #: for each region, the index of the graph it was found in.
     graph_index: list[int] = dataclasses.field(default_factory=list)
+    #: the pipeline's record of each graph, in the order of ``graphs``.
+    compiled: list[CompiledGraph] = dataclasses.field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(cls, compiled: list[CompiledGraph], options: Options, graph_breaks: list[GraphBreak] | None = None,
+           graphs: list[fx.GraphModule] | None = None) -> "Report":
+        """The report of these pipeline records (``graphs``: what to show as each one's graph)."""
+        regions = [r for c in compiled for r in c.regions]
+        index = [i for i, c in enumerate(compiled) for _ in c.regions]
+        return cls(regions, [j for c in compiled for j in c.rejections],
+                   graphs if graphs is not None else [c.captured.gm for c in compiled], list(graph_breaks or []),
+                   options, index, list(compiled))
 
     def to_dict(self) -> dict[str, Any]:
         regions = []
@@ -91,30 +111,12 @@ class Report:
     __repr__ = __str__
 
 
-def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
-    """A copy of ``gm`` with its own graph (node meta copied shallowly), and the old-node -> new-node map."""
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (node meta copied shallowly), for the pipeline to rewrite."""
     graph = fx.Graph()
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, val_map)
+    out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph), val_map
-
-
-def remap_region(region: Any, val_map: dict[fx.Node, fx.Node]) -> Any:
-    """``region`` with every FX node it refers to (also in lists and nested dataclasses) replaced via ``val_map``."""
-
-    def m(v: Any) -> Any:
-        if isinstance(v, fx.Node):
-            return val_map.get(v, v)
-        if isinstance(v, list):
-            return [m(x) for x in v]
-        if isinstance(v, tuple):
-            return tuple(m(x) for x in v)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: m(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init})
-        return v
-
-    return m(region)
+    return fx.GraphModule(gm, graph)
 
 
 def _graph_breaks(explain_output: Any) -> list[GraphBreak]:
@@ -133,26 +135,66 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     """What ``torch.compile(model_or_fn, backend="adjoint", options=options)`` would do on these inputs.
 
     Runs ``model_or_fn(*example_inputs)`` once under dynamo (so, like ``torch._dynamo.explain``, it resets dynamo's
-    caches), then recognition and the lowering decisions on copies of the captured graphs.
+    caches), then the backend's pipeline up to lowering on copies of the captured graphs; ``report.graphs`` are the
+    graphs as captured.
     """
-    from .backend import lower, recognize
-    from .passes.capture import capture
-
     opts = validate(options)
     out = torch._dynamo.explain(model_or_fn)(*example_inputs)
-    regions: list[Region] = []
-    rejections: list[Rejection] = []
-    graph_index: list[int] = []
-    for gi, gm in enumerate(out.graphs):
-        found, rejected = recognize(capture(gm, []), opts)
-        if found:
-            # Decide rewrites on a copy, so report.graphs stay as captured.
-            gm2, val_map = copy_graph_module(gm)
-            found2 = [remap_region(r, val_map) for r in found]
-            lower(capture(gm2, []), found2, opts)
-            for r, r2 in zip(found, found2):
-                r.rewrite, r.reason, r.details = r2.rewrite, r2.reason, {**r.details, **r2.details}
-        regions += found
-        rejections += rejected
-        graph_index += [gi] * len(found)
-    return Report(regions, rejections, list(out.graphs), _graph_breaks(out), opts, graph_index)
+    compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
+    return Report.of(compiled, opts, _graph_breaks(out), list(out.graphs))
+
+
+def report(compiled_model: Any) -> Report:
+    """What ``backend="adjoint"`` did for ``compiled_model`` (a ``torch.compile`` result) in the calls made so far.
+
+    One entry per graph dynamo compiled for it (graph breaks, recompiles for new sizes, and the per-size
+    specializations of a graph with symbolic sizes), oldest first; ``report.compiled[i]`` is the pipeline's record
+    (captured graph, regions, rejections, lowered region calls). Empty before the first call.
+
+    Raises TypeError when ``compiled_model`` is not the result of ``torch.compile``.
+    """
+    found = sorted(_compiled_graphs(compiled_model), key=lambda c: c.seq)
+    flat: list[CompiledGraph] = []
+    for c in found:
+        flat += [c, *c.specializations]
+    opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
+    return Report.of(flat, opts)
+
+
+def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
+    """The records of backend="adjoint" that dynamo holds for ``compiled_model``'s frames.
+
+    NB: dynamo installs each compiled graph as a global ``__compiled_fn_*`` of the frame's module (wrapped, with
+    ``__wrapped__`` set) and each graph break's continuation as a global ``__resume_at_*`` function; its cache entries
+    for a code object list the names its transformed bytecode uses.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
+
+    if isinstance(compiled_model, OptimizedModule):
+        root = inspect.unwrap(compiled_model._orig_mod.forward)
+    elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):
+        root = inspect.unwrap(compiled_model._torchdynamo_orig_callable)
+    else:
+        raise TypeError(f"adjoint_compile.report expects the result of torch.compile(..., backend='adjoint'), got "
+                        f"{type(compiled_model).__name__}")
+    root = getattr(root, "__func__", root)
+    found: dict[int, CompiledGraph] = {}
+    todo = [root]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+        if code is None or id(code) in seen:
+            continue
+        seen.add(id(code))
+        for entry in _debug_get_cache_entry_list(code):
+            for name in entry.code.co_names:
+                v = globs.get(name)
+                if name.startswith("__resume_at"):
+                    todo.append(v)
+                elif name.startswith("__compiled_fn"):
+                    while v is not None and not isinstance(v, CompiledGraphFn):
+                        v = getattr(v, "__wrapped__", None)
+                    if v is not None:
+                        found[id(v.result)] = v.result
+    return list(found.values())

@@ -3,6 +3,10 @@
 A matcher returns one of these records or ``None``; a candidate it could not prove becomes a
 :class:`Rejection` so that ``explain()`` can say why. Records hold the FX nodes they cover (for the passes that
 rewrite them) and a JSON-able view (:meth:`Region.to_dict`) for reports.
+
+Who writes what: matchers fill the typed fields (recognition); ``rewrite`` and ``reason`` are written by the
+decision step alone (passes/decide.py), from its table and from the typed :class:`Lowered`/:class:`NotLowered`
+outcomes the lowerings return. ``details`` is for reports only: no pass reads it back.
 """
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ import torch.fx as fx
 RegionKind = Literal["linear_recurrence", "gated_recurrence", "residual_chain"]
 Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual"]
 Rewrite = Literal["adjoint", "truncated", "highway", "none"]
+
+#: the reason of a record no decision has been made for yet (straight from recognition).
+UNDECIDED = "rewrite not implemented yet"
 
 #: key under which passes record provenance on nodes they create or claim (``node.meta[PROVENANCE]``).
 PROVENANCE = "adjoint_compile"
@@ -38,13 +45,14 @@ class Region:
     #: the FX nodes the region covers, in graph order.
     nodes: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
     rewrite: Rewrite = "none"
-    #: why the region is not rewritten (when rewrite == "none"), or a note on how it is.
-    reason: str = ""
+    #: why the region is not rewritten (when rewrite == "none"), or a note on how it is; written by the decision
+    #: step (passes/decide.py) only.
+    reason: str = UNDECIDED
     #: regions that a rewrite treats together (a stack of recurrences joined by time-local ops) share a group id.
     group: int | None = None
     #: a short human name, e.g. the FX node that anchors the region.
     name: str = ""
-    #: anything a pass wants to show in reports (JSON-able values only).
+    #: anything a pass wants to show in reports (JSON-able values only); never read back by a pass.
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +91,14 @@ class Recurrence(Region):
     bounds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     #: for unrolled loops: how to re-roll the steps into one scan (JSON-able description).
     reroll: dict[str, Any] | None = None
+    #: for one carry of a ``scan`` op: the carry's index among the op's carries.
+    carry_index: int | None = None
+    #: for one leaf of an ``associative_scan`` op: the leaf's index among the op's xs.
+    leaf: int | None = None
+    #: for a linear_scan made by the reroll pass (capture): the name of the loop or scan op it was written as.
+    rerolled_from: str | None = None
+    #: for a recurrence the reroll pass tried and could not re-roll: why (from the node's provenance).
+    not_rerolled: str | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +114,10 @@ class ResidualLayer:
     block: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
     #: K_i = ∂r_i/∂x: "identity", "diagonal" or "scalar".
     K: str = "identity"
+    #: the coefficient C of x in the layer's sum s = C ⊙ x + O (an :class:`~adjoint_compile.analysis.affine.Expr`
+    #: over graph nodes; ``Expr.evaluate`` gives its value). K_i is C for the forms add and gated; for relu_add and
+    #: post_ln it is the VJP of ``out`` with respect to the sum, times C.
+    coef: Any = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"x": self.x.name, "out": self.out.name, "form": self.form, "K": self.K, "block": len(self.block)}
@@ -111,6 +131,36 @@ class ResidualChain(Region):
         d = super().to_dict()
         d["layers"] = [layer.to_dict() for layer in self.layers]
         return d
+
+
+@dataclasses.dataclass
+class Lowered:
+    """What a lowering made of a region: the call node that runs it and the figures ``explain()`` reports."""
+
+    #: the rewrite applied ("adjoint", ...).
+    rewrite: Rewrite
+    #: the name of the call node that replaced the region's nodes.
+    call: str
+    #: the nodes the call took over (names, in the graph before lowering), e.g. for chains that run inside it.
+    members: frozenset[str]
+    #: index of the lowered region among this graph's calls (the report's group).
+    group: int
+    scans: int = 0
+    nodes: int = 0
+    shard_size: int | None = None
+    steps: int | None = None
+    #: expected activation memory in bytes: {"autograd": ..., "sharded": ...}.
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the step-mixing ops that bound the region, as (node name, why).
+    bounds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class NotLowered:
+    """A lowering that could not prove its preconditions: the region keeps ordinary autograd."""
+
+    why: str
+    bounds: list[tuple[str, str]] | None = None
 
 
 @dataclasses.dataclass

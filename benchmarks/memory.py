@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
-from adjoint_compile import backend  # noqa: E402
+import adjoint_compile as ac  # noqa: E402
 from adjoint_compile.measure import (  # noqa: E402
     checkpoint_layers, format_table, max_rel_error, measure_steps)
 
@@ -56,16 +56,19 @@ def _compiled(m: torch.nn.Module, method: str, options: dict) -> Callable[..., t
 
     def call(x: torch.Tensor) -> torch.Tensor:
         out = f(x)
-        if not backend.HISTORY or not backend.HISTORY[-1].lowered:
+        graphs = ac.report(f).compiled
+        if not graphs or not graphs[-1].lowered:
             raise RuntimeError("the adjoint backend did not lower the stack: "
-                               f"{[r.reason for r in backend.HISTORY[-1].regions] if backend.HISTORY else 'no graph'}")
+                               f"{[r.reason for r in graphs[-1].regions] if graphs else 'no graph'}")
         return out
 
+    call.compiled = f  # type: ignore[attr-defined]
     return call
 
 
-def _shard_size_used() -> int | None:
-    res = backend.HISTORY[-1] if backend.HISTORY else None
+def _shard_size_used(run_m: Callable[..., torch.Tensor]) -> int | None:
+    graphs = ac.report(run_m.compiled).compiled  # type: ignore[attr-defined]
+    res = graphs[-1] if graphs else None
     return next((r.details.get("shard_size") for r in res.regions if r.rewrite == "adjoint"), None) if res else None
 
 
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     p.grad = None
                 (fwd() * w).mean().backward()
                 if method == "adjoint":
-                    shard_used[T] = _shard_size_used()
+                    shard_used[T] = _shard_size_used(run_m)
 
             return step, m
         return build

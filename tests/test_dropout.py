@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adjoint_compile.backend import HISTORY
+import adjoint_compile as ac
 from adjoint_compile.runtime.random import hashed_dropout, new_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -86,9 +86,9 @@ def test_dropout_inside_the_region_gives_autograds_gradients_for_the_same_masks(
     with monkeypatch.context() as mp:  # the reference: eager autograd with the masks the backend will draw
         mp.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False: hashed_dropout(x, p, training, seed))
         ref_out, ref_g = _step(model, model, x, w)
-    out, g = _step(torch.compile(model, backend="adjoint", options={"inner": inner, "shard_size": shard}),
-                   model, x, w)
-    res = HISTORY[-1]
+    f = torch.compile(model, backend="adjoint", options={"inner": inner, "shard_size": shard})
+    out, g = _step(f, model, x, w)
+    res = ac.report(f).compiled[-1]
     assert len(res.lowered) == 1, [r.reason for r in res.regions]
     sub = res.captured.gm.get_submodule(res.lowered[0])
     assert sum(n.target is hashed_dropout for n in sub.region_gm.graph.nodes) == 2  # both dropouts inside
@@ -101,7 +101,8 @@ def test_other_dropouts_still_end_the_region():
     torch.manual_seed(0)
     model = DropoutStack("dropout1d")
     x = torch.randn(2, 12, 8)
-    torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 4})(x)
-    res = HISTORY[-1]
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 4})
+    f(x)
+    res = ac.report(f).compiled[-1]
     assert len(res.lowered) == 2  # one region per layer: dropout1d (whole channels) is not rewritten
     assert not any(n.target is hashed_dropout for n in res.captured.gm.graph.nodes)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adjoint_compile.backend import HISTORY
+import adjoint_compile as ac
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_selective_ssm_stack_gradients_equal_autograd(shard):
     ref = _step(model, model, x, w)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     got = _step(f, model, x, w)
-    res = HISTORY[-1]
+    res = ac.report(f).compiled[-1]
     assert res.lowered and all(r.rewrite == "adjoint" for r in res.regions if r.kind == "linear_recurrence")
     assert len(got) == len(ref) > 20
     for a, b in zip(got, ref):
@@ -58,7 +58,7 @@ def test_selective_ssm_stack_bf16_tolerance():
     eager16 = _step(model16, model16, x.bfloat16(), w)
     f = torch.compile(model16, backend="adjoint", options={"inner": "eager", "shard_size": 4})
     got16 = _step(f, model16, x.bfloat16(), w)
-    assert HISTORY[-1].lowered
+    assert ac.report(f).compiled[-1].lowered
     for a, e, r in zip(got16, eager16, ref32):
         assert _rel(a, r) <= 2 * _rel(e, r) + 1e-2
 
@@ -72,25 +72,25 @@ def test_dynamic_shapes_are_specialized_per_length_and_sharded(dynamic):
     torch.manual_seed(0)
     model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
     f = torch.compile(model, backend="adjoint", dynamic=dynamic, options={"inner": "eager", "shard_size": 4})
-    start = len(HISTORY)
+    start = len(ac.report(f).compiled)
     seen = set()
     for T in (13, 17, 22, 17):
         x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
         ref = _step(model, model, x, w)
-        before = len(HISTORY)
+        before = len(ac.report(f).compiled)
         got = _step(f, model, x, w)
         for a, b in zip(got, ref):
             assert _rel(a, b) <= 1e-5, T
         if T in seen:  # its specialization is reused: nothing new compiled
-            assert len(HISTORY) == before
+            assert len(ac.report(f).compiled) == before
             continue
         seen.add(T)
         # the graph that ran for this T: a static one with the stack sharded
-        res = HISTORY[-1]
+        res = ac.report(f).compiled[-1]
         assert res.lowered and not has_symbolic_sizes(res.captured.gm), T
         vals = [n.meta["example_value"] for n in res.captured.gm.graph.nodes if n.op == "placeholder"]
         assert any(isinstance(v, torch.Tensor) and tuple(v.shape) == (2, T, 8) for v in vals), T
-    new = HISTORY[start:]
+    new = ac.report(f).compiled[start:]
     symbolic = [r for r in new if has_symbolic_sizes(r.captured.gm)]
     assert symbolic, "dynamo never handed over a symbolic graph: the test does not exercise specialization"
     rec = [r for r in symbolic[0].regions if r.kind == "linear_recurrence"]
@@ -150,7 +150,7 @@ def test_mamba_with_causal_conv_every_layer_is_its_own_sharded_region(shard):
     ref = _step(model, model, x, w)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     got = _step(f, model, x, w)
-    res = HISTORY[-1]
+    res = ac.report(f).compiled[-1]
     rec = [r for r in res.regions if r.kind == "linear_recurrence"]
     assert len(rec) == 3 and all(r.rewrite == "adjoint" for r in rec), [r.reason for r in rec]
     assert len(res.lowered) == 3

@@ -11,7 +11,7 @@ from torch._higher_order_ops.associative_scan import associative_scan_op
 from torch._higher_order_ops.scan import scan as torch_scan
 
 import adjoint_compile.ops  # noqa: F401 - registers linear_scan
-from adjoint_compile.backend import HISTORY
+import adjoint_compile as ac
 from adjoint_compile.passes import reroll as reroll_mod
 from adjoint_compile.passes.find_recurrences import is_linear_scan
 from adjoint_compile.passes.recognize import recognize
@@ -71,7 +71,7 @@ def reroll_one(gm, source):
     assert r.details["rerolled_into"] == s.name
     # recognition of the re-rolled graph reports the original capture form
     (again,) = recognize(gm, None)[0]
-    assert (again.source, again.kind, again.length, again.details["rerolled_from"]) == \
+    assert (again.source, again.kind, again.length, again.rerolled_from) == \
         (source, "linear_recurrence", r.length, r.name)
     return r, s
 
@@ -272,7 +272,7 @@ def test_gated_and_nonlinear_recurrences_stay_untouched(fn, names, make):
     assert gm.code == before and not scans(gm)
     for r in regions:
         if r.kind == "linear_recurrence":  # the linear carry of two_carry_scan: refused with the reason
-            assert "carry 1" in r.reason and "not re-rolled" in r.reason
+            assert "carry 1" in r.not_rerolled and "not re-rolled" in r.not_rerolled
     check_against_eager(fn, gm, names, make)
 
 
@@ -282,7 +282,7 @@ def test_without_the_linear_scan_op_nothing_changes(monkeypatch):
     regions, _ = recognize(gm, None)
     monkeypatch.setattr(reroll_mod, "_scan_op", lambda: None)
     assert reroll(gm, regions) == [] and gm.code == before
-    assert "not registered" in regions[0].reason
+    assert "not registered" in regions[0].not_rerolled
 
 
 # ------------------------------------------------------------------------------------ through the adjoint backend
@@ -314,14 +314,15 @@ def test_backend_lowers_the_rerolled_recurrence_with_eager_gradients(fn, names, 
     ref = ref if isinstance(ref, tuple) else (ref,)
     w = [torch.randn_like(r) for r in ref]
     g_ref = torch.autograd.grad(ref, args, w)
-    out = torch.compile(fn, backend="adjoint", options={"inner": "eager", "shard_size": 3})(*args)
+    f = torch.compile(fn, backend="adjoint", options={"inner": "eager", "shard_size": 3})
+    out = f(*args)
     out = out if isinstance(out, tuple) else (out,)
     g = torch.autograd.grad(out, args, w)
     for o, r in zip(out, ref):
         assert rel_err(o, r) <= 1e-5
     for gi, gr in zip(g, g_ref):
         assert rel_err(gi, gr) <= 1e-5
-    result = HISTORY[-1]
+    result = ac.report(f).compiled[-1]
     (r,) = [r for r in result.regions if r.kind == "linear_recurrence"]
     assert (r.source, r.rewrite) == (source, "adjoint"), r.reason
     assert "re-rolled into" in r.reason and result.lowered

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import adjoint_compile.ops as ac_ops
 from adjoint_compile.errors import UnsupportedRegion
+from adjoint_compile.passes import decide
+from adjoint_compile.passes.lower import lowered_calls
 from adjoint_compile.passes.lower_adjoint import lower_recurrences, lower_region, outline
 from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_scan, region_around
 from adjoint_compile.options import Options
@@ -309,7 +311,10 @@ def test_lower_recurrences_marks_records():
     recs = [Recurrence(kind="linear_recurrence", source="linear_scan", length=10, nodes=[s], outputs=[s])
             for s in scans]
     recs.append(Recurrence(kind="linear_recurrence", source="unrolled_loop", length=10))
-    made = lower_recurrences(gm, recs, Options(shard_size=3))
+    plans = decide.plan(recs, Options(shard_size=3))
+    outcomes = lower_recurrences(gm, recs, Options(shard_size=3))
+    decide.settle(recs, plans, outcomes)
+    made = lowered_calls(outcomes)
     assert len(made) == 1
     assert [r.rewrite for r in recs] == ["adjoint", "adjoint", "none"]
     assert recs[0].group == recs[1].group == 0 and "shard_size=3" in recs[0].reason
@@ -322,7 +327,9 @@ def test_dynamic_shapes_fail_soft_with_a_reason():
     scans = [n for n in gm.graph.nodes if is_linear_scan(n)]
     recs = [Recurrence(kind="linear_recurrence", source="linear_scan", length=None, nodes=[s], outputs=[s])
             for s in scans]
-    assert lower_recurrences(gm, recs, Options()) == []
+    outcomes = lower_recurrences(gm, recs, Options())
+    decide.settle(recs, decide.plan(recs, Options()), outcomes)
+    assert lowered_calls(outcomes) == []
     assert recs[0].rewrite == "none" and "dynamic" in recs[0].reason
     assert gm.code == before
 

@@ -4,7 +4,6 @@ import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
-from adjoint_compile.backend import HISTORY
 from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_scan
 from helpers import trace
 
@@ -55,7 +54,7 @@ def test_previous_state_readout_is_sharded_with_exact_gradients(first, T, shard)
     ref_out, ref_g = _grads(model, model, x, h0)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     out, g = _grads(f, model, x, h0)
-    res = HISTORY[-1]
+    res = ac.report(f).compiled[-1]
     assert res.lowered, [r.reason for r in res.regions]
     region = res.captured.gm.get_submodule(res.lowered[0]) if "." not in res.lowered[0] else None
     # the whole readout is inside the region: its only output is the layer's output
@@ -109,7 +108,7 @@ def test_previous_state_readout_with_compiled_shard_programs():
     ref_out, ref_g = _grads(model, model, x, None)
     f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager", "shard_size": 3})
     out, g = _grads(f, model, x, None)
-    assert HISTORY[-1].lowered
+    assert ac.report(f).compiled[-1].lowered
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -147,7 +146,7 @@ def test_pad_style_previous_state_readout_is_sharded_with_exact_gradients(form, 
     ref_out, ref_g = _grads(model, model, x, None)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     out, g = _grads(f, model, x, None)
-    res = HISTORY[-1]
+    res = ac.report(f).compiled[-1]
     assert res.lowered, [r.reason for r in res.regions]
     nodes = [n for m in res.captured.gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
     assert not any(n.target in _PADS for n in nodes)

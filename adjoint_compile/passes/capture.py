@@ -1,27 +1,61 @@
-"""Stage 1 of the pipeline: take dynamo's graph as it is and give the later stages a typed handle on it.
+"""Stage 1 of the pipeline: take dynamo's graph and normalize it once, so that every later stage sees one form.
 
 Dynamo's graph is torch-level (``torch.*``, ``operator.*``, ``Tensor`` methods; parameters lifted to
 placeholders) and every node carries ``meta["example_value"]``, a FakeTensor with its shape. Recognition works on
 this level on purpose: ``linear(x)`` on ``[B, T, D]`` is visibly time-local here, whereas after decomposition to
 aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
+
+Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
+
+1. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
+   unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
+   :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
+2. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
+3. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
+   ``hashed_dropout``, whose mask a shard's recomputation reproduces.
+
+A graph with symbolic sizes (dynamic shapes) is not normalized: it is specialized per call (passes/specialize.py)
+and each specialization is captured again. Recognition then runs once on the normalized graph.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from .graph_utils import is_linear_scan
+from ..regions import Recurrence, Rejection
+from .canonical_shifts import canonicalize_shifts
+from .find_recurrences import find_recurrences
+from .reroll import needs_reroll, reroll
+from .seeded_dropout import seed_dropouts
+from .specialize import has_symbolic_sizes
+from .unrolled import find_unrolled
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Captured", "capture", "is_tensor_node"]
+
 
 @dataclasses.dataclass
 class Captured:
-    """One dynamo graph and its example inputs (real tensors, or fakes when dynamo passes fakes)."""
+    """One dynamo graph (normalized in place) and its example inputs (real tensors, or fakes when dynamo passes
+    fakes)."""
 
     gm: fx.GraphModule
     example_inputs: list[Any]
+    #: the graph has symbolic sizes (dynamic shapes): not normalized; it is specialized per call.
+    symbolic: bool = False
+    #: what normalization did, for reports: pass name -> how many rewrites (``rerolled``: the scans made).
+    normalized: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the recurrence matchers' results on the graph, when normalization left it as it was (recognition reuses
+    #: them instead of matching again); None when the graph changed.
+    matched: tuple[list[Recurrence], list[Rejection]] | None = dataclasses.field(default=None, repr=False)
 
     @functools.cached_property
     def placeholders(self) -> list[fx.Node]:
@@ -43,9 +77,38 @@ class Captured:
         return g
 
 
-def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Captured:
-    """Wrap dynamo's graph; nothing is rewritten at this stage."""
-    return Captured(gm=gm, example_inputs=list(example_inputs))
+def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
+    """The recurrence matchers (scan nodes, then unrolled loops): records and rejections, in that order."""
+    found, rejected = find_recurrences(gm)
+    loops, loop_rejected = find_unrolled(gm)
+    return [*found, *loops], [*rejected, *loop_rejected]
+
+
+def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: bool = True,
+            seed_dropout: bool = True) -> Captured:
+    """Wrap dynamo's graph and normalize it in place (see the module docstring).
+
+    ``normalize=False`` leaves the graph as dynamo gave it; ``seed_dropout=False`` leaves dropouts alone (modes
+    that recompute nothing need no reproducible masks).
+    """
+    captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
+    if not normalize or captured.symbolic:
+        return captured
+    try:
+        matched = match_recurrences(gm)
+    except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
+        log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
+        return captured
+    todo = [r for r in matched[0] if needs_reroll(r)]
+    made = reroll(gm, todo) if todo else []
+    shifts = canonicalize_shifts(gm)
+    has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
+    dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
+    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts}
+    if not (made or shifts or dropouts or any(r.not_rerolled for r in todo)):
+        captured.matched = matched
+    log.debug("capture: %s", captured.normalized)
+    return captured
 
 
 def is_tensor_node(node: fx.Node) -> bool:

@@ -88,7 +88,9 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
         details["rerolled_from"] = prov.get("region")
     return Recurrence(
         kind="linear_recurrence", source=prov["source"] if rerolled else "linear_scan", length=shp[dim], nodes=[node],
-        reason="rewrite not implemented yet", name=node.name,
+        # NB: a re-rolled scan is reported under the name of the loop or scan op the user wrote
+        name=prov.get("region") or node.name if rerolled else node.name,
+        rerolled_from=prov.get("region") if rerolled else None,
         a=a["a"] if isinstance(a["a"], fx.Node) else None, b=a["b"] if isinstance(a["b"], fx.Node) else None,
         h0=a["h0"] if isinstance(a["h0"], fx.Node) else None, carry=None, outputs=[node], step_dim=dim,
         reverse=bool(a["reverse"]), window=a["window"] if isinstance(a["window"], int) else None,
@@ -164,11 +166,13 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
             y is new or (op_name(y) in ("clone", "contiguous") and y.args[0] is new))]
         outputs = [items[i]] if i in items else []
         outputs += [items[n_c + k] for k in ys_of if n_c + k in items]
-        regions.append(_record(form, "scan", length, node, label, carry, init[i], outputs, reverse, details={
+        r = _record(form, "scan", length, node, label, carry, init[i], outputs, reverse, details={
             "subgraph": str(node.args[0].target) if isinstance(node.args[0], fx.Node) else None,
             "carry_index": i, "carries": n_c, "ys_of_state": ys_of, "user_dim": user_dim,
             "scan_dim": 0,
-        }))
+        })
+        r.carry_index = i
+        regions.append(r)
     return regions, rejections
 
 
@@ -184,7 +188,7 @@ def _record(form: UpdateForm, source: str, length: int | None, node: fx.Node, la
     if isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
         nodes.insert(0, node.args[0])
     return Recurrence(
-        kind=kind, source=source, length=length, nodes=nodes, reason="rewrite not implemented yet", name=label,
+        kind=kind, source=source, length=length, nodes=nodes, name=label,
         a=form.coef.node if (a == "from_form" and form.coef is not None) else (a if isinstance(a, fx.Node) else None),
         b=form.offset.node if (b == "from_form" and form.offset is not None) else (b if isinstance(b, fx.Node) else None),
         h0=h0 if isinstance(h0, fx.Node) else None, carry=carry, outputs=outputs, step_dim=step_dim,
@@ -262,6 +266,7 @@ def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recu
                                     "h0": "0" if k in state else "1"},
                     a=a_node, b=b_node)
         r.details.update({"a": "1" if j == "one" else _show(a_node), "b": _show(b_node) if b_node is not None else "0"})
+        r.leaf = k
         regions.append(r)
     return regions, []
 

@@ -57,6 +57,8 @@ class LayerMatch:
     block: list[fx.Node]
     #: the cheap residual function's nodes (the sum's linear expansion, the post-op)
     r_nodes: list[fx.Node]
+    #: the coefficient of x in the sum (an affine Expr): K's expression
+    coef: Any = None
 
 
 def _fname(n: fx.Node) -> str:
@@ -214,7 +216,8 @@ def _match_layer(s: fx.Node, inner: list[fx.Node], atoms: list[fx.Node], xs: lis
     if form == "gated" and _lstm_like(x, block, seeds, C, O):
         form = "lstm"
     order = sorted(block, key=pos.__getitem__)
-    return LayerMatch(x=x, s=s, out=out, form=form, K=K, block=order, r_nodes=sorted(r_set, key=pos.__getitem__)), ""
+    return LayerMatch(x=x, s=s, out=out, form=form, K=K, block=order, r_nodes=sorted(r_set, key=pos.__getitem__),
+                      coef=C), ""
 
 
 def _cone(seeds: list[fx.Node], x: fx.Node, depends) -> set[fx.Node]:
@@ -324,8 +327,8 @@ def _chain_record(members: list[LayerMatch], pos: dict[fx.Node, int]) -> Residua
     forms = [lm.form for lm in members]
     return ResidualChain(
         kind="residual_chain", source="residual", length=len(members),
-        nodes=sorted(nodes, key=pos.__getitem__), reason="rewrite not implemented yet", name=members[-1].out.name,
-        layers=[ResidualLayer(x=lm.x, out=lm.out, form=lm.form, block=lm.block, K=lm.K) for lm in members],
+        nodes=sorted(nodes, key=pos.__getitem__), name=members[-1].out.name,
+        layers=[ResidualLayer(x=lm.x, out=lm.out, form=lm.form, block=lm.block, K=lm.K, coef=lm.coef) for lm in members],
         details={"input": members[0].x.name, "output": members[-1].out.name, "forms": sorted(set(forms)),
                  "K": sorted({lm.K for lm in members}),
                  # NB: isomorphic blocks (same WL hash) can share one batched VJP with stacked weights (Highway-BP)

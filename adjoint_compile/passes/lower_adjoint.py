@@ -7,7 +7,7 @@ one ``call_module`` node (plus ``getitem`` per output) in its place.  Anything u
 and returns None with a logged reason (soft failure).
 
 ``lower_recurrences`` is the entry the pipeline calls (passes/lower.py): it finds the regions around the
-recognized scans with :mod:`.time_local` and lowers each one.
+recognized scans with the time-local analysis, lowers each one and returns a typed outcome per record.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedRegion
 from ..options import Options
-from ..regions import PROVENANCE, Recurrence
+from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ..runtime.sharded import ShardedRegion
 from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around
 
@@ -155,10 +155,6 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     return call
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**17 else f"{n / 2**10:.0f} KiB"
-
-
 def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
@@ -176,22 +172,23 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     return {"autograd": per_region, "sharded": boundaries + per_region * S // T}
 
 
-def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[str]:
-    """Lower every recognized ``linear_scan`` recurrence in exact mode; set each record's ``rewrite``/``reason``.
+def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
+    """Lower every ``linear_scan`` recurrence in exact mode; one outcome per record, in order.
 
-    Scans joined by time-local ops form one region (one call, one carry per scan).  Returns the names of the call
-    nodes made.
+    Scans joined by time-local ops form one region (one call, one carry per scan). Records without a linear_scan
+    node (a loop capture could not re-roll) get :class:`NotLowered` with the reason; nothing is written on the
+    records (passes/decide.py settles them).
     """
+    out: list[Lowered | NotLowered] = [NotLowered("not lowered")] * len(recurrences)
     scan_of: dict[int, fx.Node] = {}
     for i, r in enumerate(recurrences):
         cands = [n for n in list(r.outputs) + list(r.nodes) if isinstance(n, fx.Node) and is_linear_scan(n)]
-        if r.source != "linear_scan" or not cands:
-            r.rewrite = "none"
-            r.reason = r.reason or f"exact mode lowers linear_scan recurrences; source {r.source!r} is not one yet"
+        if not cands:
+            out[i] = NotLowered(f"exact mode lowers linear_scan recurrences; source {r.source!r} is not one yet")
             continue
         scan_of[i] = cands[0]
     if not scan_of:
-        return []
+        return out
     scans = list(dict.fromkeys(scan_of.values()))
     try:
         info = analyze(gm, infer_seeds(gm, scans))
@@ -202,52 +199,34 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
             f"the sequence length is symbolic ({info.length}, dynamic shapes): the sharded runtime needs a static "
             f"length; use torch.compile(..., dynamic=False)")
     if why:
-        for i in scan_of:
-            recurrences[i].rewrite, recurrences[i].reason = "none", why
         log.info("adjoint-compile: %s", why)
-        return []
-    made: list[str] = []
-    done: dict[fx.Node, tuple[str | None, str, int]] = {}
+        for i in scan_of:
+            out[i] = NotLowered(why)
+        return out
+    done: dict[fx.Node, Lowered | NotLowered] = {}
+    made = 0
     for s in scans:
         if s in done:
             continue
         nodes, bounds = region_around(gm, [s], info)
         group = [x for x in nodes if is_linear_scan(x)] or [s]
-        why = ""
-        call = None
-        if not nodes:
-            why = f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}"
+        members = frozenset(n.name for n in nodes)
+        try:
+            if not nodes:
+                raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
+            call = _lower_region(gm, nodes, info, opts)
+        except UnsupportedRegion as e:
+            log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
+            result: Lowered | NotLowered = NotLowered(str(e))
         else:
-            try:
-                call = _lower_region(gm, nodes, info, opts)
-            except UnsupportedRegion as e:
-                why = str(e)
-        gid = len(made) if call is not None else -1
-        for x in group:
-            done[x] = (call.name if call is not None else None, why, gid)
-        if call is not None:
-            made.append(call.name)
-            prov = call.meta[PROVENANCE]
-            prov["bounds"] = bounds
-        else:
-            log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, why)
-    for i, r in enumerate(recurrences):
-        s = scan_of.get(i)
-        if s is None:
-            continue
-        name, why, gid = done.get(s, (None, "not lowered", -1))
-        if name is None:
-            r.rewrite, r.reason = "none", why
-        else:
-            call = next(n for n in gm.graph.nodes if n.name == name)
             p = call.meta[PROVENANCE]
-            r.rewrite = "adjoint"
-            r.group = gid
-            mem = p["memory"]
-            r.reason = (f"sharded exact adjoint: {len(p['scans'])} scan(s), {p['nodes']} nodes, "
-                        f"shard_size={p['shard_size']} of T={p['steps']}; activations "
-                        f"<= {_mib(mem['autograd'])} -> ~{_mib(mem['sharded'])}")
-            r.bounds = list(p.get("bounds", []))
-            r.details.update({"region_call": name, "shard_size": p["shard_size"], "region_nodes": p["nodes"],
-                              "expected_memory_bytes": dict(mem)})
-    return made
+            p["bounds"] = bounds
+            result = Lowered(rewrite="adjoint", call=call.name, members=members, group=made, scans=len(p["scans"]),
+                             nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"],
+                             memory=dict(p["memory"]), bounds=list(bounds))
+            made += 1
+        for x in group:
+            done[x] = result
+    for i, s in scan_of.items():
+        out[i] = done.get(s, NotLowered("not lowered"))
+    return out

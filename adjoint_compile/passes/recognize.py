@@ -11,8 +11,11 @@ runs the matcher families, each in its own module, and fills in what ties their 
   and can be recomputed shard by shard, and the step-mixing ops that bound them; recurrences whose
   neighbourhoods join share a ``group`` id.
 
-It never mutates ``gm`` and never raises: a matcher that fails becomes a :class:`~adjoint_compile.regions.Rejection`
-with the reason. Every region comes back with ``rewrite="none"``; the lowering passes decide the rewrite.
+It runs once per graph, on the graph capture normalized (loops and scan ops already re-rolled into ``linear_scan``
+nodes whose provenance names the form the user wrote), so the records it returns are the ones the later stages
+decide on and lower. It never mutates ``gm`` and never raises: a matcher that fails becomes a
+:class:`~adjoint_compile.regions.Rejection` with the reason. Every region comes back undecided (``rewrite="none"``);
+passes/decide.py decides.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import networkx as nx
 import torch.fx as fx
 
 from ..options import Options
-from ..regions import Recurrence, Region, Rejection, ResidualChain
+from ..regions import PROVENANCE, Recurrence, Region, Rejection, ResidualChain
 from .affine import shape_of
 from .find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from .find_residuals import find_residuals
@@ -35,21 +38,25 @@ log = logging.getLogger(__name__)
 
 __all__ = ["recognize"]
 
-NOT_YET = "rewrite not implemented yet"
-
-
-def recognize(gm: fx.GraphModule, options: Options | None = None) -> tuple[list[Region], list[Rejection]]:
+def recognize(gm: fx.GraphModule, options: Options | None = None, *,
+              matched: tuple[list[Recurrence], list[Rejection]] | None = None) -> tuple[list[Region], list[Rejection]]:
     """All recurrences (in graph order) then all residual chains of ``gm``, and the rejected candidates.
 
     ``options`` is accepted for the pipeline's signature; recognition itself does not depend on the mode (what to
-    rewrite is the lowering passes' decision).
+    rewrite is passes/decide.py's decision). ``matched``: the recurrence matchers' results on this very graph,
+    when capture has them (:attr:`~adjoint_compile.passes.capture.Captured.matched`); they are not run again.
     """
     t0 = time.perf_counter()
     recurrences: list[Recurrence] = []
     chains: list[ResidualChain] = []
     rejections: list[Rejection] = []
-    for what, fn, out in (("scan nodes", find_recurrences, recurrences), ("unrolled loops", find_unrolled, recurrences),
-                          ("residual chains", find_residuals, chains)):
+    matchers = [("residual chains", find_residuals, chains)]
+    if matched is None:
+        matchers[:0] = [("scan nodes", find_recurrences, recurrences), ("unrolled loops", find_unrolled, recurrences)]
+    else:
+        recurrences += matched[0]
+        rejections += matched[1]
+    for what, fn, out in matchers:
         try:
             found, rejected = fn(gm)
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
@@ -65,13 +72,21 @@ def recognize(gm: fx.GraphModule, options: Options | None = None) -> tuple[list[
         log.debug("recognize: time-local analysis failed", exc_info=True)
         for r in recurrences:
             r.bounds = [("<graph>", f"time-local analysis failed: {type(e).__name__}: {e}")]
+    for r in recurrences:
+        r.not_rerolled = _not_rerolled(r)
     regions: list[Region] = [*recurrences, *chains]
-    for r in regions:
-        r.rewrite = "none"
-        r.reason = r.reason or NOT_YET
     log.debug("recognize: %d region(s), %d rejection(s) in %d nodes, %.3fs", len(regions), len(rejections),
               len(gm.graph.nodes), time.perf_counter() - t0)
     return regions, rejections
+
+
+def _not_rerolled(r: Recurrence) -> str | None:
+    """Why capture's reroll pass left this recurrence in its form, from the provenance it put on the nodes."""
+    for n in [*r.outputs, *r.nodes]:
+        prov = n.meta.get(PROVENANCE)
+        if isinstance(prov, dict) and prov.get("not_rerolled"):
+            return prov["not_rerolled"]
+    return None
 
 
 def _drop_time_chains(chains: list[ResidualChain], recs: list[Recurrence]) -> list[ResidualChain]:

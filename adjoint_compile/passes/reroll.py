@@ -28,13 +28,15 @@ and every former use of a per-step state (or of the scan op's outputs) reads fro
 * ``associative_scan`` with the linear combine: A and B are its leaves (a = 1 for a running sum); a running
   product leaf is ``linear_scan(a, 0, h0=1)``.
 
-Soft failure: a recurrence whose rewrite cannot be proven keeps its nodes untouched, ``region.reason`` says why,
-and the pass goes on with the next one. New nodes carry ``node.meta["adjoint_compile"] = {"pass": "reroll",
-"source": ..., "region": ...}``; :func:`~adjoint_compile.passes.find_recurrences.match_linear_scan` reads it back,
-so a re-recognized scan keeps its original ``source``.
+Soft failure: a recurrence whose rewrite cannot be proven keeps its nodes untouched, ``region.not_rerolled`` says
+why (also recorded on its anchor node as ``meta["adjoint_compile"] = {"pass": "reroll", "not_rerolled": why}``, so
+that recognition of the normalized graph can report it), and the pass goes on with the next one. New nodes carry
+``node.meta["adjoint_compile"] = {"pass": "reroll", "source": ..., "region": ...}``;
+:func:`~adjoint_compile.passes.find_recurrences.match_linear_scan` reads it back, so the scan is recognized under
+the capture form and the name the user wrote it with.
 
-Intended pipeline (exact mode): ``recognize -> reroll -> recognize again -> lower``
-(:func:`~adjoint_compile.passes.lower.lower_regions` does this).
+Part of the capture stage (:func:`~adjoint_compile.passes.capture.capture`): the graph is normalized once, before
+recognition runs on it.
 """
 from __future__ import annotations
 
@@ -627,7 +629,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
     n_c, n_x = len(init), len(xs)
     if len(phs) != n_c + n_x + len(add) or len(results) < n_c:
         raise _Unproven("the step sub-graph's signature does not match the scan's operands")
-    by_carry = {r.details.get("carry_index"): r for r in recs}
+    by_carry = {r.carry_index: r for r in recs}
     if sorted(k for k in by_carry if isinstance(k, int)) != list(range(n_c)):
         missing = [i for i in range(n_c) if i not in by_carry]
         raise _Unproven(f"carry {missing[0]} of the scan is not a linear recurrence; the op must stay")
@@ -697,7 +699,7 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
     if len(node.args) > 2 and list(node.args[2]):
         raise _Unproven("the associative_scan has additional inputs")
     items = _items(node)
-    leaf_of = {r.details.get("leaf"): r for r in recs}
+    leaf_of = {r.leaf: r for r in recs}
     # running-product leaves: a state leaf names its decay leaf in its a (a node among xs)
     decay = {xs.index(r.a) for r in recs if isinstance(r.a, fx.Node) and r.a in xs and r.b is not None}
     em = _Emit(gm, prov)
@@ -745,15 +747,15 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
         gm: a dynamo graph (torch-level, ``meta["example_value"]`` on every node), as recognition saw it.
         regions: recognition's records; those for which :func:`needs_reroll` is true are rewritten. On success a
             record gets ``details["rerolled_into"]`` (the linear_scan node's name) and ``details["reroll"]`` (how a
-            and b were computed: "batched", "stacked", "scan", "associative_scan"); on failure its ``reason`` says
-            why and the graph keeps its nodes.
+            and b were computed: "batched", "stacked", "scan", "associative_scan"), for reports; on failure
+            its ``not_rerolled`` says why (see :func:`_refuse`) and the graph keeps its nodes.
     """
     todo = [r for r in regions if needs_reroll(r)]
     if not todo:
         return []
     if _scan_op() is None:
         for r in todo:
-            r.reason = "not re-rolled: the linear_scan op (torch.ops.adjoint_compile.linear_scan) is not registered"
+            _refuse(r, "the linear_scan op (torch.ops.adjoint_compile.linear_scan) is not registered")
         log.info("reroll: the linear_scan op is not registered; %d recurrence(s) keep their form", len(todo))
         return []
     made: list[str] = []
@@ -765,7 +767,7 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
             continue
         op = next((n for n in r.nodes if n.op == "call_function" and n.target is not operator.getitem), None)
         if op is None:
-            r.reason = "not re-rolled: the record names no scan op"
+            _refuse(r, "the record names no scan op")
             continue
         ops.setdefault(op, []).append(r)
     changed = False
@@ -776,15 +778,15 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
                 raise _Unproven("the scan op is no longer in the graph")
             if recs[0].source == "scan":
                 Hs = _reroll_scan(gm, op, recs, prov)
-                pairs = [(r, Hs[r.details["carry_index"]]) for r in recs]
+                pairs = [(r, Hs[r.carry_index]) for r in recs]
                 new = Hs
             else:
                 by_leaf = _reroll_assoc(gm, op, recs, prov)
-                pairs = [(r, by_leaf.get(r.details.get("leaf"))) for r in recs]
+                pairs = [(r, by_leaf.get(r.leaf)) for r in recs]
                 new = list(by_leaf.values())
         except _Unproven as e:
             for r in recs:
-                r.reason = f"not re-rolled: {e}"
+                _refuse(r, str(e))
             log.info("reroll: %s %s keeps its form: %s", recs[0].source, op.name, e)
             continue
         changed = True
@@ -797,7 +799,7 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
         try:
             H, how = _reroll_unrolled(gm, r, prov)
         except _Unproven as e:
-            r.reason = f"not re-rolled: {e}"
+            _refuse(r, str(e))
             log.info("reroll: unrolled loop %s keeps its form: %s", r.name, e)
             continue
         changed = True
@@ -812,12 +814,18 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
     return made
 
 
+def _refuse(r: Recurrence, why: str) -> None:
+    """Record why ``r`` keeps its form, on the record and on its anchor nodes (recognition reads it back there)."""
+    r.not_rerolled = f"not re-rolled: {why}"
+    for n in [*r.outputs[-1:], *r.nodes[-1:]]:
+        if n.op != "placeholder":
+            n.meta[PROVENANCE] = {"pass": "reroll", **n.meta.get(PROVENANCE, {}), "not_rerolled": r.not_rerolled}
+
+
 def _done(pairs: list[tuple[Recurrence, fx.Node | None]], how: str) -> None:
     for r, H in pairs:
         if H is None:
-            r.reason = "re-rolled: its output was unused and is gone"
-            continue
+            continue  # its output was unused: the recurrence is gone with the op
         r.details["rerolled_into"] = H.name
         r.details["reroll"] = how
-        r.reason = f"re-rolled into linear_scan {H.name} ({how}); not lowered yet"
         log.info("reroll: %s %s -> linear_scan %s (%s, T=%s)", r.source, r.name, H.name, how, r.length)

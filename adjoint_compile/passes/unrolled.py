@@ -467,7 +467,7 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
         details["gated_because"] = form.reason
     details["template"] = "a and b name nodes of step 2 (the template step)"
     rec = Recurrence(
-        kind=kind, source="unrolled_loop", length=T, nodes=nodes, reason="rewrite not implemented yet",
+        kind=kind, source="unrolled_loop", length=T, nodes=nodes,
         name=states[-1].name, a=form.coef.node if form.coef is not None else None,
         b=form.offset.node if form.offset is not None else None, h0=h0 if isinstance(h0, fx.Node) else None,
         carry=c_prev, outputs=list(states), step_dim=0, details=details, reroll=reroll,

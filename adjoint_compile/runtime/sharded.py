@@ -35,6 +35,8 @@ from ..errors import UnsupportedRegion
 from ..passes.time_local import TimeLocalInfo, analyze, is_linear_scan, scan_args
 from .random import hashed_dropout
 
+from ..inner import compile_inner
+
 log = logging.getLogger(__name__)
 
 __all__ = ["default_shard_size", "make_sharded", "ShardedRegion", "verify_region"]
@@ -328,8 +330,6 @@ class _Plan:
         key = (L, grad, tuple(None if a is None else (grad and a.requires_grad) for a in args))
         fn = self.compiled.get(key)
         if fn is None:
-            from ..backend import compile_inner
-
             fn = self.compiled[key] = compile_inner(self.program(L), args, self.inner)
         return fn
 
@@ -408,8 +408,6 @@ class _Plan:
         log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
                   len(gm.graph.nodes))
         if fn is None:
-            from ..backend import compile_inner
-
             fn = compile_inner(gm, example, self.inner)
         if not any(unused):
             return fn

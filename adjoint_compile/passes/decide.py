@@ -1,0 +1,119 @@
+"""Stage 3 of the pipeline: decide, for every recognized region, which rewrite it gets and say why.
+
+The one writer of ``Region.rewrite`` and ``Region.reason`` (and of the report's ``group``/``bounds`` for lowered
+regions). Two steps around the lowering::
+
+    plans = plan(regions, options)            # (mode, kind) -> the rewrite to try, or why there is none
+    outcomes = lower(captured, regions, plans, options)      # passes/lower.py: Lowered | NotLowered per region
+    settle(regions, plans, outcomes)          # rewrite, reason, group, bounds, report details
+
+A new rewrite is a new lowering module plus an entry in :data:`TABLE`. Recognition's records arrive undecided;
+lowerings return typed outcomes (:class:`~adjoint_compile.regions.Lowered`,
+:class:`~adjoint_compile.regions.NotLowered`) and write nothing on the records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from ..options import Options
+from ..regions import Lowered, NotLowered, Region, Rewrite
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Plan", "TABLE", "plan", "settle", "mib"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The decision for one region before lowering: the rewrite to try ("none": keep ordinary autograd) and why."""
+
+    rewrite: Rewrite
+    reason: str = ""
+
+
+_NOT_YET = "mode={mode!r} is not implemented yet; the region keeps ordinary autograd"
+
+#: (mode, region kind) -> the rewrite to try, or the reason there is none (``{mode!r}`` is filled in).
+TABLE: dict[tuple[str, str], Plan] = {
+    ("exact", "linear_recurrence"): Plan("adjoint"),
+    ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
+                                                "adjoint-sharded rewrite yet; it keeps ordinary autograd"),
+    ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
+                                              "is Highway-BP (mode='highway', not implemented yet)"),
+    **{(mode, kind): Plan("none", _NOT_YET) for mode in ("truncated", "highway")
+       for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
+}
+
+#: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
+SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
+            "signatures; see the later compiled graphs)")
+
+
+def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | None = None) -> list[Plan]:
+    """One :class:`Plan` per region, from :data:`TABLE`.
+
+    ``specialize_limit``: the graph has symbolic sizes and is specialized per call (backend.py); its rewritable
+    regions are planned "none" here and say so.
+    """
+    plans = []
+    for r in regions:
+        p = TABLE.get((opts.mode, r.kind), Plan("none", f"no rewrite for a {r.kind} in mode={opts.mode!r}"))
+        p = dataclasses.replace(p, reason=p.reason.format(mode=opts.mode))
+        if p.rewrite != "none":
+            if getattr(r, "not_rerolled", None):
+                p = Plan("none", r.not_rerolled)
+            elif specialize_limit is not None:
+                p = Plan("none", SYMBOLIC.format(limit=specialize_limit))
+        plans.append(p)
+    return plans
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**17 else f"{n / 2**10:.0f} KiB"
+
+
+def _lowered_reason(r: Region, out: Lowered) -> str:
+    mem = out.memory
+    why = (f"sharded exact adjoint: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
+           f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
+    if getattr(r, "rerolled_from", None):
+        why += f" (re-rolled into {r.nodes[0].name})"
+    return why
+
+
+def settle(regions: Sequence[Region], plans: Sequence[Plan],
+           outcomes: Sequence[Lowered | NotLowered | None]) -> None:
+    """Write each region's decision: its plan, or for a region a lowering was tried on, the outcome.
+
+    Regions lowered into the same call share a ``group`` when the call holds more than one of them (numbered in
+    graph order); a residual chain whose nodes went into sharded regions says so (its own rewrite is Highway-BP).
+    """
+    calls = list(dict.fromkeys(o.call for o in outcomes if isinstance(o, Lowered)))
+    per_call = {c: sum(1 for o in outcomes if isinstance(o, Lowered) and o.call == c) for c in calls}
+    shared = [c for c in calls if per_call[c] > 1]
+    inside: set[str] = set().union(*(o.members for o in outcomes if isinstance(o, Lowered)))
+    for r, p, out in zip(regions, plans, outcomes):
+        if isinstance(out, Lowered):
+            r.rewrite, r.reason, r.bounds = out.rewrite, _lowered_reason(r, out), list(out.bounds)
+            if out.call in shared:
+                r.group = shared.index(out.call)
+            r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
+                              "expected_memory_bytes": dict(out.memory)})
+            continue
+        r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
+        if r.kind == "residual_chain" and calls and r.nodes:
+            _chain_inside(r, inside, calls)
+
+
+def _chain_inside(r: Region, inside: set[str], calls: list[str]) -> None:
+    n = sum(1 for x in r.nodes if x.name in inside)
+    where = ", ".join(calls)
+    if n == len(r.nodes):
+        r.reason = (f"all of its nodes run inside the sharded region ({where}), whose exact adjoint already carries "
+                    f"∂L/∂Y_k-1 through every layer; mode='highway' (not implemented yet) would rewrite the chain "
+                    f"itself")
+    elif n:
+        r.reason += f"; {n} of its {len(r.nodes)} nodes run inside sharded regions ({where})"
+    r.details["nodes_in_sharded_regions"] = n
