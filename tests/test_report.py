@@ -1,0 +1,88 @@
+"""``adjoint_compile.report(compiled)``: the records a compile made travel with the compiled callable, and they are
+the same records ``explain()`` shows and the lowering used."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import adjoint_compile as ac
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # NB: dynamo's graph-break continuations look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(report):
+    return [(r["kind"], r["source"], r["length"], r["rewrite"], r["group"], r["name"], r["reason"])
+            for r in report.to_dict()["regions"]]
+
+
+def test_report_of_a_compiled_model_equals_explain_and_names_the_lowered_calls():
+    ssm = _example("selective_ssm")
+    torch.manual_seed(0)
+    model = ssm.SSMStack(d_model=8, d_state=3, n_layers=2)
+    x = torch.randn(2, 24, 8)
+    opts = {"inner": "eager", "shard_size": 5}
+    f = torch.compile(model, backend="adjoint", options=opts)
+    assert ac.report(f).compiled == [] and ac.report(f).regions == []  # nothing compiled before the first call
+    f(x).sum().backward()
+    got = ac.report(f)
+    assert len(got.compiled) == 1 and got.options.shard_size == 5
+    (cg,) = got.compiled
+    lowered = [r for r in got.regions if r.rewrite == "adjoint"]
+    assert lowered and {r.details["region_call"] for r in lowered} == set(cg.lowered)
+    for call in cg.lowered:  # the calls the records name are in the graph that ran
+        assert call in {n.name for n in cg.captured.gm.graph.nodes}
+    want = ac.explain(model, x, options=opts)
+    assert _rows(got) == _rows(want)
+    assert str(got).splitlines()[1:] == str(want).splitlines()[1:]
+
+
+def test_report_follows_graph_breaks_and_new_sizes():
+    ssm = _example("selective_ssm")
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = ssm.SSMStack(d_model=8, d_state=3, n_layers=1), ssm.SSMStack(d_model=8, d_state=3,
+                                                                                          n_layers=1)
+
+        def forward(self, x):
+            y = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(y)
+
+    torch.manual_seed(0)
+    f = torch.compile(Broken(), backend="adjoint", options={"inner": "eager", "shard_size": 4}, dynamic=False)
+    f(torch.randn(2, 12, 8))
+    first = ac.report(f)
+    assert len(first.compiled) == 2 and sum(len(c.lowered) for c in first.compiled) == 2
+    f(torch.randn(2, 15, 8))  # a new length: two more graphs, listed after the first two
+    later = ac.report(f)
+    assert len(later.compiled) == 4 and later.compiled[:2] == first.compiled
+    assert [r.length for r in later.regions if r.kind == "linear_recurrence"][-2:] == [15, 15]
+
+
+def test_report_of_a_compiled_function():
+    def fn(a, b):
+        return ac.ops.linear_scan(a, b).sum(-1)
+
+    f = torch.compile(fn, backend="adjoint", options={"inner": "eager"})
+    f(torch.rand(2, 6, 3), torch.randn(2, 6, 3))
+    (r,) = ac.report(f).regions
+    assert (r.kind, r.source, r.length) == ("linear_recurrence", "linear_scan", 6)
+
+
+def test_report_refuses_what_torch_compile_did_not_make():
+    with pytest.raises(TypeError, match="torch.compile"):
+        ac.report(torch.nn.Linear(2, 2))
