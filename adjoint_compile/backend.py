@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
 from . import options as _options
 from .inner import compile_inner
@@ -202,8 +203,6 @@ def _log_decisions(result: CompiledGraph, opts: Options) -> None:
 def _register() -> None:
     # The entry point makes the name known without importing us; registering here as well covers
     # `import adjoint_compile` in an environment where the package is on sys.path but not installed.
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
-
     if "adjoint" not in _COMPILER_FNS and _BACKENDS.get("adjoint") is None:
         register_backend(name="adjoint")(adjoint_backend)
 

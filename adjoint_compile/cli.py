@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .explain import Report, explain
+
 log = logging.getLogger(__name__)
 
 __all__ = ["main", "parse_input", "load_factory", "dump"]
@@ -128,14 +130,12 @@ def load_factory(spec: str) -> Any:
     raise ValueError(f"model {spec!r}: {attr} must be an nn.Module or a factory returning one (or a function)")
 
 
-def _report(args: argparse.Namespace):
-    import adjoint_compile
-
+def _report(args: argparse.Namespace) -> Report:
     torch.manual_seed(args.seed)
     model = load_factory(args.model)
     inputs = [parse_input(s) for s in args.input]
     options = json.loads(args.options) if args.options else None
-    return adjoint_compile.explain(model, *inputs, options=options)
+    return explain(model, *inputs, options=options)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        from . import demo
+        from . import demo  # NB: on demand: the demo pulls in matplotlib and the benchmark helpers
 
         return int(demo.main(argv[1:]) or 0)
     args = _parser().parse_args(argv)

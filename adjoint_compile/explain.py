@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
@@ -168,8 +169,6 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     ``__wrapped__`` set) and each graph break's continuation as a global ``__resume_at_*`` function; its cache entries
     for a code object list the names its transformed bytecode uses.
     """
-    from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
-
     if isinstance(compiled_model, OptimizedModule):
         root = inspect.unwrap(compiled_model._orig_mod.forward)
     elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):

@@ -20,12 +20,10 @@ and each specialization is captured again. Recognition then runs once on the nor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .graph_utils import is_linear_scan
@@ -39,7 +37,7 @@ from .unrolled import find_unrolled
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Captured", "capture", "is_tensor_node"]
+__all__ = ["Captured", "capture", "match_recurrences"]
 
 
 @dataclasses.dataclass
@@ -56,25 +54,6 @@ class Captured:
     #: the recurrence matchers' results on the graph, when normalization left it as it was (recognition reuses
     #: them instead of matching again); None when the graph changed.
     matched: tuple[list[Recurrence], list[Rejection]] | None = dataclasses.field(default=None, repr=False)
-
-    @functools.cached_property
-    def placeholders(self) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-
-    def example_value(self, node: fx.Node) -> Any:
-        """The FakeTensor (or Python value) dynamo recorded for ``node``; None when unknown."""
-        return node.meta.get("example_value", node.meta.get("val"))
-
-    def nx(self):
-        """The graph as a networkx DiGraph over node names (edges: producer -> user)."""
-        import networkx as nx
-
-        g = nx.DiGraph()
-        for n in self.gm.graph.nodes:
-            g.add_node(n.name, op=n.op, target=str(n.target))
-            for user in n.users:
-                g.add_edge(n.name, user.name)
-        return g
 
 
 def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
@@ -109,7 +88,3 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured
-
-
-def is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
