@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+# everything but the tests marked slow (those that compile with inductor); `make test` still runs them all
+test-fast: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(PY) benchmarks/scan.py

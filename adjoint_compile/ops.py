@@ -19,6 +19,9 @@ Ops (the contract other passes code against):
 
 Both have fake implementations that allocate contiguous outputs of the input's shape, so dynamo and
 aot_autograd keep them whole and symbolic shapes are not specialised.
+
+torch.func: both ops have vmap rules (one scan over the batch); under torch.func transforms :func:`linear_scan`
+applies ``_ScanFn``, the same autograd formula as an autograd.Function torch.func accepts (see the note there).
 """
 from __future__ import annotations
 
@@ -97,13 +100,97 @@ def _backward(ctx, grad):
 _linear_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# torch.func (grad, vjp, vmap, jacrev)
+#
+# NB: register_autograd (torch <= 2.13) wraps the formula above in a generated legacy autograd.Function
+# (forward(ctx, ...), no setup_context), and autograd.Function.apply refuses such a Function whenever a torch.func
+# transform is active: grad / vjp / jacrev of the op raise "it must override the setup_context staticmethod"
+# (pytorch/pytorch#168393, #170834). An Autograd kernel of our own cannot fix it: torch.func handles an
+# autograd.Function above the dispatcher, so one applied from inside an Autograd kernel finds no functorch rule.
+# So under torch.func transforms `linear_scan` applies _ScanFn, the same formula as a torch.func-style
+# autograd.Function, whose forward / backward call the two ops; vmap goes to the ops' batching rules below (one
+# scan of the whole batch, not a loop over examples). Elsewhere (plain autograd, torch.compile) the op is called
+# directly, so graphs keep their single node.
+# --------------------------------------------------------------------------------------------------------------
+def _batch_first(x: Optional[Tensor], bdim: Optional[int], n: int) -> Optional[Tensor]:
+    """x with the vmapped dim first: moved there, or (x not vmapped) broadcast to ``[n, *x.shape]`` (a view)."""
+    if x is None:
+        return None
+    return x.expand(n, *x.shape) if bdim is None else x.movedim(bdim, 0)
+
+
+@_linear_scan.register_vmap
+def _linear_scan_vmap(info, in_dims, a, b, h0, dim, reverse, window, impl):
+    """Batching rule: per example, a scan along ``dim`` of ``[...]``; batched, one scan along ``dim + 1`` of
+    ``[n, ...]`` (inputs that are not vmapped are broadcast)."""
+    a, b, h0 = (_batch_first(x, d, info.batch_size) for x, d in zip((a, b, h0), in_dims[:3]))
+    d = dim % (a.ndim - 1) + 1
+    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, d, reverse, window, impl), 0
+
+
+@_linear_scan_backward.register_vmap
+def _linear_scan_backward_vmap(info, in_dims, grad, a, b, h0, h, dim, reverse, window, impl, b_dtype):
+    """Batching rule of the backward (vmap of grad, jacrev's vmap over cotangents): one batched backward scan."""
+    grad, a, b, h0, h = (_batch_first(x, d, info.batch_size) for x, d in zip((grad, a, b, h0, h), in_dims[:5]))
+    d = dim % (a.ndim - 1) + 1
+    out = torch.ops.adjoint_compile.linear_scan_backward.default(grad, a, b, h0, h, d, reverse, window, impl,
+                                                                  b_dtype)
+    return out, (0, 0, 0)
+
+
+class _ScanFn(torch.autograd.Function):
+    """``linear_scan`` under torch.func: h = scan(a, b, h0); (∂a, ∂b, ∂h0) = ``linear_scan_backward``.
+
+    The same contract as the op's registered autograd (:func:`_setup_context`, :func:`_backward`), in the form
+    torch.func accepts (forward without ctx, setup_context); vmap of forward and backward is generated, i.e. the
+    ops' batching rules.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, h0, dim, reverse, window, impl):
+        return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse, window, impl)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, h0, h = ctx.saved_tensors
+        dim, reverse, window, impl, b_dtype = ctx.args
+        # NB: through _ScanBackwardFn, not the op: torch.func.grad differentiates with create_graph=True, and the
+        # op's generated autograd would refuse the transform just like the forward's
+        ga, gb, gh0 = _ScanBackwardFn.apply(grad, a, b, h0, h, dim, reverse, window, impl, b_dtype)
+        return ga, gb, (gh0 if ctx.has_h0 else None), None, None, None, None
+
+
+class _ScanBackwardFn(torch.autograd.Function):
+    """``linear_scan_backward`` under torch.func; it has no derivative (double backward raises when reached)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return torch.ops.adjoint_compile.linear_scan_backward.default(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("linear_scan: double backward (a derivative of linear_scan_backward) is not supported")
+
+
 def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1, reverse: bool = False,
                 window: int | None = None, impl: str | None = None) -> Tensor:
     """First-order linear scan along ``dim``, as one graph node (``torch.ops.adjoint_compile.linear_scan``).
 
     Forward: h_t = a_t ⊙ h_{t-1} + b_t (h_{-1} = h0). ``reverse``: h_t = a_t ⊙ h_{t+1} + b_t (h_T = h0).
     ``window=W``: h_t = Σ_{i=t-W+1..t} (Π_{j=i+1..t} a_j) ⊙ b_i with h0 the input at index -1 (mirrored for
-    reverse); computed without subtracting long scans. Differentiable in a, b and h0.
+    reverse); computed without subtracting long scans. Differentiable in a, b and h0; composes with torch.func
+    (grad, vjp, jacrev; vmap as one scan of the batch); no forward mode, no double backward.
 
     Args:
         a, b: same shape ``[..., T, ...]``, floating point (fp32 / bf16 / fp16 / fp64), any strides; T steps
@@ -158,4 +245,7 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
                              f"got {tuple(h0.shape)}")
         if h0.device != a.device:
             raise ValueError(f"linear_scan: h0 must be on a's device {a.device}, got {h0.device}")
+    # under torch.func the op's own autograd is refused (note above); dynamo must see the op itself (one node)
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        return _ScanFn.apply(a, b, h0, d, reverse, window, impl)
     return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, d, reverse, window, impl)

@@ -40,6 +40,7 @@ def test_a_shard_gets_the_slice_of_the_full_mask(d):
         assert torch.equal(part, full.narrow(d, t0, L))
 
 
+@pytest.mark.slow
 def test_inductor_computes_the_same_mask():
     x, seed, t0 = torch.randn(2, 5, 8), torch.tensor(99), torch.tensor(10)
     f = lambda x, seed, t0: hashed_dropout(x, 0.3, True, seed, t0, 1, 37)  # noqa: E731

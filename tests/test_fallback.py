@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import adjoint_compile  # noqa: F401  (registers nothing we rely on: the entry point does; see test_entry_point)
 
-INNERS = ["eager", "aot_eager", "inductor"]
+INNERS = ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
 
 class MLP(nn.Module):
@@ -87,6 +87,7 @@ def test_same_outputs_and_grads_as_inner_compiler_alone(case, inner):
             torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_plain_eager_numerically(case):
     """Also against no compiler at all (loose tolerance: inductor may reorder float math)."""

@@ -364,7 +364,7 @@ def test_one_node_in_forward_and_backward_graphs():
     assert count(bw[0], torch.ops.adjoint_compile.linear_scan.default) == 0
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_matches_eager(backend):
     a, b, h0 = _inputs((2, 9, 3), 1, torch.float32)
     want = torch.autograd.grad(_model(a, b, h0), [a, b, h0])

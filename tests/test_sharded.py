@@ -372,7 +372,7 @@ def test_default_shard_size_keeps_enough_work_per_shard():
     assert default_shard_size(1, 10) == 1
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_shard_programs_compiled_by_the_inner_compiler_match_autograd(inner):
     """The compiled shard programs (forward, and recompute + VJP in backward) against plain autograd."""
     case = stack_case(2, 11, torch.float32, True)

@@ -43,30 +43,58 @@ def _add(x, y):
 
 
 @triton.jit
+def _program_rows(N2, R, BLOCK_R: tl.constexpr):
+    """This program's (n1, n2) and its BLOCK_R channels: (i1, i2, r, rmask), int64 offsets."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return pid // N2, pid % N2, r, r < R
+
+
+@triton.jit
+def _row(X, i1, i2, r, s1, s2, sr):
+    """Pointers to the channels r of row (i1, i2) of X (step 0 for [N1, N2, T, R] tensors)."""
+    return X + i1 * s1 + i2 * s2 + r * sr
+
+
+@triton.jit
+def _load_state(H0, i1, i2, r, rmask, s1, s2, sr,
+                HAS_H0: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The state h0 of row (i1, i2) in ACC, or zeros without h0."""
+    if HAS_H0:
+        h0 = tl.load(_row(H0, i1, i2, r, s1, s2, sr), mask=rmask, other=0.0).to(ACC)
+    else:
+        h0 = tl.full([BLOCK_R], 0, dtype=ACC)
+    return h0
+
+
+@triton.jit
+def _visit(i, T, LAST_FIRST: tl.constexpr):
+    """The i-th step visited, int64, and the visiting direction dt: (T-1-i, -1) from the last step, else (i, +1)."""
+    if LAST_FIRST:
+        t = tl.cast(T - 1 - i, tl.int64)
+        dt = -1
+    else:
+        t = tl.cast(i, tl.int64)
+        dt = 1
+    return t, dt
+
+
+@triton.jit
 def _scan_kernel(A, B, H0, OUT, N2, T, R,
                  sa1, sa2, sat, sar, sb1, sb2, sbt, sbr, so1, so2, sot, sor, sh1, sh2, shr,
                  HAS_H0: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, TILED: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i1 = pid // N2
-    i2 = pid % N2
-    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < R
-    pa = A + i1 * sa1 + i2 * sa2 + r * sar
-    pb = B + i1 * sb1 + i2 * sb2 + r * sbr
-    po = OUT + i1 * so1 + i2 * so2 + r * sor
-    if HAS_H0:
-        carry = tl.load(H0 + i1 * sh1 + i2 * sh2 + r * shr, mask=rmask, other=0.0).to(ACC)
-    else:
-        carry = tl.full([BLOCK_R], 0, dtype=ACC)
+    i1, i2, r, rmask = _program_rows(N2, R, BLOCK_R)
+    pa = _row(A, i1, i2, r, sa1, sa2, sar)
+    pb = _row(B, i1, i2, r, sb1, sb2, sbr)
+    po = _row(OUT, i1, i2, r, so1, so2, sor)
+    # the state carried between tiles / steps starts at h0
+    carry = _load_state(H0, i1, i2, r, rmask, sh1, sh2, shr, HAS_H0, ACC, BLOCK_R)
     if TILED:
         k = tl.arange(0, BLOCK_T)
         for start in range(0, T, BLOCK_T):
             kk = start + k
-            if REVERSE:
-                t = (T - 1 - kk).to(tl.int64)
-            else:
-                t = kk.to(tl.int64)
+            t, _ = _visit(kk, T, REVERSE)
             m = (kk < T)[:, None] & rmask[None, :]
             # padding rows are the identity (a=1, b=0) and come last in scan order: the last row is the state
             a = tl.load(pa[None, :] + t[:, None] * sat, mask=m, other=1.0).to(ACC)
@@ -77,10 +105,7 @@ def _scan_kernel(A, B, H0, OUT, N2, T, R,
             carry = tl.reduce(tl.where((k == BLOCK_T - 1)[:, None], h, 0.0), 0, _add)
     else:
         for i in range(0, T):
-            if REVERSE:
-                t = (T - 1 - i).to(tl.int64)
-            else:
-                t = tl.cast(i, tl.int64)
+            t, _ = _visit(i, T, REVERSE)
             a = tl.load(pa + t * sat, mask=rmask, other=1.0).to(ACC)
             b = tl.load(pb + t * sbt, mask=rmask, other=0.0).to(ACC)
             carry = a * carry + b
@@ -93,20 +118,14 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
                      sga1, sga2, sgat, sgar, sgb1, sgb2, sgbt, sgbr, sgh1, sgh2, sghr, first_off,
                      HAS_H0: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, TILED: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i1 = pid // N2
-    i2 = pid % N2
-    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < R
-    pg = G + i1 * sg1 + i2 * sg2 + r * sgr
-    pa = A + i1 * sa1 + i2 * sa2 + r * sar
-    ph = H + i1 * sh1 + i2 * sh2 + r * shr
-    pga = GA + i1 * sga1 + i2 * sga2 + r * sgar
-    pgb = GB + i1 * sgb1 + i2 * sgb2 + r * sgbr
-    if HAS_H0:
-        h0 = tl.load(H0 + i1 * s01 + i2 * s02 + r * s0r, mask=rmask, other=0.0).to(ACC)
-    else:
-        h0 = tl.full([BLOCK_R], 0, dtype=ACC)
+    i1, i2, r, rmask = _program_rows(N2, R, BLOCK_R)
+    h0 = _load_state(H0, i1, i2, r, rmask, s01, s02, s0r, HAS_H0, ACC, BLOCK_R)
+    pg = _row(G, i1, i2, r, sg1, sg2, sgr)
+    pa = _row(A, i1, i2, r, sa1, sa2, sar)
+    ph = _row(H, i1, i2, r, sh1, sh2, shr)
+    pga = _row(GA, i1, i2, r, sga1, sga2, sgar)
+    pgb = _row(GB, i1, i2, r, sgb1, sgb2, sgbr)
+    # the adjoint state μ carried between tiles / steps, and μ at the forward order's first step (for ∂h0)
     carry = tl.full([BLOCK_R], 0, dtype=ACC)
     mu_first = tl.full([BLOCK_R], 0, dtype=ACC)
     if TILED:
@@ -114,14 +133,9 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
         for start in range(0, T, BLOCK_T):
             kk = start + k
             # the adjoint visits the forward order backwards; nxt / prv: the forward order's next / previous step
-            if REVERSE:
-                t = kk.to(tl.int64)
-                nxt = t - 1
-                prv = t + 1
-            else:
-                t = (T - 1 - kk).to(tl.int64)
-                nxt = t + 1
-                prv = t - 1
+            t, dt = _visit(kk, T, not REVERSE)
+            nxt = t - dt
+            prv = t + dt
             valid = kk < T
             m = valid[:, None] & rmask[None, :]
             mn = (valid & (nxt >= 0) & (nxt < T))[:, None] & rmask[None, :]
@@ -140,12 +154,8 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
         # a_next: a at the forward order's next step (0 past the end), kept from the previous iteration
         an = tl.full([BLOCK_R], 0, dtype=ACC)
         for i in range(0, T):
-            if REVERSE:
-                t = tl.cast(i, tl.int64)
-                prv = t + 1
-            else:
-                t = (T - 1 - i).to(tl.int64)
-                prv = t - 1
+            t, dt = _visit(i, T, not REVERSE)
+            prv = t + dt
             g = tl.load(pg + t * sgt, mask=rmask, other=0.0).to(ACC)
             carry = an * carry + g
             # NB: the mask is built from a vector: the interpreter rejects vector & scalar int1 masks
@@ -159,7 +169,7 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
         mu_first = carry
     # first_off: offset of the forward order's first step (0, or (T-1)·stride for reverse), int64 from the host
     a_first = tl.load(pa + first_off, mask=rmask, other=0.0).to(ACC)
-    tl.store(GH0 + i1 * sgh1 + i2 * sgh2 + r * sghr, (a_first * mu_first).to(GH0.dtype.element_ty), mask=rmask)
+    tl.store(_row(GH0, i1, i2, r, sgh1, sgh2, sghr), (a_first * mu_first).to(GH0.dtype.element_ty), mask=rmask)
 
 
 # --------------------------------------------------------------------------------------------------------------
