@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from . import options as _options
+from .inner import compile_inner
 from .options import Options
 from .passes.capture import Captured, capture
 from .regions import Region, Rejection
@@ -74,21 +75,6 @@ def stitch(captured: Captured, lowered: list[str], opts: Options) -> Callable[..
     from .passes.partition import stitch_partitions
 
     return stitch_partitions(captured.gm, lowered, opts.inner)
-
-
-def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
-    """Compile ``gm`` with the inner compiler named by the ``inner`` option."""
-    if inner == "eager":
-        return gm.forward
-    if inner == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, list(example_inputs))
-    if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, list(example_inputs))
-    raise AssertionError(f"inner={inner!r} should have been rejected by options.validate")
 
 
 #: distinct call signatures a graph with symbolic sizes is specialized to (like dynamo's recompile limit); later

@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from ..inner import compile_inner
+
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +50,6 @@ class _LazyInner(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if self._compiled is None:
-            from ..backend import compile_inner
-
             self._compiled = compile_inner(self.gm, list(args), self.inner)
         out = self._compiled(*args)
         return out[0] if self._unwrap else out
