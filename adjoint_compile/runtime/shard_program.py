@@ -352,7 +352,8 @@ class ShardProgram:
     def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any],
             first_shard: bool, t0: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The L-step program on shard inputs ``xs`` and ``carries`` (per scan, None: zeros): (outputs, final
-        states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first step."""
+        states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first
+        step."""
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
         args = [*xs, *carries, *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)

@@ -32,6 +32,8 @@ __all__ = ["MIN_SHARD_ELEMENTS", "default_shard_size", "make_sharded", "ShardedR
 
 
 class _ShardedFn(torch.autograd.Function):
+    """``apply(prog, *inputs)``: the exact sweep over a prepared :class:`ShardProgram` (module docstring)."""
+
     @staticmethod
     def forward(ctx: Any, prog: ShardProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         T, bounds = prog.T, prog.bounds()
