@@ -1,6 +1,13 @@
-"""The inner compiler: what compiles everything the backend does not rewrite (the ``inner`` option).
+"""The inner compiler: what compiles the parts of a graph that are not rewritten, and the shard programs.
 
-A leaf module (it imports torch only), so that every stage and the runtime can compile with it.
+``compile_inner(gm, example_inputs, inner)`` returns a callable equivalent to ``gm.forward``:
+
+    "eager"      gm.forward itself (FX code, no compilation)
+    "aot_eager"  dynamo's aot_eager backend (aot_autograd tracing, eager kernels)
+    "inductor"   torch._inductor.compile_fx
+
+A leaf module (it imports torch only), so every stage of the pipeline and every runtime can use it without
+importing a later stage.  ``inner`` has been validated by :mod:`adjoint_compile.options` before it gets here.
 """
 from __future__ import annotations
 
@@ -8,20 +15,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
+from torch._dynamo.backends.registry import lookup_backend
 
 __all__ = ["compile_inner"]
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
-    """Compile ``gm`` with the inner compiler named by the ``inner`` option ("eager", "aot_eager", "inductor")."""
+    """Compile ``gm`` with the inner compiler named by the ``inner`` option."""
     if inner == "eager":
         return gm.forward
     if inner == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
-
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     if inner == "inductor":
-        # NB: imported on first use: inductor's import costs seconds, and eager/aot_eager users never need it
+        # NB: imported on first use: loading inductor costs seconds, and eager/aot_eager users never need it
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, list(example_inputs))

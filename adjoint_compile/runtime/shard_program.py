@@ -1,0 +1,453 @@
+"""Shard programs: a time-local region (a stack of linear scans joined by ops that act on each step on its own)
+cut to L steps, checked, compiled and cached — the layer every sharded runtime (the exact sweep in
+:mod:`.sharded`, and the truncated, Highway-BP and sequence-parallel sweeps) runs on.
+
+Let the region map step-carrying inputs x_{1..T} (and step-free inputs θ, e.g. parameters) to outputs y_{1..T},
+with K scans h^k_t = a^k_t ⊙ h^k_{t-1} + b^k_t inside.  Given the states h^k_{s-1} before a shard's first step,
+the steps [s, s+L) are a closed computation
+
+    (y_{s..s+L-1}, h^k_{s+L-1}) = F_L(x_{s..s+L-1}, θ, h^k_{s-1})
+
+and :meth:`ShardProgram.program` is F_L as an FX graph::
+
+    (region inputs, each step-carrying one sliced to L steps at its step dim,
+     carry_0..carry_{K-1}          the state before the shard, scan k's state shape (its output without the step dim),
+                                   or None for the sequence's h0 = zeros,
+     prev_0..prev_{J-1}            per previous-state readout cat([first, h^k[:, :-1]]): the carry of scan k,
+                                   or None in the sequence's first shard (the readout then gives its own ``first``),
+     [step_offset])                the shard's first step s as an int64 scalar, only when the region has hashed
+                                   dropouts (their masks are a function of each element's position in the full tensor)
+    -> (outputs, each with L steps at its step dim, ..., final state of scan 0, ..., of scan K-1)
+
+Region graphs come from dynamo with literal sizes: view/reshape/expand arguments equal to T at the step position
+are rewritten to L, and the L-step program is run on fake tensors node by node: every node must have its
+full-length shape with L at its step dim.  Anything that cannot be proven raises
+:class:`~adjoint_compile.errors.UnsupportedRegion`.
+
+Compiled callables (the forward, and recompute + VJP traced as one program) are cached per shard length, call
+pattern (grad mode, requires_grad, which cotangents and carries are present, first shard or not) and device, so a
+runtime may call :meth:`~ShardProgram.run` and :meth:`~ShardProgram.vjp` once per shard without recompiling.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..errors import UnsupportedRegion
+from ..inner import compile_inner
+from ..passes.time_local import TimeLocalInfo, analyze, is_linear_scan, scan_args
+from .random import hashed_dropout
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size"]
+
+_SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
+
+
+#: below this many state elements per shard (one scan's state times the shard's steps) a shard's fixed cost (two
+#: compiled program calls and a dozen scan calls, ~3 ms on 2 CPU cores) is a visible share of its work: measured on a
+#: 4-layer SSM stack at T = 8192 with 512 state elements per step, 0.41 s a step with 128-step shards, 0.30 s with
+#: 256, 0.25-0.30 s with 512 (plain compile: 0.22-0.26 s).
+MIN_SHARD_ELEMENTS = 2**18
+
+
+def default_shard_size(T: int, step_elements: int = 0) -> int:
+    """Steps per shard when ``options.shard_size`` is None: ``max(⌈√T⌉, ⌈MIN_SHARD_ELEMENTS / step_elements⌉)``,
+    at most T.
+
+    Memory is (T/S) saved boundary states + one shard's recomputed activations (S steps); with both per-step costs
+    of the same order, S = √T minimizes the sum (and the number of sequential shard VJPs stays √T).  Shards are
+    made at least ``MIN_SHARD_ELEMENTS / step_elements`` steps long (``step_elements``: the largest scan state's
+    elements per step) so that each shard has enough work to amortize per-op overhead; one shard's memory is then
+    still bounded by a constant, independent of T.
+    """
+    if not isinstance(T, int) or T < 1:
+        raise ValueError(f"T={T!r}: expected a number of steps >= 1")
+    S = max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
+    if step_elements > 0:
+        S = max(S, -(-MIN_SHARD_ELEMENTS // step_elements))
+    return min(S, T)
+
+
+def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:
+    """The step before a shard's first one in a previous-state readout: the carried state, or ``first`` in the
+    sequence's first shard (where the readout gives its own ``first``)."""
+    return first if prev is None else prev.unsqueeze(d).to(first.dtype)
+
+
+def _ev(n: fx.Node) -> Any:
+    return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _h0_index(node: fx.Node) -> int | None:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = t.default
+    names = [a.name for a in t._schema.arguments] if isinstance(t, torch._ops.OpOverload) else None
+    return names.index("h0") if names and "h0" in names else 2
+
+
+def _devices(args: Sequence[Any]) -> tuple:
+    return tuple(a.device for a in args if isinstance(a, torch.Tensor))
+
+
+def _layout(key: tuple) -> tuple:
+    """A :meth:`ShardProgram.prepare` key without the devices: what the compiled callables depend on besides the
+    device, which their own keys hold."""
+    return tuple(x[:2] if isinstance(x, tuple) else x for x in key)
+
+
+class ShardProgram:
+    """The region graph as shard programs: (shard inputs, carries, prev readouts, [step offset]) -> (outputs,
+    final states), specialized per shard length L, checked, compiled by ``inner`` and cached (module docstring).
+
+    Args:
+        region_gm: placeholders are the region's inputs; the output is a tensor or a tuple of tensors; it contains
+            one or more forward ``linear_scan`` calls (window None) whose h0 is None or a region input.
+        in_step_dims: per input, the dim of its step axis (length T), or None for step-free inputs (parameters,
+            h0) that every shard uses whole.
+        out_step_dims: per output, the dim of its step axis (checked against the analysis), or None to infer.
+        inner: the compiler for the shard programs (:func:`~adjoint_compile.inner.compile_inner`'s names);
+            "eager" runs the forward as FX code.
+
+    Call :meth:`prepare` with the full-length inputs (real or fake) first; it sets ``T``, ``shard_size``,
+    ``out_step_dims``, ``scan_dims`` and ``carry_shapes``.  Then, for a shard [s, s+L): :meth:`shard_inputs`
+    slices the inputs, :meth:`initial_carries` gives the first shard's carries, :meth:`run` is the forward and
+    :meth:`vjp` one recompute + VJP.  ``h0_input[k]`` is the region input holding scan k's h0 (None: zeros).
+    """
+
+    def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
+                 out_step_dims: Sequence[int | None] | None = None, inner: str = "eager") -> None:
+        self.region_gm = region_gm
+        self.inner = inner
+        #: compiled forwards, keyed by (L, devices, grad mode, per-argument requires_grad); see :meth:`_callable`
+        self.compiled: dict[tuple, Any] = {}
+        #: recompute + VJP programs, keyed by (L, devices, call pattern); see :meth:`vjp`
+        self.vjps: dict[tuple, Any] = {}
+        self.placeholders = [n for n in region_gm.graph.nodes if n.op == "placeholder"]
+        if len(in_step_dims) != len(self.placeholders):
+            raise ValueError(f"in_step_dims: {len(in_step_dims)} entries for {len(self.placeholders)} region inputs")
+        self.in_step_dims = list(in_step_dims)
+        if all(d is None for d in self.in_step_dims):
+            raise ValueError("in_step_dims: no input carries the step axis")
+        outs = next(n for n in region_gm.graph.nodes if n.op == "output").args[0]
+        self.single_output = not isinstance(outs, (tuple, list))
+        self.out_nodes = [outs] if self.single_output else list(outs)
+        self.out_step_dims_given = None if out_step_dims is None else list(out_step_dims)
+        self.scans = [n for n in region_gm.graph.nodes if n.op == "call_function" and is_linear_scan(n)]
+        if not self.scans:
+            raise UnsupportedRegion("the region has no linear_scan")
+        self.h0_input: list[int | None] = []
+        for s in self.scans:
+            a = scan_args(s)
+            if a["reverse"]:
+                raise UnsupportedRegion(f"scan {s.name} is a reverse scan; shards sweep left to right")
+            if a["window"] is not None:
+                raise UnsupportedRegion(f"scan {s.name} has window={a['window']}; exact sharding needs window=None")
+            h0 = a["h0"]
+            if h0 is None:
+                self.h0_input.append(None)
+            elif isinstance(h0, fx.Node) and h0.op == "placeholder":
+                self.h0_input.append(self.placeholders.index(h0))
+            else:
+                raise UnsupportedRegion(f"scan {s.name}: h0 must be None or an input of the region")
+        self.specialized: dict[int, fx.GraphModule] = {}
+        self.prepared_for: tuple | None = None
+        #: hashed dropouts (runtime/random.py): their masks depend on each element's global step, so shard programs
+        #: take the shard's first step as one more input
+        self.random = [n for n in region_gm.graph.nodes if n.op == "call_function" and n.target is hashed_dropout]
+
+    # ---------------------------------------------------------------------------------------------- preparation
+
+    def prepare(self, inputs: Sequence[Any], shard_size: int | None) -> int:
+        """Propagate (fake) full-length shapes, analyse the step axis, check that the region is time-local, choose
+        the shard size (``shard_size``, or :func:`default_shard_size` when None) and build and check the programs
+        for the shard lengths it gives.  Returns the shard size.  A no-op for the inputs' layout of the last call."""
+        key = (shard_size, *((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+                             for x in inputs))
+        if self.prepared_for == key:
+            return self.shard_size
+        if len(inputs) != len(self.placeholders):
+            raise ValueError(f"expected {len(self.placeholders)} region inputs, got {len(inputs)}")
+        Ts = {x.shape[d] for x, d in zip(inputs, self.in_step_dims) if d is not None}
+        if len(Ts) != 1:
+            raise ValueError(f"the step-carrying inputs disagree on the number of steps: {sorted(Ts)}")
+        self.T = Ts.pop()
+        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [self._mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+        FakeTensorProp(self.region_gm, self._mode).propagate_dont_convert_inputs(*fakes)
+        seeds = {p: d for p, d in zip(self.placeholders, self.in_step_dims) if d is not None}
+        for s in self.scans:
+            seeds[s] = scan_args(s)["dim"]
+        info = analyze(self.region_gm, seeds)
+        for n in self.region_gm.graph.nodes:
+            if n in info.mixing and n.op != "placeholder":
+                raise UnsupportedRegion(f"node {n.name} mixes steps: {info.mixing[n]}")
+        self.info: TimeLocalInfo = info
+        #: for each previous-state readout, the index of the scan whose carry it reads in later shards
+        self.shift_scans = [self.scans.index(sh.scan) for sh in info.shifts.values()]
+        self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
+        for n, d in zip(self.out_nodes, self.out_step_dims):
+            if d is None:
+                raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis")
+        if self.out_step_dims_given is not None and [
+            None if d is None else d % len(_ev(n).shape) for n, d in zip(self.out_nodes, self.out_step_dims_given)
+        ] != self.out_step_dims:
+            raise ValueError(f"out_step_dims={self.out_step_dims_given} but the region's outputs carry the step axis "
+                             f"at {self.out_step_dims}")
+        self.scan_dims = [info.step_dim[s] for s in self.scans]
+        self.carry_shapes = []
+        for s, d in zip(self.scans, self.scan_dims):
+            shp = list(_ev(s).shape)
+            del shp[d]
+            self.carry_shapes.append(tuple(shp))
+        self.shard_size = shard_size or default_shard_size(self.T, max(math.prod(c) for c in self.carry_shapes))
+        self.specialized = {}
+        # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
+        # alternating between two devices compiles twice, not on every switch
+        if self.prepared_for is None or _layout(self.prepared_for) != _layout(key):
+            self.compiled, self.vjps = {}, {}
+        self.prepared_for = key
+        # build and check the programs for the lengths this T needs now, so that problems surface up front
+        for L in {min(self.shard_size, self.T), self.T % self.shard_size or min(self.shard_size, self.T)}:
+            self.program(L)
+        return self.shard_size
+
+    def program(self, L: int) -> fx.GraphModule:
+        """The shard program for shards of L steps (built once per L, checked with fake tensors)."""
+        gm = self.specialized.get(L)
+        if gm is None:
+            if self.prepared_for is None:
+                raise RuntimeError("ShardProgram.program: call prepare(inputs, shard_size) first")
+            if not 1 <= L <= self.T:
+                raise ValueError(f"L={L}: a shard has 1 to T={self.T} steps")
+            gm, env = self._build(L)
+            self._check(gm, env, L)
+            self.specialized[L] = gm
+        return gm
+
+    def _build(self, L: int) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in self.placeholders:
+            env[n] = g.node_copy(n, env.__getitem__)
+        carries = [g.placeholder(f"carry_{k}") for k in range(len(self.scans))]
+        shifts = list(self.info.shifts.items())
+        prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
+        t0 = g.placeholder("step_offset") if self.random else None
+        for n in self.region_gm.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            new = g.node_copy(n, env.__getitem__)
+            env[n] = new
+            if n in self.info.shifts:
+                sh = self.info.shifts[n]
+                with g.inserting_before(new):
+                    head = g.call_function(_prev_or_first, (prevs[shifts.index((n, sh))], env[sh.first], sh.dim))
+                new.args = ([head, env[sh.sliced]], *new.args[1:])
+            if n in self.random:
+                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None): place it in the sequence
+                a = list(new.args) + [None] * (7 - len(new.args))
+                a[4], a[5], a[6] = t0, self.info.step_dim[n], self.T
+                new.args, new.kwargs = tuple(a), {}
+            if n.op in ("call_method", "call_function") and L != self.T:
+                self._rewrite_lengths(n, new, L)
+        for k, s in enumerate(self.scans):
+            new, i = env[s], _h0_index(s)
+            if len(new.args) > i:
+                new.args = (*new.args[:i], carries[k], *new.args[i + 1:])
+            else:
+                new.kwargs = {**new.kwargs, "h0": carries[k]}
+        finals = [g.call_function(torch.select, (env[s], d, -1)) for s, d in zip(self.scans, self.scan_dims)]
+        g.output(tuple(env[n] for n in self.out_nodes) + tuple(finals))
+        return fx.GraphModule(self.region_gm, g), env
+
+    def _rewrite_lengths(self, n: fx.Node, new: fx.Node, L: int) -> None:
+        """Shape arguments holding T at the step position become L (dynamo bakes literal sizes into the graph)."""
+        d = self.info.step_dim.get(n)
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if n.op == "call_function" and n.target not in (torch.reshape, torch.broadcast_to):
+            name = ""  # only these take a shape as a function; the checked run below catches anything else
+        if name not in _SHAPE_ARG_METHODS or d is None:
+            return
+        if n.op == "call_method":
+            rest = list(n.args[1:])
+            packed = len(rest) == 1 and isinstance(rest[0], (list, tuple))
+            sizes = list(rest[0]) if packed else rest
+        else:
+            packed, sizes = True, list(n.args[1])
+        if any(isinstance(v, fx.Node) for v in sizes) or "shape" in n.kwargs or "size" in n.kwargs:
+            raise UnsupportedRegion(f"node {n.name}: shape computed at run time ({sizes}); cannot shard it")
+        if len(sizes) != len(_ev(n).shape):
+            raise UnsupportedRegion(f"node {n.name}: cannot read its shape arguments {sizes}")
+        if sizes[d] == -1:
+            return
+        if sizes[d] != self.T:
+            raise UnsupportedRegion(f"node {n.name}: size {sizes[d]} at the step position, expected T={self.T}")
+        sizes[d] = L
+        if n.op == "call_method":
+            new.args = (new.args[0], tuple(sizes)) if packed else (new.args[0], *sizes)
+        else:
+            new.args = (new.args[0], tuple(sizes), *new.args[2:])
+
+    def _check(self, gm: fx.GraphModule, env: dict[fx.Node, fx.Node], L: int) -> None:
+        """Run the shard program on fake tensors; every node must have its full-length shape with L at the step dim."""
+        args = []
+        with self._mode:
+            for p, d in zip(self.placeholders, self.in_step_dims):
+                v = _ev(p)
+                shp = list(v.shape)
+                if d is not None:
+                    shp[d] = L
+                args.append(torch.empty(shp, dtype=v.dtype, device=v.device))
+            for s, shp in zip(self.scans, self.carry_shapes):
+                args.append(torch.empty(shp, dtype=_ev(s).dtype, device=_ev(s).device))
+            args += [args[len(self.placeholders) + k] for k in self.shift_scans]
+            if self.random:
+                args.append(torch.zeros((), dtype=torch.int64))
+        try:
+            FakeTensorProp(gm, self._mode).propagate_dont_convert_inputs(*args)
+        except Exception as e:  # noqa: BLE001 - any failure means the program is not proven
+            raise UnsupportedRegion(f"the {L}-step shard program does not run: {type(e).__name__}: {e}") from e
+        for n, new in env.items():
+            v, w = _ev(n), _ev(new)
+            if not isinstance(v, torch.Tensor):
+                continue
+            want = list(v.shape)
+            d = self.info.step_dim.get(n)
+            if d is not None:
+                want[d] = L - 1 if any(sh.sliced is n for sh in self.info.shifts.values()) else L
+            if not isinstance(w, torch.Tensor) or list(w.shape) != want:
+                got = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+                raise UnsupportedRegion(f"node {n.name}: shape {got} in the {L}-step shard program, expected {want} "
+                                        f"(a literal length that is not at the step position?)")
+
+    # --------------------------------------------------------------------------------------------------- running
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """The shards [s, e) of the prepared T and shard size, left to right (the last one may be shorter)."""
+        return [(s, min(s + self.shard_size, self.T)) for s in range(0, self.T, self.shard_size)]
+
+    def initial_carries(self, inputs: Sequence[Any]) -> list[Any]:
+        """The first shard's carries: per scan, its h0 input, or None (zeros)."""
+        return [None if i is None else inputs[i] for i in self.h0_input]
+
+    def shard_inputs(self, inputs: Sequence[Any], s: int, L: int) -> list[Any]:
+        """The region inputs for steps [s, s+L): step-carrying ones sliced, step-free ones whole.
+
+        NB: contiguous: ops on a strided time slice take slow paths (F.linear on a narrow()ed [B, L, D]: ~10x
+        slower), and compiled programs are specialized to their example inputs' strides.
+        """
+        return [x if d is None else x.narrow(d, s, L).contiguous() for x, d in zip(inputs, self.in_step_dims)]
+
+    def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any],
+            first_shard: bool, t0: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The L-step program on shard inputs ``xs`` and ``carries`` (per scan, None: zeros): (outputs, final
+        states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first
+        step."""
+        prevs = [None if first_shard else carries[k] for k in self.shift_scans]
+        args = [*xs, *carries, *prevs, *self._offset(t0)]
+        res = self._callable(L, args)(*args)
+        n = len(self.out_nodes)
+        return list(res[:n]), list(res[n:])
+
+    def _callable(self, L: int, args: list[Any]) -> Any:
+        """The shard program for L steps, compiled by the inner compiler on first use for this call pattern.
+
+        NB: keyed by grad mode and each argument's requires_grad (None for an absent h0): an aot_autograd function
+        compiled for inputs that did not require grad would silently return no gradient for them later.
+        """
+        if self.inner == "eager":
+            return self.program(L)
+        grad = torch.is_grad_enabled()
+        key = (L, _devices(args), grad, tuple(None if a is None else (grad and a.requires_grad) for a in args))
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = compile_inner(self.program(L), args, self.inner)
+        return fn
+
+    def _offset(self, t0: int) -> list[torch.Tensor]:
+        return [torch.tensor(t0, dtype=torch.int64)] if self.random else []
+
+    def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
+            gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool],
+            t0: int = 0) -> tuple[list[Any], list[Any]]:
+        """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
+        and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs ``xs`` (those
+        with ``needs_x``) and the carries (those with ``needs_c``).
+
+        Returns (per input: its grad or None, per scan: the grad of its carry or None). The program is traced once
+        per call pattern (make_fx over recompute + ``autograd.grad``: forward and backward ops in one aten graph)
+        and compiled by the inner compiler, so a shard costs one call instead of a compiled forward, a compiled
+        backward and an autograd-engine pass between them.
+        """
+        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and isinstance(x, torch.Tensor)]
+        wrt_c = [j for j, n in enumerate(needs_c) if n]
+        has_g = tuple(g is not None for g in gouts)
+        has_a = tuple(a is not None for a in adjs)
+        has_c = tuple(c is not None for c in carries)
+        gx, gc = [None] * len(xs), [None] * len(carries)
+        if not (wrt_x or wrt_c) or not (any(has_g) or any(has_a)):
+            return gx, gc
+        args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
+                *(a for a in adjs if a is not None), *self._offset(t0)]
+        # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
+        key = (L, _devices(args), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
+        fn = self.vjps.get(key)
+        if fn is None:
+            fn = self.vjps[key] = self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args)
+        got = fn(*args)
+        for i, g in zip(wrt_x, got[: len(wrt_x)]):
+            gx[i] = g
+        for j, g in zip(wrt_c, got[len(wrt_x):]):
+            gc[j] = g
+        return gx, gc
+
+    def _build_vjp(self, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[int], has_g: tuple,
+                   has_a: tuple, has_c: tuple, example: list[Any]) -> Any:
+        prog = self.program(L)
+        n_x = len(self.placeholders)
+        n_c = sum(has_c)
+        offset = [None] if self.random else []
+        unused: list[bool] = []
+
+        def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            it = iter(flat[n_x + n_c: len(flat) - len(offset)])
+            gos = [next(it) if h else None for h in has_g]
+            adjs = [next(it) if h else None for h in has_a]
+            with torch.enable_grad():
+                xs = [x.detach().requires_grad_(i in wrt_x) for i, x in enumerate(flat[:n_x])]
+                ci = iter(flat[n_x: n_x + n_c])
+                cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
+                prevs = [None if first_shard else cs[k] for k in self.shift_scans]
+                res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):])
+                outs, cots = [], []
+                for y, g in zip(res, [*gos, *adjs]):
+                    if g is not None and y.requires_grad:
+                        outs.append(y)
+                        cots.append(g)
+                wrt = [xs[i] for i in wrt_x] + [cs[j] for j in wrt_c]
+                got = (torch.autograd.grad(outs, wrt, cots, allow_unused=True) if outs
+                       else [None] * len(wrt))
+            # NB: zeros for inputs the outputs do not depend on (the compiled program returns tensors only); the
+            # caller gets None for them, as from autograd
+            unused[:] = [g is None for g in got]
+            return tuple(torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt))
+
+        gm = make_fx(joint, tracing_mode="fake")(*example)
+        gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
+        log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
+                  len(gm.graph.nodes))
+        fn = gm if self.inner == "eager" else compile_inner(gm, example, self.inner)
+        if not any(unused):
+            return fn
+        return lambda *a: [None if u else g for g, u in zip(fn(*a), unused)]
