@@ -143,8 +143,6 @@ class Lowered:
     call: str
     #: the nodes the call took over (names, in the graph before lowering), e.g. for chains that run inside it.
     members: frozenset[str]
-    #: index of the lowered region among this graph's calls (the report's group).
-    group: int
     scans: int = 0
     nodes: int = 0
     shard_size: int | None = None

@@ -204,7 +204,6 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
             out[i] = NotLowered(why)
         return out
     done: dict[fx.Node, Lowered | NotLowered] = {}
-    made = 0
     for s in scans:
         if s in done:
             continue
@@ -221,10 +220,9 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         else:
             p = call.meta[PROVENANCE]
             p["bounds"] = bounds
-            result = Lowered(rewrite="adjoint", call=call.name, members=members, group=made, scans=len(p["scans"]),
+            result = Lowered(rewrite="adjoint", call=call.name, members=members, scans=len(p["scans"]),
                              nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"],
                              memory=dict(p["memory"]), bounds=list(bounds))
-            made += 1
         for x in group:
             done[x] = result
     for i, s in scan_of.items():
