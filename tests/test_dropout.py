@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adjoint_compile.backend import HISTORY
-from adjoint_compile.runtime.random import hashed_dropout, new_seed
+from adjoint_compile.kernels.random import hashed_dropout, new_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import selective_ssm  # noqa: E402

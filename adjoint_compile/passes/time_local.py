@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..runtime.random import hashed_dropout
+from ..kernels.random import hashed_dropout
 from .graph_utils import callables_named, is_linear_scan, scan_args
 
 log = logging.getLogger(__name__)
