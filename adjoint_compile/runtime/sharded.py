@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..analysis.fx import is_linear_scan, scan_args
+from ..analysis.time_local import TimeLocalInfo, analyze
 from ..errors import UnsupportedRegion
-from ..passes.time_local import TimeLocalInfo, analyze, is_linear_scan, scan_args
 from ..kernels.random import hashed_dropout
 
 log = logging.getLogger(__name__)
