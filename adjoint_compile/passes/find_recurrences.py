@@ -5,7 +5,7 @@ and ``associative_scan`` with the linear combine.
   construction; a, b, h0 are its arguments.
 * ``torch.ops.higher_order.scan(combine_fn, init, xs, additional_inputs)``: the step sub-graph ``combine_fn``
   takes ``(*carries, *x_slices, *additional)`` and returns ``[*new_carries, *ys]``; each new carry is classified
-  by :func:`~adjoint_compile.passes.affine.classify_update` as linear (a ⊙ h + b, a and b free of every carry),
+  by :func:`~adjoint_compile.analysis.affine.classify_update` as linear (a ⊙ h + b, a and b free of every carry),
   gated (z1 ⊙ h + z2 with z depending on a carry) or general (rejected, with the reason).
 * ``torch.ops.higher_order.associative_scan(combine_fn, xs, additional_inputs)``: ``combine_fn(*x, *y)`` must
   be the linear-recurrence combine ``(x_a·y_a, y_a·x_b + y_b)`` (any operand order), which is the only form that
