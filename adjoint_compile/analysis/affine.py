@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .fx import shape
+from .fx import hinted_shape
 from .optable import op_name
 
 log = logging.getLogger(__name__)
@@ -360,7 +360,7 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
         return UpdateForm(
             "general", reason=f"not linear in the carry: it passes through {what} at node {culprit.name} "
                               f"(a general nonlinear recurrence)", where=culprit.name)
-    sn, sc = shape(new), shape(carry)
+    sn, sc = hinted_shape(new), hinted_shape(carry)
     if sn is not None and sc is not None and sn != sc:
         return UpdateForm("general", reason=f"the new state's shape {list(sn)} differs from the carry's {list(sc)}",
                           where=new.name)

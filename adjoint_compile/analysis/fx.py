@@ -2,6 +2,7 @@
 example values and shapes (symbolic-safe), reachability and convexity of node sets, a stable topological sort."""
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -11,7 +12,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "nodes_in",
+    "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named",
 ]
 
@@ -99,27 +100,37 @@ def example_value(n: Any) -> Any:
     return n.meta.get("example_value", n.meta.get("val"))
 
 
-def size(x: Any) -> Any:
-    """An int, or for a symbolic size (dynamic shapes) its sympy expression.
+def size(x: Any, hint: bool = False) -> Any:
+    """An int, or for a symbolic size (dynamic shapes) its sympy expression; with ``hint``, the size dynamo traced
+    with (None when it has none).
 
-    NB: comparing SymInts would install guards in dynamo's shape environment; sympy expressions compare
-    structurally and never guard, so an analysis stays a pure read of the graph.
+    NB: comparing SymInts (or ``int()`` of one) would install guards in dynamo's shape environment; sympy
+    expressions compare structurally and hints are plain ints, so an analysis stays a pure read of the graph.
     """
     if isinstance(x, torch.SymInt):
+        if hint:
+            return x.node.hint
         expr = x.node.expr
         return int(expr) if expr.is_number else expr
     return x
 
 
-def shape(n: Any, first_of_tuple: bool = False) -> tuple[Any, ...] | None:
-    """The shape of ``n``'s example value, each size an int or (symbolic) a sympy expression (see :func:`size`);
-    None for a non-tensor value. ``first_of_tuple``: a tuple of tensors (split, max(dim)) has its first one's."""
+def shape(n: Any, first_of_tuple: bool = False, hint: bool = False) -> tuple[Any, ...] | None:
+    """The shape of ``n``'s example value, each size as :func:`size` gives it; None for a non-tensor value (or,
+    with ``hint``, a size without a hint). ``first_of_tuple``: a tuple of tensors (split, max(dim)) has its first
+    one's."""
     v = example_value(n)
     if first_of_tuple and isinstance(v, (tuple, list)) and v and all(isinstance(x, torch.Tensor) for x in v):
         v = v[0]
-    if isinstance(v, torch.Tensor):
-        return tuple(size(x) for x in v.shape)
-    return None
+    if not isinstance(v, torch.Tensor):
+        return None
+    out = tuple(size(x, hint) for x in v.shape)
+    return None if hint and any(x is None for x in out) else out
+
+
+#: shapes with the sizes dynamo traced with: recognition reads a symbolic graph only to decide whether to
+#: specialize it per call (passes/specialize.py), and reports lengths as numbers.
+hinted_shape = functools.partial(shape, hint=True)
 
 
 def nodes_in(x: Any) -> list[fx.Node]:

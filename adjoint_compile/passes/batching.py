@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..analysis import optable as ops
 from ..analysis.affine import Atom, Const, Expr, Prod, Quot, Sum, UpdateForm
-from ..analysis.fx import example_value, shape
+from ..analysis.fx import example_value, hinted_shape
 from ..regions import PROVENANCE
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,8 @@ class Batcher:
         args = fx.node.map_arg(v.args, self.memo.__getitem__) if v.all_input_nodes else v.args
         kwargs = fx.node.map_arg(v.kwargs, self.memo.__getitem__) if v.all_input_nodes else v.kwargs
         res = self._emit(v, name, args, kwargs)
-        want = shape(v)
-        got = shape(res.node)
+        want = hinted_shape(v)
+        got = hinted_shape(res.node)
         if want is not None and got is not None and got != ((self.T,) + want if res.batched else want):
             raise Unproven(f"batched {v.name} has shape {list(got)}, expected {[self.T, *want]}")
         self.memo[v] = res
@@ -313,7 +313,7 @@ def full_steps(b: Batcher, v: Value | None, state: tuple[int, ...], like: fx.Nod
     node = v.node
     if not v.batched:
         node = em(torch.unsqueeze, (node, 0))
-    if shape(node) != (T, *state):
+    if hinted_shape(node) != (T, *state):
         node = em("expand", (node, T, *state), method=True)
     return node
 
@@ -332,7 +332,7 @@ def initial_state(em: Emitter, h0: Any, state: tuple[int, ...]) -> Any:
         return None
     if not isinstance(h0, fx.Node) or not isinstance(example_value(h0), torch.Tensor):
         raise Unproven(f"the initial state {h0!r} is not a tensor in the graph")
-    if shape(h0) != state:
+    if hinted_shape(h0) != state:
         h0 = em("expand", (h0, *state), method=True)
     return h0
 

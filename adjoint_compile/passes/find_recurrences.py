@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.affine import Atom, Const, NotAffine, UpdateForm, affine, classify_update
-from ..analysis.fx import is_linear_scan, scan_args, shape
+from ..analysis.fx import hinted_shape, is_linear_scan, scan_args
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.optable import fn_name, op_name
 from ..regions import PROVENANCE, Recurrence, Rejection
@@ -75,7 +75,7 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     if not is_linear_scan(node):
         return None
     a = scan_args(node)
-    shp = shape(node)
+    shp = hinted_shape(node)
     dim = a["dim"]
     if shp is None or not isinstance(dim, int) or not -len(shp) <= dim < len(shp):
         return None
@@ -139,8 +139,8 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
     reach = forward_reach(list(carries))
     depends = reach.__contains__
     length = None
-    if xs and shape(xs[0]):
-        length = shape(xs[0])[0]
+    if xs and hinted_shape(xs[0]):
+        length = hinted_shape(xs[0])[0]
     dims = [_user_dim(x) for x in xs]
     reverse = bool(dims) and all(r for _, r in dims)
     user_dim = dims[0][0] if dims and len({d for d, _ in dims}) == 1 else None
@@ -242,7 +242,7 @@ def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recu
         if j != "one" and j not in decay:
             return [], [Rejection("linear_recurrence", node.name,
                                   f"combine: leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
-    length = shape(xs[0])[0] if shape(xs[0]) else None
+    length = hinted_shape(xs[0])[0] if hinted_shape(xs[0]) else None
     items = _getitems(node)
     regions = []
     leaves = sorted(state) if state else sorted(decay)

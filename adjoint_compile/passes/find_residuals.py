@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..analysis import optable as ops
 from ..analysis.affine import Atom, Const, NotAffine, affine
-from ..analysis.fx import bfs_inputs, shape
+from ..analysis.fx import bfs_inputs, hinted_shape
 from ..analysis.optable import name_of as _name
 from ..analysis.optable import op_name, target_key
 from ..regions import Rejection, ResidualChain, ResidualLayer
@@ -71,7 +71,7 @@ def _inner(a: fx.Node) -> bool:
 
 
 def _numel(n: Any) -> int | None:
-    s = shape(n)
+    s = hinted_shape(n)
     if s is None:
         return None
     k = 1
@@ -90,11 +90,11 @@ def find_residuals(gm: fx.GraphModule) -> tuple[list[ResidualChain], list[Reject
     for s in nodes:
         if s.op not in ("call_function", "call_method") or op_name(s) not in ops.SUM_OPS:
             continue
-        shp = shape(s)
+        shp = hinted_shape(s)
         if shp is None:
             continue
         inner, atoms = _expansion(s)
-        xs = [a for a in atoms if shape(a) == shp and a.op != "get_attr"]
+        xs = [a for a in atoms if hinted_shape(a) == shp and a.op != "get_attr"]
         if len(atoms) < 2 or not xs:
             continue
         cands[s] = (inner, atoms, xs)

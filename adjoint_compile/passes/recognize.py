@@ -25,7 +25,7 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
-from ..analysis.fx import shape
+from ..analysis.fx import hinted_shape
 from ..analysis.grow import region_around
 from ..analysis.time_local import analyze
 from ..options import Options
@@ -104,7 +104,7 @@ def _anchors(r: Recurrence) -> tuple[list[tuple[fx.Node, int]], list[tuple[fx.No
 
 
 def _has_len(n: fx.Node, T: int | None) -> bool:
-    s = shape(n)
+    s = hinted_shape(n)
     return bool(s) and T is not None and s[0] == T
 
 
@@ -122,7 +122,7 @@ def _sources(inputs: list[tuple[fx.Node, int]], T: int) -> dict[fx.Node, int]:
         seen.add(n)
         if n.op == "placeholder":
             tgt = str(n.target)
-            s = shape(n)
+            s = hinted_shape(n)
             if s is None or "parameters" in tgt or "buffers" in tgt:
                 continue
             dims = [i for i, k in enumerate(s) if k == T]

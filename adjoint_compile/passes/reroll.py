@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.affine import classify_update
-from ..analysis.fx import example_value, shape
+from ..analysis.fx import example_value, hinted_shape
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.fx import stable_toposort as _toposort
 from ..regions import Recurrence, Region
@@ -99,9 +99,9 @@ def _slice_seq(b: Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) ->
     elif fname == "select" and x.get("index_position") == 0:
         src = slot.args[0]
         dim = slot.args[1] if len(slot.args) > 1 else slot.kwargs.get("dim")
-    if not isinstance(src, fx.Node) or not isinstance(dim, int) or shape(src) is None:
+    if not isinstance(src, fx.Node) or not isinstance(dim, int) or hinted_shape(src) is None:
         raise _Unproven(f"slice {slot.name} is not x[..., t, ...], select or an unbind item")
-    size = shape(src)
+    size = hinted_shape(src)
     dim = dim % len(size)
     n = size[dim]
     start = start + n if start < 0 else start
@@ -169,7 +169,7 @@ def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
     first = 1 if matched else 2
     b = Batcher(em, T, {}, inside.__contains__, lambda v: pos.get(v, len(pos)) < loop_start and v not in slots)
     b.lazy = {n: (lambda n=n, x=x: _slice_seq(b, n, x, first)) for n, x in slots.items()}
-    state = shape(tmpl_new)
+    state = hinted_shape(tmpl_new)
     return coefficients(b, form, state)
 
 
@@ -177,7 +177,7 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
                       h0: fx.Node) -> tuple[fx.Node, fx.Node]:
     """A and B as stacks of the per-step a_k, b_k, each from the affine expansion of h_k in h_{k-1}."""
     T = len(states)
-    state = shape(states[-1])
+    state = hinted_shape(states[-1])
     chain = forward_reach([h0, *states]).__contains__
     b = Batcher(em, T, {}, lambda v: False, lambda v: not chain(v))
     a_k, b_k = [], []
@@ -191,7 +191,7 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
         like = s
         for v, out in ((a, a_k), (bb, b_k)):
             if isinstance(v.node, fx.Node):
-                out.append(v.node if shape(v.node) == state else em("expand", (v.node, *state), method=True))
+                out.append(v.node if hinted_shape(v.node) == state else em("expand", (v.node, *state), method=True))
             else:
                 out.append(em(torch.full_like, (like, v.node)))
     return em(torch.stack, (a_k, 0)), em(torch.stack, (b_k, 0))
@@ -199,7 +199,7 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
 
 def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) -> tuple[fx.Node, str]:
     states, h0, by_name, pos = _loop(gm, r)
-    T, state = len(states), shape(states[-1])
+    T, state = len(states), hinted_shape(states[-1])
     dtype = example_value(states[-1]).dtype
     if state is None:
         raise _Unproven("the state has no static shape")
@@ -230,7 +230,7 @@ def _commit_states(gm: fx.GraphModule, em: Emitter, H: fx.Node, states: list[fx.
         if u.op == "call_function" and u.target is torch.stack and u.args and list(u.args[0]) == states:
             d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
             if isinstance(d, int):
-                nd = len(shape(states[-1])) + 1
+                nd = len(hinted_shape(states[-1])) + 1
                 mv = em(torch.movedim, (H, 0, d % nd))
                 u.replace_all_uses_with(mv)
                 gm.graph.erase_node(u)
@@ -285,9 +285,9 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
     if sorted(k for k in by_carry if isinstance(k, int)) != list(range(n_c)):
         missing = [i for i in range(n_c) if i not in by_carry]
         raise _Unproven(f"carry {missing[0]} of the scan is not a linear recurrence; the op must stay")
-    if not xs or shape(xs[0]) is None:
+    if not xs or hinted_shape(xs[0]) is None:
         raise _Unproven("the scan has no sequence input with a static length")
-    T = shape(xs[0])[0]
+    T = hinted_shape(xs[0])[0]
     items = _items(node)
     carries, news, ys = phs[:n_c], results[:n_c], results[n_c:]
     with Emitter(gm, prov) as em:  # NB: an unproven rewrite takes back every node it made
@@ -304,7 +304,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
             form = classify_update(new, carries[i], depends)
             if form.kind != "linear":
                 raise _Unproven(f"carry {i}: {form.reason or form.kind}")
-            state = shape(init[i])
+            state = hinted_shape(init[i])
             if state is None:
                 raise _Unproven(f"carry {i} has no static shape")
             A_full, B_full = coefficients(b, form, state)
@@ -313,9 +313,9 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
         b.memo.update({news[i]: Value(Hs[i], True) for i in range(n_c)})
         for i in range(n_c):
             if carries[i] not in b.memo and any(k - n_c >= 0 for k in items):
-                prev = em(torch.cat, ([em(torch.unsqueeze, (initial_state(em, init[i], shape(init[i])), 0)),
+                prev = em(torch.cat, ([em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0)),
                                        em(torch.narrow, (Hs[i], 0, 0, T - 1))], 0)) if T > 1 else \
-                    em(torch.unsqueeze, (initial_state(em, init[i], shape(init[i])), 0))
+                    em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0))
                 b.memo[carries[i]] = Value(prev, True)
         repl: dict[fx.Node, fx.Node] = {}
         for k, users in items.items():
@@ -328,7 +328,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
                 raise _Unproven(f"output {k} of the scan is not a graph value")
             v = b.value(y)
             if not v.batched:
-                v = Value(em("expand", (em(torch.unsqueeze, (v.node, 0)), T, *shape(v.node)), method=True), True)
+                v = Value(em("expand", (em(torch.unsqueeze, (v.node, 0)), T, *hinted_shape(v.node)), method=True), True)
             repl.update({u: v.node for u in users})
     _replace_uses(repl)
     return Hs
@@ -350,7 +350,7 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
     with Emitter(gm, prov) as em:
         for k, users in sorted(items.items()):
             out = users[0]
-            state_full = shape(out)
+            state_full = hinted_shape(out)
             if state_full is None or not state_full:
                 raise _Unproven(f"output {k} has no static shape")
             T, state = state_full[0], state_full[1:]

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from ..analysis import optable as ops
 from ..analysis.affine import NotAffine, affine, classify_update
-from ..analysis.fx import bfs_inputs, shape
+from ..analysis.fx import bfs_inputs, hinted_shape
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.labels import index_kind, node_args, node_label
 from ..analysis.optable import fn_name as _fname
@@ -107,15 +107,15 @@ def _general_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
 
 def _same_op(s: fx.Node, ctx: _Ctx) -> Callable[[fx.Node], bool]:
     """Whether a node is an op like ``s``: same label (op and constants), same shape."""
-    lab, shp = ctx.label(s), shape(s)
-    return lambda a: a.op in ("call_function", "call_method") and ctx.label(a) == lab and shape(a) == shp
+    lab, shp = ctx.label(s), hinted_shape(s)
+    return lambda a: a.op in ("call_function", "call_method") and ctx.label(a) == lab and hinted_shape(a) == shp
 
 
 def _chains(ctx: _Ctx) -> list[tuple[list[fx.Node], str]]:
     """Chains of states c_1 → … → c_m (m >= 2) with the kind of their links ("affine" or "general")."""
     links: dict[fx.Node, tuple[fx.Node, str]] = {}
     for s in ctx.nodes:
-        if s.op not in ("call_function", "call_method") or shape(s) is None:
+        if s.op not in ("call_function", "call_method") or hinted_shape(s) is None:
             continue
         name = op_name(s)
         p, kind = None, ""
