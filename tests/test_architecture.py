@@ -15,12 +15,12 @@ PKG = ROOT / "adjoint_compile"
 
 #: the pipeline's stages in order (DESIGN.md §2); a module may import its own stage or an earlier one.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "options", "regions", "inner", "ops", "kernels", "kernels.*", "analysis", "analysis.*")),
+    ("foundation", ("errors", "options", "regions", "inner", "ops", "kernels", "kernels.*")),
+    ("analysis", ("analysis", "analysis.*")),
     ("runtime", ("runtime", "runtime.*")),
     # NB: the matchers are pure functions from a graph to typed records: capture uses the recurrence matchers to
     # find what to re-roll, recognition runs them all on the normalized graph
-    ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals", "passes.affine",
-                  "passes.graph_utils", "passes.time_local")),
+    ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals")),
     ("capture", ("passes.capture", "passes.reroll", "passes.batching", "passes.canonical_shifts",
                  "passes.seeded_dropout", "passes.specialize")),
     ("recognize", ("passes.recognize",)),

@@ -1,5 +1,5 @@
 """Dropout inside a sharded region: masks that are a hash of (seed, position), so a shard's recomputation sees the
-forward's mask (runtime/random.py, passes/seeded_dropout.py)."""
+forward's mask (kernels/random.py, passes/seeded_dropout.py)."""
 import sys
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adjoint_compile as ac
-from adjoint_compile.runtime.random import hashed_dropout, new_seed
+from adjoint_compile.kernels.random import hashed_dropout, new_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import selective_ssm  # noqa: E402

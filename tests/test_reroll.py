@@ -2,7 +2,6 @@
 outputs and gradients equal plain eager autograd; gated / nonlinear twins stay untouched."""
 from __future__ import annotations
 
-import operator
 
 import pytest
 import torch

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 import adjoint_compile.ops as ac_ops
 from adjoint_compile.passes.lower_adjoint import outline
-from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_scan, region_around
+from adjoint_compile.analysis.fx import is_linear_scan
+from adjoint_compile.analysis.grow import infer_seeds, region_around
+from adjoint_compile.analysis.time_local import analyze
 from adjoint_compile.runtime.shard_program import ShardProgram, default_shard_size
 from helpers import grab_graph
 

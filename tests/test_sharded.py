@@ -14,7 +14,9 @@ from adjoint_compile.errors import UnsupportedRegion
 from adjoint_compile.passes import decide
 from adjoint_compile.passes.lower import lowered_calls
 from adjoint_compile.passes.lower_adjoint import lower_recurrences, lower_region, outline
-from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_scan, region_around
+from adjoint_compile.analysis.fx import is_linear_scan
+from adjoint_compile.analysis.grow import infer_seeds, region_around
+from adjoint_compile.analysis.time_local import analyze
 from adjoint_compile.options import Options
 from adjoint_compile.regions import PROVENANCE, Recurrence
 from adjoint_compile.runtime.sharded import ShardedRegion, default_shard_size, make_sharded, verify_region

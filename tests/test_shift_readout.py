@@ -4,7 +4,9 @@ import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
-from adjoint_compile.passes.time_local import analyze, infer_seeds, is_linear_scan
+from adjoint_compile.analysis.fx import is_linear_scan
+from adjoint_compile.analysis.grow import infer_seeds
+from adjoint_compile.analysis.time_local import analyze
 from helpers import trace
 
 B, D = 2, 5

@@ -1,4 +1,4 @@
-"""Step-dim propagation (passes/time_local.py) on toy dynamo graphs: every positive case has a negative twin."""
+"""Step-dim propagation (analysis/time_local.py) on toy dynamo graphs: every positive case has a negative twin."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import adjoint_compile.ops as ac_ops
-from adjoint_compile.passes.time_local import analyze, is_linear_scan, region_around, scan_args
+from adjoint_compile.analysis.fx import is_linear_scan, scan_args
+from adjoint_compile.analysis.grow import region_around
+from adjoint_compile.analysis.time_local import analyze
 from helpers import trace
 
 B, T, D = 2, 5, 6

@@ -31,17 +31,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..analysis.fx import example_value as _ev
+from ..analysis.fx import is_linear_scan, scan_args
+from ..analysis.time_local import drops_last_step
 from ..regions import PROVENANCE
-from .graph_utils import is_linear_scan, scan_args
-from .time_local import drops_last_step
 
 log = logging.getLogger(__name__)
 
 __all__ = ["canonicalize_shifts"]
-
-
-def _ev(n: fx.Node):
-    return n.meta.get("example_value", n.meta.get("val"))
 
 
 def _pad_spec(node: fx.Node) -> tuple[fx.Node, list[int], float] | None:

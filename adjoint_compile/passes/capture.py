@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .graph_utils import is_linear_scan
+from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences

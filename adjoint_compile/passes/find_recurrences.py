@@ -5,7 +5,7 @@ and ``associative_scan`` with the linear combine.
   construction; a, b, h0 are its arguments.
 * ``torch.ops.higher_order.scan(combine_fn, init, xs, additional_inputs)``: the step sub-graph ``combine_fn``
   takes ``(*carries, *x_slices, *additional)`` and returns ``[*new_carries, *ys]``; each new carry is classified
-  by :func:`~adjoint_compile.passes.affine.classify_update` as linear (a ⊙ h + b, a and b free of every carry),
+  by :func:`~adjoint_compile.analysis.affine.classify_update` as linear (a ⊙ h + b, a and b free of every carry),
   gated (z1 ⊙ h + z2 with z depending on a carry) or general (rejected, with the reason).
 * ``torch.ops.higher_order.associative_scan(combine_fn, xs, additional_inputs)``: ``combine_fn(*x, *y)`` must
   be the linear-recurrence combine ``(x_a·y_a, y_a·x_b + y_b)`` (any operand order), which is the only form that
@@ -16,15 +16,17 @@ Each matcher returns typed records and rejections; none mutates the graph.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..analysis.affine import Atom, Const, NotAffine, UpdateForm, affine, classify_update
+from ..analysis.fx import hinted_shape, is_linear_scan, scan_args
+from ..analysis.fx import reachable as forward_reach
+from ..analysis.optable import fn_name, op_name
 from ..regions import PROVENANCE, Recurrence, Rejection
-from .affine import Atom, Const, UpdateForm, affine, classify_update, forward_reach, NotAffine, op_name, shape_of
-
-from .graph_utils import is_linear_scan, scan_args
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,6 @@ def _subgraph(gm: fx.GraphModule, ref: Any) -> fx.GraphModule | None:
 
 
 def _getitems(node: fx.Node) -> dict[int, fx.Node]:
-    import operator
-
     return {u.args[1]: u for u in node.users
             if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)}
 
@@ -75,7 +75,7 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     if not is_linear_scan(node):
         return None
     a = scan_args(node)
-    shp = shape_of(node)
+    shp = hinted_shape(node)
     dim = a["dim"]
     if shp is None or not isinstance(dim, int) or not -len(shp) <= dim < len(shp):
         return None
@@ -108,18 +108,14 @@ def _show(v: Any) -> Any:
 # scan higher-order op
 
 
-def _fname(x: fx.Node) -> str:
-    return str(x.target) if x.op == "call_method" else getattr(x.target, "__name__", "")
-
-
 def _user_dim(x: Any) -> tuple[int | None, bool]:
     """(the user's scan dim, reversed?) read from dynamo's ``movedim(x, d, 0)`` / ``flip(., [0])`` around xs."""
     rev = False
-    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and _fname(x) == "flip":
+    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and fn_name(x) == "flip":
         dims = x.args[1] if len(x.args) > 1 else x.kwargs.get("dims")
         if list(dims or []) == [0]:
             rev, x = True, x.args[0]
-    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and _fname(x) == "movedim":
+    if isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and fn_name(x) == "movedim":
         if len(x.args) >= 3 and x.args[2] == 0 and isinstance(x.args[1], int):
             return x.args[1], rev
     return None, rev
@@ -145,8 +141,8 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
     reach = forward_reach(list(carries))
     depends = reach.__contains__
     length = None
-    if xs and shape_of(xs[0]):
-        length = shape_of(xs[0])[0]
+    if xs and hinted_shape(xs[0]):
+        length = hinted_shape(xs[0])[0]
     dims = [_user_dim(x) for x in xs]
     reverse = bool(dims) and all(r for _, r in dims)
     user_dim = dims[0][0] if dims and len({d for d, _ in dims}) == 1 else None
@@ -250,7 +246,7 @@ def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recu
         if j != "one" and j not in decay:
             return [], [Rejection("linear_recurrence", node.name,
                                   f"combine: leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
-    length = shape_of(xs[0])[0] if shape_of(xs[0]) else None
+    length = hinted_shape(xs[0])[0] if hinted_shape(xs[0]) else None
     items = _getitems(node)
     regions = []
     leaves = sorted(state) if state else sorted(decay)

@@ -25,23 +25,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections import deque
 from typing import Any
 
 import networkx as nx
 import torch.fx as fx
 
+from ..analysis import optable as ops
+from ..analysis.affine import Atom, Const, NotAffine, affine
+from ..analysis.fx import bfs_inputs, hinted_shape
+from ..analysis.optable import name_of as _name
+from ..analysis.optable import op_name, target_key
 from ..regions import Rejection, ResidualChain, ResidualLayer
-from .affine import Atom, Const, NotAffine, affine, op_name, shape_of, target_key
 
 log = logging.getLogger(__name__)
 
 __all__ = ["find_residuals", "LayerMatch"]
 
-_SUM_OPS = {"add", "sub", "addcmul"}
-_LINEAR_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "addcmul", "clone", "contiguous", "pos"}
-_NORMS = {"layer_norm", "rms_norm", "group_norm", "normalize"}
-_RMS_PARTS = {"pow", "square", "mul", "mean", "rsqrt", "sqrt", "var", "to", "float", "type_as", "sub", "add"}
 _BUDGET = 24
 
 
@@ -61,35 +60,20 @@ class LayerMatch:
     coef: Any = None
 
 
-def _fname(n: fx.Node) -> str:
-    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-
-
-def _name(n: fx.Node) -> str:
-    return op_name(n) or _fname(n)
-
-
 def _expansion(s: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(linear-op nodes under ``s`` including ``s``, atoms) of ``s``'s syntactic affine expansion."""
     inner, atoms = [s], []
-    seen = {s}
-    queue = deque([s])
-    while queue and len(seen) < _BUDGET:
-        n = queue.popleft()
-        for a in n.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if op_name(a) in _LINEAR_OPS and a.op != "placeholder" and len(a.users) == 1:
-                inner.append(a)
-                queue.append(a)
-            else:
-                atoms.append(a)
+    for a in bfs_inputs(s, _BUDGET, _inner):
+        (inner if _inner(a) else atoms).append(a)
     return inner, atoms
 
 
+def _inner(a: fx.Node) -> bool:
+    return op_name(a) in ops.LINEAR_IN_CARRY and a.op != "placeholder" and len(a.users) == 1
+
+
 def _numel(n: Any) -> int | None:
-    s = shape_of(n)
+    s = hinted_shape(n)
     if s is None:
         return None
     k = 1
@@ -106,13 +90,13 @@ def find_residuals(gm: fx.GraphModule) -> tuple[list[ResidualChain], list[Reject
     cands: dict[fx.Node, tuple[list[fx.Node], list[fx.Node], list[fx.Node]]] = {}
     bit: dict[fx.Node, int] = {}
     for s in nodes:
-        if s.op not in ("call_function", "call_method") or op_name(s) not in _SUM_OPS:
+        if s.op not in ("call_function", "call_method") or op_name(s) not in ops.SUM_OPS:
             continue
-        shp = shape_of(s)
+        shp = hinted_shape(s)
         if shp is None:
             continue
         inner, atoms = _expansion(s)
-        xs = [a for a in atoms if shape_of(a) == shp and a.op != "get_attr"]
+        xs = [a for a in atoms if hinted_shape(a) == shp and a.op != "get_attr"]
         if len(atoms) < 2 or not xs:
             continue
         cands[s] = (inner, atoms, xs)
@@ -237,10 +221,10 @@ def _pre_norm(x: fx.Node, block: set[fx.Node]) -> bool:
     uses = [u for u in x.users if u in block]
     if not uses:
         return False
-    if all(_name(u) in _NORMS for u in uses):
+    if all(_name(u) in ops.RESIDUAL_NORMS for u in uses):
         return True
     # hand-written RMSNorm / LayerNorm: x.pow(2).mean(-1) -> rsqrt -> x * r (* w)
-    if not all(_name(u) in _RMS_PARTS for u in uses):
+    if not all(_name(u) in ops.RMS_PARTS for u in uses):
         return False
     frontier, seen = list(uses), set(uses)
     for _ in range(4):

@@ -18,21 +18,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..analysis.fx import example_value as _ev
+from ..analysis.fx import is_convex, is_linear_scan
+from ..analysis.fx import stable_toposort as _toposort
+from ..analysis.grow import infer_seeds, region_around
+from ..analysis.time_local import TimeLocalInfo, analyze
 from ..errors import UnsupportedRegion
-from ..options import Options
+from ..options import Options, validate
 from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ..runtime.sharded import ShardedRegion
-from .time_local import TimeLocalInfo, analyze, infer_seeds, is_linear_scan, region_around
-
-from .graph_utils import stable_toposort as _toposort
 
 log = logging.getLogger(__name__)
 
 __all__ = ["outline", "lower_region", "lower_recurrences"]
-
-
-def _ev(n: Any) -> Any:
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
 
 def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
@@ -60,34 +58,18 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, l
     return fx.GraphModule(gm, g), inputs, outputs
 
 
-def _convex(nodes: list[fx.Node]) -> bool:
-    members = set(nodes)
-    gm_nodes = nodes[0].graph.nodes if nodes else []
-    tainted: set[fx.Node] = set()
-    for n in gm_nodes:
-        ins = n.all_input_nodes
-        if n in members:
-            if any(a in tainted for a in ins):
-                return False
-        elif any(a in members or a in tainted for a in ins):
-            tainted.add(n)
-    return True
-
-
 def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, options: Any) -> fx.Node | None:
     """Replace ``nodes`` (a time-local set containing linear scans) by one call of the sharded runtime.
 
     Args:
         gm: the dynamo graph (modified in place on success).
-        nodes: the region, e.g. from :func:`~adjoint_compile.passes.time_local.region_around`.
+        nodes: the region, e.g. from :func:`~adjoint_compile.analysis.grow.region_around`.
         info: the step-dim analysis of ``gm`` that ``nodes`` came from.
         options: :class:`~adjoint_compile.options.Options` (``shard_size``, ``verify``) or a dict of them.
     Returns the ``call_module`` node that runs the region, or None (``gm`` untouched, reason logged) when the
     region cannot be proven shardable: a member that mixes steps, a reverse or windowed scan, an output without
     the step axis, a shape literal it cannot rewrite, a non-convex set, ...
     """
-    from ..options import validate
-
     opts: Options = validate(options)
     try:
         return _lower_region(gm, nodes, info, opts)
@@ -110,7 +92,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     scans = [n for n in nodes if is_linear_scan(n)]
     if not scans:
         raise UnsupportedRegion("the region has no linear_scan")
-    if not _convex(nodes):
+    if not is_convex(nodes):
         raise UnsupportedRegion("the region is not convex (a path leaves it and comes back)")
     sub, inputs, outputs = outline(gm, nodes)
     for a in inputs:

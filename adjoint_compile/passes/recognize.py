@@ -7,9 +7,9 @@ runs the matcher families, each in its own module, and fills in what ties their 
 * :mod:`.find_recurrences`: ``linear_scan``, torch's ``scan`` and ``associative_scan`` nodes;
 * :mod:`.unrolled`: Python loops that dynamo unrolled (carry chain, same-computation proof, re-roll recipe);
 * :mod:`.find_residuals`: residual chains along depth with the r/g split and K of every layer;
-* the time-local neighbourhood of every recurrence (:mod:`.time_local`): the ops that act on each step on its own
-  and can be recomputed shard by shard, and the step-mixing ops that bound them; recurrences whose
-  neighbourhoods join share a ``group`` id.
+* the time-local neighbourhood of every recurrence (:mod:`~adjoint_compile.analysis.time_local`): the ops that
+  act on each step on its own and can be recomputed shard by shard, and the step-mixing ops that bound them;
+  recurrences whose neighbourhoods join share a ``group`` id.
 
 It runs once per graph, on the graph capture normalized (loops and scan ops already re-rolled into ``linear_scan``
 nodes whose provenance names the form the user wrote), so the records it returns are the ones the later stages
@@ -20,6 +20,7 @@ passes/decide.py decides.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from typing import Any
@@ -27,9 +28,11 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
+from ..analysis.fx import hinted_shape
+from ..analysis.grow import region_around
+from ..analysis.time_local import analyze
 from ..options import Options
 from ..regions import PROVENANCE, Recurrence, Region, Rejection, ResidualChain
-from .affine import shape_of
 from .find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from .find_residuals import find_residuals
 from .unrolled import find_unrolled
@@ -102,8 +105,6 @@ def _drop_time_chains(chains: list[ResidualChain], recs: list[Recurrence]) -> li
 
 def _anchors(r: Recurrence) -> tuple[list[tuple[fx.Node, int]], list[tuple[fx.Node, int]]]:
     """(outputs, inputs) of a recurrence as (node, step dim) pairs in the outer graph."""
-    import operator
-
     scan = next((n for n in r.nodes if is_linear_scan(n) or is_scan_hop(n) or is_associative_scan_hop(n)), None)
     if scan is None:
         return [], []
@@ -118,7 +119,7 @@ def _anchors(r: Recurrence) -> tuple[list[tuple[fx.Node, int]], list[tuple[fx.No
 
 
 def _has_len(n: fx.Node, T: int | None) -> bool:
-    s = shape_of(n)
+    s = hinted_shape(n)
     return bool(s) and T is not None and s[0] == T
 
 
@@ -136,7 +137,7 @@ def _sources(inputs: list[tuple[fx.Node, int]], T: int) -> dict[fx.Node, int]:
         seen.add(n)
         if n.op == "placeholder":
             tgt = str(n.target)
-            s = shape_of(n)
+            s = hinted_shape(n)
             if s is None or "parameters" in tgt or "buffers" in tgt:
                 continue
             dims = [i for i, k in enumerate(s) if k == T]
@@ -151,8 +152,6 @@ def _sources(inputs: list[tuple[fx.Node, int]], T: int) -> dict[fx.Node, int]:
 
 def _neighbourhoods(gm: fx.GraphModule, recs: list[Recurrence]) -> None:
     """Fill ``neighbourhood``, ``bounds`` and ``group`` of each recurrence (DESIGN.md §3 "Regions along time")."""
-    from .time_local import analyze, region_around
-
     by_T: dict[int, list[tuple[Recurrence, list, list]]] = {}
     for r in recs:
         outs, ins = _anchors(r)

@@ -36,24 +36,26 @@ that recognition of the normalized graph can report it), and the pass goes on wi
 the capture form and the name the user wrote it with.
 
 Part of the capture stage (:func:`~adjoint_compile.passes.capture.capture`): the graph is normalized once, before
-recognition runs on it.
+recognition runs on it. The batched re-emission (values, the emitter that can take
+its nodes back, the per-op rules) is :mod:`.batching`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+from ..analysis.affine import classify_update
+from ..analysis.fx import example_value, hinted_shape
+from ..analysis.fx import reachable as forward_reach
+from ..analysis.fx import stable_toposort as _toposort
 from ..regions import PROVENANCE, Recurrence, Region
-from .affine import Atom, Const, Expr, Prod, Quot, Sum, classify_update, example_value, forward_reach, shape_of
-
-from .graph_utils import stable_toposort as _toposort
+from .batching import Batcher, Emitter, Value, batch_op, coefficients, emit_expr, emit_scan, full_steps, initial_state
+from .batching import Unproven as _Unproven
+from .batching import scan_op as _scan_op
 
 log = logging.getLogger(__name__)
 
@@ -68,358 +70,11 @@ def needs_reroll(region: Region) -> bool:
     return isinstance(region, Recurrence) and region.kind == "linear_recurrence" and region.source in REROLL_SOURCES
 
 
-class _Unproven(Exception):
-    """The rewrite of one recurrence could not be proven; the message is the reason."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# op tables: which torch-level ops the batched re-emission accepts, and how
-
-_MODULES = (operator, torch, F, torch._C._nn, torch.special, torch.Tensor, torch._C._VariableFunctions)
-_POINTWISE = set("""add sub rsub mul div truediv true_divide floordiv neg pos clone contiguous sigmoid tanh exp exp2
-expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min clamp_max
-elu leaky_relu logsigmoid mish softsign hardtanh where maximum minimum float double half bfloat16 to type_as sign
-erf""".split())
-#: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.
-_DIMS: dict[str, tuple[tuple[int, str], ...]] = {
-    "softmax": ((1, "dim"),), "log_softmax": ((1, "dim"),), "sum": ((1, "dim"),), "mean": ((1, "dim"),),
-    "amax": ((1, "dim"),), "amin": ((1, "dim"),), "logsumexp": ((1, "dim"),), "cumsum": ((1, "dim"),),
-    "unsqueeze": ((1, "dim"),), "squeeze": ((1, "dim"),), "transpose": ((1, "dim0"), (2, "dim1")),
-}
-_VIEWS = {"view", "reshape"}
-_NORMS = {"layer_norm", "rms_norm", "linear"}
-_MATMUL = {"matmul"}
-_FN_NAME: dict[Any, str] = {}
-for _name in sorted(_POINTWISE | set(_DIMS) | _VIEWS | _NORMS | _MATMUL):
-    for _mod in _MODULES:
-        _obj = getattr(_mod, _name, None)
-        if _obj is not None and callable(_obj):
-            try:
-                _FN_NAME.setdefault(_obj, _name)
-            except TypeError:
-                pass
-
-
-def _op(n: fx.Node) -> str | None:
-    """Short name of a node's op when it is one this pass knows (``operator.add`` and ``x.add`` -> "add")."""
-    if n.op == "call_method":
-        return str(n.target)
-    if n.op == "call_function":
-        try:
-            return _FN_NAME.get(n.target)
-        except TypeError:
-            return None
-    return None
-
-
-def _scan_op() -> Any:
-    ns = getattr(torch.ops, "adjoint_compile", None)
-    try:
-        return ns.linear_scan.default if ns is not None else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# emitting nodes with their example values
-
-
-@dataclasses.dataclass
-class _V:
-    """A value in the outer graph: ``node`` (or a Python scalar) and whether it has the step axis first."""
-
-    node: Any
-    batched: bool
-
-    def rank(self) -> int:
-        ev = example_value(self.node)
-        if not isinstance(ev, torch.Tensor):
-            return 0
-        return ev.dim() - (1 if self.batched else 0)
-
-
-class _Emit:
-    """Creates nodes before the graph's output, with ``example_value`` from fake tensors and provenance.
-
-    Nothing it creates is used by the old graph until the caller commits, so :meth:`rollback` can erase it all.
-    """
-
-    def __init__(self, gm: fx.GraphModule, prov: dict[str, Any]) -> None:
-        self.gm = gm
-        self.prov = prov
-        self.made: list[fx.Node] = []
-        self.out = next(n for n in gm.graph.nodes if n.op == "output")
-        self.mode = _fake_mode(gm)
-
-    def __call__(self, target: Any, args: tuple = (), kwargs: dict | None = None, method: bool = False) -> fx.Node:
-        kwargs = kwargs or {}
-        fa = fx.node.map_arg(args, example_value)
-        fk = fx.node.map_arg(kwargs, example_value)
-        try:
-            with self.mode:
-                ev = getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
-        except Exception as e:  # noqa: BLE001 - a rule produced an op torch refuses: not provable
-            raise _Unproven(f"{getattr(target, '__name__', target)} on the batched values fails: "
-                            f"{type(e).__name__}: {e}") from e
-        with self.gm.graph.inserting_before(self.out):
-            n = self.gm.graph.create_node("call_method" if method else "call_function", target, args, kwargs)
-        n.meta["example_value"] = ev
-        n.meta[PROVENANCE] = dict(self.prov)
-        self.made.append(n)
-        return n
-
-    def rollback(self) -> None:
-        for n in reversed(self.made):
-            self.gm.graph.erase_node(n)
-        self.made.clear()
-
-
-def _fake_mode(gm: fx.GraphModule) -> Any:
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    # NB: the mode of the graph's own example values: inside a backend call, the tracing context's mode can be
-    # another one, and fake tensors of two modes do not mix
-    for n in gm.graph.nodes:
-        v = example_value(n)
-        if isinstance(v, FakeTensor):
-            return v.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _shape(v: Any) -> tuple[int, ...] | None:
-    return shape_of(v) if isinstance(v, fx.Node) else None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the batched re-emission of one step's computation
-
-
-class _Batcher:
-    """Re-emit a step's computation once for all T steps, step axis first.
-
-    ``leaves`` map step values to outer values (per-step slices -> whole sequences, sub-graph inputs -> outer
-    nodes); ``inside(v)`` says whether ``v`` belongs to the step (and is re-emitted); ``outer_ok(v)`` whether a
-    value outside the step may be read as it is (a weight shared by all steps).
-    """
-
-    def __init__(self, em: _Emit, T: int, leaves: dict[fx.Node, _V], inside: Callable[[fx.Node], bool],
-                 outer_ok: Callable[[fx.Node], bool], lazy: dict[fx.Node, Callable[[], _V]] | None = None) -> None:
-        self.em, self.T, self.inside, self.outer_ok = em, T, inside, outer_ok
-        self.memo: dict[fx.Node, _V] = dict(leaves)
-        #: leaves whose outer value is made on first use (a per-step slice that a and b may not read)
-        self.lazy = dict(lazy or {})
-        self.seqs: dict[tuple, _V] = {}
-
-    def value(self, v: Any) -> _V:
-        if not isinstance(v, fx.Node):
-            return _V(v, False)
-        if v in self.memo:
-            return self.memo[v]
-        if v in self.lazy:
-            self.memo[v] = self.lazy.pop(v)()
-            return self.memo[v]
-        if not self.inside(v):
-            if self.outer_ok(v):
-                self.memo[v] = _V(v, False)
-                return self.memo[v]
-            raise _Unproven(f"the step reads {v.name}, which is neither a per-step slice nor shared by all steps")
-        if v.op not in ("call_function", "call_method"):
-            raise _Unproven(f"step value {v.name} is a {v.op}")
-        name = _op(v)
-        if name is None:
-            raise _Unproven(f"step op {v.name} ({v.target}) has no batching rule")
-        for a in v.all_input_nodes:
-            self.value(a)
-        args = fx.node.map_arg(v.args, self.memo.__getitem__) if v.all_input_nodes else v.args
-        kwargs = fx.node.map_arg(v.kwargs, self.memo.__getitem__) if v.all_input_nodes else v.kwargs
-        res = self._emit(v, name, args, kwargs)
-        want = _shape(v)
-        got = _shape(res.node)
-        if want is not None and got is not None and got != ((self.T,) + want if res.batched else want):
-            raise _Unproven(f"batched {v.name} has shape {list(got)}, expected {[self.T, *want]}")
-        self.memo[v] = res
-        return res
-
-    def _emit(self, v: fx.Node, name: str, args: Any, kwargs: Any) -> _V:
-        vals = [x for x in _flat(args) + _flat(kwargs) if isinstance(x, _V)]
-        method = v.op == "call_method"
-        if not any(x.batched for x in vals):
-            # NB: a value that is the same at every step (computed from shared weights only) is copied once
-            return _V(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), False)
-        first = args[0] if args else None
-        rest_unbatched = all(not x.batched for x in vals if x is not first)
-        if name in _POINTWISE:
-            if any(k in ("dim", "dims", "axis") for k in kwargs):
-                raise _Unproven(f"pointwise op {v.name} has a dim argument")
-            R = max(x.rank() for x in vals)
-            args = _map_vals(args, lambda x: self.pad(x, R))
-            kwargs = _map_vals(kwargs, lambda x: self.pad(x, R))
-            return _V(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), True)
-        if not isinstance(first, _V) or not first.batched:
-            raise _Unproven(f"op {v.name} ({name}) reads a per-step value in an argument other than its first")
-        if name in _MATMUL and len(args) == 2 and not kwargs:
-            x, w = args
-            if isinstance(w, _V) and w.batched:
-                R = max(x.rank(), w.rank())
-                if min(x.rank(), w.rank()) < 2:
-                    raise _Unproven(f"matmul {v.name} of two per-step values of rank < 2")
-                x, w = self.pad(x, R), self.pad(w, R)
-            return _V(self.em(v.target, _unwrap((x, w)), {}, method), True)
-        if not rest_unbatched:
-            raise _Unproven(f"op {v.name} ({name}) reads per-step values in several arguments")
-        if name in _NORMS:
-            # NB: linear/layer_norm/rms_norm act on the trailing feature dims only: a leading step axis is a batch dim
-            return _V(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), True)
-        if name in _VIEWS:
-            shape = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-            if kwargs or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
-                raise _Unproven(f"{name} {v.name} has a shape that is not a tuple of ints")
-            return _V(self.em(v.target, (first.node, (self.T, *shape)), {}, method), True)
-        if name in _DIMS:
-            args, kwargs = list(args), dict(kwargs)
-            for pos, kw in _DIMS[name]:
-                if pos < len(args):
-                    args[pos] = _shift(args[pos], v.name)
-                elif kw in kwargs:
-                    kwargs[kw] = _shift(kwargs[kw], v.name)
-                else:
-                    raise _Unproven(f"{name} {v.name} has no dim argument (all dims, the step's included)")
-            return _V(self.em(v.target, _unwrap(tuple(args)), _unwrap(kwargs), method), True)
-        raise _Unproven(f"op {v.name} ({name}) has no batching rule")
-
-    def pad(self, x: Any, R: int) -> Any:
-        """A batched value with unit dims after the step axis, so that its per-step rank is R (broadcasting)."""
-        if not isinstance(x, _V) or not x.batched:
-            return x
-        node = x.node
-        for _ in range(R - x.rank()):
-            node = self.em(torch.unsqueeze, (node, 1))
-        return _V(node, True)
-
-
-def _shift(d: Any, where: str) -> Any:
-    """A dim of a per-step tensor as a dim of the batched one (negative dims count from the end: unchanged)."""
-    if isinstance(d, bool) or d is None:
-        raise _Unproven(f"op {where} has dim={d!r}")
-    if isinstance(d, int):
-        return d + 1 if d >= 0 else d
-    if isinstance(d, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in d):
-        return type(d)(x + 1 if x >= 0 else x for x in d)
-    raise _Unproven(f"op {where} has dim={d!r}")
-
-
-def _flat(x: Any) -> list[Any]:
-    if isinstance(x, (list, tuple)):
-        return [y for v in x for y in _flat(v)]
-    if isinstance(x, dict):
-        return [y for v in x.values() for y in _flat(v)]
-    return [x]
-
-
-def _map_vals(x: Any, fn: Callable[[_V], Any]) -> Any:
-    if isinstance(x, _V):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_vals(v, fn) for v in x)
-    if isinstance(x, dict):
-        return {k: _map_vals(v, fn) for k, v in x.items()}
-    return x
-
-
-def _unwrap(x: Any) -> Any:
-    return _map_vals(x, lambda v: v.node)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# a and b as [T, *state] tensors, and the scan
-
-
-def _expr(b: _Batcher, e: Expr, atom: Callable[[fx.Node], _V]) -> _V:
-    """Emit an affine coefficient expression with its atoms' values (broadcasting like the step did)."""
-    em = b.em
-
-    def pw(fn: Any, x: _V, y: _V) -> _V:
-        R = max(x.rank(), y.rank())
-        x, y = b.pad(x, R), b.pad(y, R)
-        if not isinstance(x.node, fx.Node) and not isinstance(y.node, fx.Node):
-            return _V(fn(x.node, y.node), False)
-        return _V(em(fn, (x.node, y.node)), x.batched or y.batched)
-
-    if isinstance(e, Const):
-        return _V(float(e.value), False)
-    if isinstance(e, Atom):
-        return atom(e.n)
-    if isinstance(e, Sum):
-        total: _V | None = None
-        for c, t in e.terms:
-            v = _expr(b, t, atom)
-            if c != 1:
-                v = pw(operator.mul, _V(float(c), False), v)
-            total = v if total is None else pw(operator.add, total, v)
-        assert total is not None
-        return total
-    if isinstance(e, Prod):
-        out = _expr(b, e.factors[0], atom)
-        for f in e.factors[1:]:
-            out = pw(operator.mul, out, _expr(b, f, atom))
-        return out
-    if isinstance(e, Quot):
-        return pw(operator.truediv, _expr(b, e.num, atom), _expr(b, e.den, atom))
-    raise _Unproven(f"unknown coefficient expression {e}")
-
-
-def _full(b: _Batcher, v: _V | None, state: tuple[int, ...], like: fx.Node | None, fill: float) -> fx.Node:
-    """``v`` as a [T, *state] tensor: broadcast over the state, repeated over the steps when it does not vary."""
-    em, T = b.em, b.T
-    if v is None or not isinstance(v.node, fx.Node):
-        value = fill if v is None else v.node
-        if like is None:
-            raise _Unproven("both a and b are constants")
-        return em(torch.full_like, (like, value))
-    node = v.node
-    if not v.batched:
-        node = em(torch.unsqueeze, (node, 0))
-    if _shape(node) != (T, *state):
-        node = em("expand", (node, T, *state), method=True)
-    return node
-
-
-def _check_scan_inputs(A: fx.Node, B: fx.Node, h0: Any, T: int, state: tuple[int, ...], dtype: Any) -> None:
-    for what, x in (("a", A), ("b", B)):
-        ev = example_value(x)
-        if tuple(ev.shape) != (T, *state):
-            raise _Unproven(f"{what} for all steps has shape {list(ev.shape)}, expected {[T, *state]}")
-        if ev.dtype != dtype:
-            raise _Unproven(f"{what} has dtype {ev.dtype}, the state {dtype}")
-
-
-def _h0(em: _Emit, h0: Any, state: tuple[int, ...]) -> Any:
-    if h0 is None:
-        return None
-    if not isinstance(h0, fx.Node) or not isinstance(example_value(h0), torch.Tensor):
-        raise _Unproven(f"the initial state {h0!r} is not a tensor in the graph")
-    if _shape(h0) != state:
-        h0 = em("expand", (h0, *state), method=True)
-    return h0
-
-
-def _scan(em: _Emit, A: fx.Node, B: fx.Node, h0: Any, T: int, state: tuple[int, ...], dtype: Any) -> fx.Node:
-    op = _scan_op()
-    if op is None:
-        raise _Unproven("the linear_scan op (torch.ops.adjoint_compile.linear_scan) is not registered")
-    _check_scan_inputs(A, B, h0, T, state, dtype)
-    # NB: every argument positionally: (a, b, h0, dim, reverse, window, impl), as lower_adjoint reads them
-    H = em(op, (A, B, _h0(em, h0, state), 0, False, None, None))
-    if tuple(example_value(H).shape) != (T, *state):
-        raise _Unproven(f"linear_scan gives shape {list(example_value(H).shape)}, expected {[T, *state]}")
-    return H
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # unrolled loops
 
 
-def _slice_seq(b: _Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -> _V:
+def _slice_seq(b: Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -> Value:
     """The whole sequence [T, ...] that a per-step slice ``slot`` (``x[:, t]``, ``select``, an unbind item) reads."""
     em, T = b.em, b.T
     if x.get("first_step") != first_step:
@@ -428,7 +83,7 @@ def _slice_seq(b: _Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -
     if stride not in (1, -1) or not isinstance(start, int):
         raise _Unproven(f"slice {slot.name} steps by {stride}, not by 1 or -1")
     src, dim = None, None
-    fname = _op(slot) or getattr(slot.target, "__name__", str(slot.target))
+    fname = batch_op(slot) or getattr(slot.target, "__name__", str(slot.target))
     if slot.op == "call_function" and slot.target is operator.getitem and slot.args:
         base, idx = slot.args[0], slot.args[1]
         if isinstance(base, fx.Node) and base.op in ("call_function", "call_method") and \
@@ -446,9 +101,9 @@ def _slice_seq(b: _Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -
     elif fname == "select" and x.get("index_position") == 0:
         src = slot.args[0]
         dim = slot.args[1] if len(slot.args) > 1 else slot.kwargs.get("dim")
-    if not isinstance(src, fx.Node) or not isinstance(dim, int) or _shape(src) is None:
+    if not isinstance(src, fx.Node) or not isinstance(dim, int) or hinted_shape(src) is None:
         raise _Unproven(f"slice {slot.name} is not x[..., t, ...], select or an unbind item")
-    size = _shape(src)
+    size = hinted_shape(src)
     dim = dim % len(size)
     n = size[dim]
     start = start + n if start < 0 else start
@@ -465,7 +120,7 @@ def _slice_seq(b: _Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -
         seq = em(torch.narrow, (seq, 0, lo, T))
     if stride == -1:
         seq = em(torch.flip, (seq, [0]))
-    b.seqs[key] = _V(seq, True)
+    b.seqs[key] = Value(seq, True)
     return b.seqs[key]
 
 
@@ -485,7 +140,7 @@ def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[list[fx.Node], fx.Node, di
     return states, h0, by_name, pos
 
 
-def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: _Emit, states: list[fx.Node], h0: fx.Node,
+def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: list[fx.Node], h0: fx.Node,
                       by_name: dict[str, fx.Node], pos: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
     """A and B from the template step batched over the loop's per-step slices."""
     recipe = r.reroll or {}
@@ -514,37 +169,31 @@ def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: _Emit, states: list
             raise _Unproven(f"slice {n.name} varies in more than one index")
         slots[n] = x
     first = 1 if matched else 2
-    b = _Batcher(em, T, {}, inside.__contains__, lambda v: pos.get(v, len(pos)) < loop_start and v not in slots)
+    b = Batcher(em, T, {}, inside.__contains__, lambda v: pos.get(v, len(pos)) < loop_start and v not in slots)
     b.lazy = {n: (lambda n=n, x=x: _slice_seq(b, n, x, first)) for n, x in slots.items()}
-    state = _shape(tmpl_new)
-    A = _expr(b, form.coef, b.value)
-    Bv = _expr(b, form.offset, b.value) if form.offset is not None else None
-    A_full = _full(b, A, state, None, 1.0) if isinstance(A.node, fx.Node) else None
-    B_full = _full(b, Bv, state, A_full, 0.0) if Bv is not None or A_full is not None else None
-    if A_full is None:
-        A_full = _full(b, A, state, B_full, 1.0)
-    return A_full, B_full
+    state = hinted_shape(tmpl_new)
+    return coefficients(b, form, state)
 
 
-def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: _Emit, states: list[fx.Node],
+def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: list[fx.Node],
                       h0: fx.Node) -> tuple[fx.Node, fx.Node]:
     """A and B as stacks of the per-step a_k, b_k, each from the affine expansion of h_k in h_{k-1}."""
     T = len(states)
-    state = _shape(states[-1])
+    state = hinted_shape(states[-1])
     chain = forward_reach([h0, *states]).__contains__
-    b = _Batcher(em, T, {}, lambda v: False, lambda v: not chain(v))
+    b = Batcher(em, T, {}, lambda v: False, lambda v: not chain(v))
     a_k, b_k = [], []
     for k, s in enumerate(states):
         prev = h0 if k == 0 else states[k - 1]
         form = classify_update(s, prev, chain)
         if form.kind != "linear":
             raise _Unproven(f"step {k + 1} is not linear in the state ({form.reason or form.kind})")
-        a = _expr(b, form.coef, b.value)
-        bb = _expr(b, form.offset, b.value) if form.offset is not None else _V(0.0, False)
+        a = emit_expr(b, form.coef, b.value)
+        bb = emit_expr(b, form.offset, b.value) if form.offset is not None else Value(0.0, False)
         like = s
         for v, out in ((a, a_k), (bb, b_k)):
             if isinstance(v.node, fx.Node):
-                out.append(v.node if _shape(v.node) == state else em("expand", (v.node, *state), method=True))
+                out.append(v.node if hinted_shape(v.node) == state else em("expand", (v.node, *state), method=True))
             else:
                 out.append(em(torch.full_like, (like, v.node)))
     return em(torch.stack, (a_k, 0)), em(torch.stack, (b_k, 0))
@@ -552,19 +201,19 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: _Emit, states: list
 
 def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) -> tuple[fx.Node, str]:
     states, h0, by_name, pos = _loop(gm, r)
-    T, state = len(states), _shape(states[-1])
+    T, state = len(states), hinted_shape(states[-1])
     dtype = example_value(states[-1]).dtype
     if state is None:
         raise _Unproven("the state has no static shape")
     why = []
     for how, build in (("batched", _unrolled_batched), ("stacked", None)):
-        em = _Emit(gm, prov)
+        em = Emitter(gm, prov)
         try:
             if build is not None:
                 A, B = build(gm, r, em, states, h0, by_name, pos)
             else:
                 A, B = _unrolled_stacked(gm, r, em, states, h0)
-            H = _scan(em, A, B, h0, T, state, dtype)
+            H = emit_scan(em, A, B, h0, T, state, dtype)
         except _Unproven as e:
             em.rollback()
             why.append(f"{how}: {e}")
@@ -577,13 +226,13 @@ def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) ->
     raise _Unproven("; ".join(why))
 
 
-def _commit_states(gm: fx.GraphModule, em: _Emit, H: fx.Node, states: list[fx.Node], r: Recurrence) -> None:
+def _commit_states(gm: fx.GraphModule, em: Emitter, H: fx.Node, states: list[fx.Node], r: Recurrence) -> None:
     """Every use of state k reads H[k]; a stack of exactly the states along d is H.movedim(0, d)."""
     for u in list(states[-1].users):
         if u.op == "call_function" and u.target is torch.stack and u.args and list(u.args[0]) == states:
             d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
             if isinstance(d, int):
-                nd = len(_shape(states[-1])) + 1
+                nd = len(hinted_shape(states[-1])) + 1
                 mv = em(torch.movedim, (H, 0, d % nd))
                 u.replace_all_uses_with(mv)
                 gm.graph.erase_node(u)
@@ -616,6 +265,11 @@ def _items(node: fx.Node) -> dict[int, list[fx.Node]]:
     return out
 
 
+def _replace_uses(repl: dict[fx.Node, fx.Node]) -> None:
+    for u, n in repl.items():
+        u.replace_all_uses_with(n)
+
+
 def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov: dict[str, Any]) -> list[fx.Node]:
     """Rewrite one ``scan`` op whose every carry is a linear recurrence; returns one linear_scan node per carry."""
     sub = _sub(gm, node.args[0])
@@ -633,18 +287,17 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
     if sorted(k for k in by_carry if isinstance(k, int)) != list(range(n_c)):
         missing = [i for i in range(n_c) if i not in by_carry]
         raise _Unproven(f"carry {missing[0]} of the scan is not a linear recurrence; the op must stay")
-    if not xs or _shape(xs[0]) is None:
+    if not xs or hinted_shape(xs[0]) is None:
         raise _Unproven("the scan has no sequence input with a static length")
-    T = _shape(xs[0])[0]
+    T = hinted_shape(xs[0])[0]
     items = _items(node)
     carries, news, ys = phs[:n_c], results[:n_c], results[n_c:]
-    em = _Emit(gm, prov)
-    try:
+    with Emitter(gm, prov) as em:  # NB: an unproven rewrite takes back every node it made
         depends = forward_reach(list(carries)).__contains__
-        leaves = {p: _V(x, True) for p, x in zip(phs[n_c:n_c + n_x], xs)}
-        leaves.update({p: _V(a, False) for p, a in zip(phs[n_c + n_x:], add)})
+        leaves = {p: Value(x, True) for p, x in zip(phs[n_c:n_c + n_x], xs)}
+        leaves.update({p: Value(a, False) for p, a in zip(phs[n_c + n_x:], add)})
         in_sub = {n for n in sub.graph.nodes if n.op in ("call_function", "call_method")}
-        b = _Batcher(em, T, leaves, in_sub.__contains__, lambda v: False)
+        b = Batcher(em, T, leaves, in_sub.__contains__, lambda v: False)
         Hs: list[fx.Node] = []
         for i in range(n_c):
             new = news[i]
@@ -653,23 +306,19 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
             form = classify_update(new, carries[i], depends)
             if form.kind != "linear":
                 raise _Unproven(f"carry {i}: {form.reason or form.kind}")
-            state = _shape(init[i])
+            state = hinted_shape(init[i])
             if state is None:
                 raise _Unproven(f"carry {i} has no static shape")
-            A = _expr(b, form.coef, b.value)
-            Bv = _expr(b, form.offset, b.value) if form.offset is not None else None
-            A_full = _full(b, A, state, None, 1.0) if isinstance(A.node, fx.Node) else None
-            B_full = _full(b, Bv, state, A_full, 0.0) if Bv is not None or A_full is not None else None
-            A_full = A_full if A_full is not None else _full(b, A, state, B_full, 1.0)
-            Hs.append(_scan(em, A_full, B_full, init[i], T, state, example_value(init[i]).dtype))
+            A_full, B_full = coefficients(b, form, state)
+            Hs.append(emit_scan(em, A_full, B_full, init[i], T, state, example_value(init[i]).dtype))
         # the step's outputs, now with the states known for all steps: new state i -> H_i, carry i -> [h0, H_i[:-1]]
-        b.memo.update({news[i]: _V(Hs[i], True) for i in range(n_c)})
+        b.memo.update({news[i]: Value(Hs[i], True) for i in range(n_c)})
         for i in range(n_c):
             if carries[i] not in b.memo and any(k - n_c >= 0 for k in items):
-                prev = em(torch.cat, ([em(torch.unsqueeze, (_h0(em, init[i], _shape(init[i])), 0)),
+                prev = em(torch.cat, ([em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0)),
                                        em(torch.narrow, (Hs[i], 0, 0, T - 1))], 0)) if T > 1 else \
-                    em(torch.unsqueeze, (_h0(em, init[i], _shape(init[i])), 0))
-                b.memo[carries[i]] = _V(prev, True)
+                    em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0))
+                b.memo[carries[i]] = Value(prev, True)
         repl: dict[fx.Node, fx.Node] = {}
         for k, users in items.items():
             if k < n_c:
@@ -681,13 +330,9 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
                 raise _Unproven(f"output {k} of the scan is not a graph value")
             v = b.value(y)
             if not v.batched:
-                v = _V(em("expand", (em(torch.unsqueeze, (v.node, 0)), T, *_shape(v.node)), method=True), True)
+                v = Value(em("expand", (em(torch.unsqueeze, (v.node, 0)), T, *hinted_shape(v.node)), method=True), True)
             repl.update({u: v.node for u in users})
-    except _Unproven:
-        em.rollback()
-        raise
-    for u, n in repl.items():
-        u.replace_all_uses_with(n)
+    _replace_uses(repl)
     return Hs
 
 
@@ -702,36 +347,31 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
     leaf_of = {r.leaf: r for r in recs}
     # running-product leaves: a state leaf names its decay leaf in its a (a node among xs)
     decay = {xs.index(r.a) for r in recs if isinstance(r.a, fx.Node) and r.a in xs and r.b is not None}
-    em = _Emit(gm, prov)
     made: dict[int, fx.Node] = {}
     repl: dict[fx.Node, fx.Node] = {}
-    try:
+    with Emitter(gm, prov) as em:
         for k, users in sorted(items.items()):
             out = users[0]
-            state_full = _shape(out)
+            state_full = hinted_shape(out)
             if state_full is None or not state_full:
                 raise _Unproven(f"output {k} has no static shape")
             T, state = state_full[0], state_full[1:]
-            b = _Batcher(em, T, {}, lambda v: False, lambda v: True)
+            b = Batcher(em, T, {}, lambda v: False, lambda v: True)
             r = leaf_of.get(k)
             if r is not None and r.b is not None:
-                B = _full(b, _V(r.b, True), state, None, 0.0)
-                A = _full(b, _V(r.a, True), state, None, 1.0) if r.a is not None else em(torch.ones_like, (B,))
+                B = full_steps(b, Value(r.b, True), state, None, 0.0)
+                A = full_steps(b, Value(r.a, True), state, None, 1.0) if r.a is not None else em(torch.ones_like, (B,))
                 h0 = None
             elif (r is not None and r.b is None and r.a is not None) or k in decay:
-                A = _full(b, _V(xs[k], True), state, None, 1.0)
+                A = full_steps(b, Value(xs[k], True), state, None, 1.0)
                 B = em(torch.zeros_like, (A,))
                 h0 = em(torch.ones_like, (em(operator.getitem, (A, 0)),))
             else:
                 raise _Unproven(f"output {k} of the associative_scan is neither a recurrence nor a running product")
-            H = _scan(em, A, B, h0, T, state, example_value(out).dtype)
+            H = emit_scan(em, A, B, h0, T, state, example_value(out).dtype)
             made[k] = H
             repl.update({u: H for u in users})
-    except _Unproven:
-        em.rollback()
-        raise
-    for u, n in repl.items():
-        u.replace_all_uses_with(n)
+    _replace_uses(repl)
     return made
 
 

@@ -6,11 +6,11 @@ Before::
 
 After (one seed per graph call, drawn from torch's default generator)::
 
-    dropout_seed = adjoint_compile.runtime.random.new_seed()
-    y = adjoint_compile.runtime.random.hashed_dropout(x, 0.1, True, dropout_seed)
+    dropout_seed = adjoint_compile.kernels.random.new_seed()
+    y = adjoint_compile.kernels.random.hashed_dropout(x, 0.1, True, dropout_seed)
 
 ``hashed_dropout``'s mask is a hash of the seed and each element's position in the full-length tensor
-(runtime/random.py), so the time-local analysis treats it as elementwise and the sharded runtime passes each
+(kernels/random.py), so the time-local analysis treats it as elementwise and the sharded runtime passes each
 shard's first step. Dropouts that are off (``training=False`` or ``p == 0``), in-place, or of another kind
 (``dropout2d``, ``alpha_dropout``, ...) are left as they are. New nodes carry
 ``meta["adjoint_compile"] = {"pass": "seeded_dropout", "from": <node>}``.
@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..regions import PROVENANCE
-from ..runtime.random import hashed_dropout, new_seed
+from ..kernels.random import hashed_dropout, new_seed
 
 log = logging.getLogger(__name__)
 

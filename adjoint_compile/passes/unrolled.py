@@ -6,7 +6,7 @@ in graph order. The matcher works in three stages, each linear in the size of th
 
 1. **Carry links.** For every affine-looking state node ``s`` (add, sub, mul, addcmul, ...) the candidate
    previous state is a node ``p`` of the same op and shape inside ``s``'s affine expansion (``s = C ⊙ p + O``
-   with ``C != 0``, :func:`~adjoint_compile.passes.affine.affine`); for a nonlinear state (``tanh``, ...) the
+   with ``C != 0``, :func:`~adjoint_compile.analysis.affine.affine`); for a nonlinear state (``tanh``, ...) the
    nearest same-op ancestor within a small radius. Links are kept one-to-one and joined into chains
    (networkx paths) ``c_1 → c_2 → … → c_m``.
 2. **Same computation.** Dynamo emits each iteration's ops in program order, so step k is the window of nodes
@@ -27,25 +27,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
+from ..analysis import optable as ops
+from ..analysis.affine import NotAffine, affine, classify_update
+from ..analysis.fx import bfs_inputs, hinted_shape
+from ..analysis.fx import reachable as forward_reach
+from ..analysis.labels import index_kind, node_args, node_label
+from ..analysis.optable import fn_name as _fname
+from ..analysis.optable import name_of, op_name
 from ..regions import Recurrence, Rejection
-from .affine import NotAffine, affine, classify_update, forward_reach, op_name, shape_of, target_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["find_unrolled", "node_label"]
+__all__ = ["find_unrolled"]
 
-_STATE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "addcmul"}
-_LINEAR_OPS = _STATE_OPS | {"clone", "contiguous", "pos"}
-_NONLINEAR_STATE = {"tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "elu", "leaky_relu", "hardtanh",
-                    "layer_norm", "rms_norm", "softsign", "mish"}
 #: how far (nodes visited) a linear expansion or a nonlinear-state search may look back for the previous state.
 _BUDGET = 32
 _GENERAL_BUDGET = 32
@@ -59,82 +59,6 @@ class _Mismatch(Exception):
         #: "differ" (a real difference between steps) or "inputs" (steps read different outside values:
         #: typical of a layer stack, reported only when the chain otherwise looks like a time loop).
         self.kind = kind
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# labels
-
-
-def _fname(n: fx.Node) -> str:
-    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-
-
-def _index_positions(n: fx.Node) -> str | None:
-    """Which argument of an indexing op holds the per-step index: "getitem", "select" or "narrow"; else None."""
-    if n.op == "call_function" and n.target is operator.getitem:
-        return "getitem"
-    name = _fname(n) if n.op in ("call_function", "call_method") else ""
-    if name in ("select", "narrow"):
-        return name
-    return None
-
-
-def _abstract(v: Any, ints: list[int], vary: bool) -> Any:
-    """Constants of a node's arguments with nodes replaced by a marker; with ``vary`` ints go to ``ints``."""
-    if isinstance(v, fx.Node):
-        return "%"
-    if isinstance(v, bool) or v is None or isinstance(v, (str, float, torch.dtype, torch.device)):
-        return repr(v)
-    if isinstance(v, int):
-        if vary:
-            ints.append(v)
-            return "#"
-        return repr(v)
-    if isinstance(v, slice):
-        return ("slice", _abstract(v.start, ints, vary), _abstract(v.stop, ints, vary), _abstract(v.step, ints, vary))
-    if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_abstract(x, ints, vary) for x in v))
-    if isinstance(v, dict):
-        return tuple(sorted((k, _abstract(x, ints, vary)) for k, x in v.items()))
-    return repr(type(v))
-
-
-def node_label(n: fx.Node) -> tuple[Any, tuple[int, ...]]:
-    """(label, varying ints): the label is equal for the same op with the same constants; the ints are the indices
-    of an indexing op (which may differ from step to step of an unrolled loop)."""
-    ints: list[int] = []
-    kind = _index_positions(n)
-    if kind == "getitem":
-        args = (_abstract(n.args[0], ints, False), _abstract(n.args[1], ints, True))
-        kw = _abstract(n.kwargs, ints, False)
-    elif kind in ("select", "narrow"):
-        args = tuple(_abstract(a, ints, i == 2) for i, a in enumerate(n.args))
-        kw = tuple(sorted((k, _abstract(v, ints, k in ("index", "start"))) for k, v in n.kwargs.items()))
-    else:
-        args = _abstract(tuple(n.args), ints, False)
-        kw = _abstract(n.kwargs, ints, False)
-    return (target_key(n), args, kw), tuple(ints)
-
-
-def _node_args(n: fx.Node) -> list[Any]:
-    """A node's arguments flattened in a fixed order (positional, then keyword by name)."""
-    out: list[Any] = []
-
-    def flat(v: Any) -> None:
-        if isinstance(v, (list, tuple)):
-            for x in v:
-                flat(x)
-        elif isinstance(v, slice):
-            flat(v.start), flat(v.stop), flat(v.step)
-        elif isinstance(v, dict):
-            for k in sorted(v):
-                flat(v[k])
-        else:
-            out.append(v)
-
-    flat(n.args)
-    flat(dict(n.kwargs))
-    return [v for v in out if isinstance(v, fx.Node)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,21 +84,10 @@ class _Ctx:
 
 def _affine_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
     """The previous state of ``s`` if ``s`` is affine in a same-op, same-shape node of its linear expansion."""
-    lab, shp = ctx.label(s), shape_of(s)
-    cands: list[fx.Node] = []
-    seen = {s}
-    queue = deque([s])
-    while queue and len(seen) < _BUDGET:
-        n = queue.popleft()
-        for a in n.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if a.op in ("call_function", "call_method") and ctx.label(a) == lab and shape_of(a) == shp:
-                cands.append(a)
-                continue  # NB: a previous state; expanding past it would walk back along the whole chain
-            if op_name(a) in _LINEAR_OPS:
-                queue.append(a)
+    same = _same_op(s, ctx)
+    # NB: not past a previous state: expanding past it would walk back along the whole chain
+    cands = [a for a in bfs_inputs(s, _BUDGET, lambda a: not same(a) and op_name(a) in ops.LINEAR_IN_CARRY)
+             if same(a)]
     for p in cands:
         reach = forward_reach(p, s, ctx.pos)
         try:
@@ -188,32 +101,27 @@ def _affine_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
 
 def _general_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
     """Nearest same-op, same-shape ancestor of a nonlinear state (``tanh(W h + x)``), within a small radius."""
-    lab, shp = ctx.label(s), shape_of(s)
-    seen = {s}
-    queue = deque([s])
-    while queue and len(seen) < _GENERAL_BUDGET:
-        n = queue.popleft()
-        for a in n.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if a.op in ("call_function", "call_method") and ctx.label(a) == lab and shape_of(a) == shp:
-                return a
-            queue.append(a)
-    return None
+    same = _same_op(s, ctx)
+    return next((a for a in bfs_inputs(s, _GENERAL_BUDGET, lambda a: not same(a)) if same(a)), None)
+
+
+def _same_op(s: fx.Node, ctx: _Ctx) -> Callable[[fx.Node], bool]:
+    """Whether a node is an op like ``s``: same label (op and constants), same shape."""
+    lab, shp = ctx.label(s), hinted_shape(s)
+    return lambda a: a.op in ("call_function", "call_method") and ctx.label(a) == lab and hinted_shape(a) == shp
 
 
 def _chains(ctx: _Ctx) -> list[tuple[list[fx.Node], str]]:
     """Chains of states c_1 → … → c_m (m >= 2) with the kind of their links ("affine" or "general")."""
     links: dict[fx.Node, tuple[fx.Node, str]] = {}
     for s in ctx.nodes:
-        if s.op not in ("call_function", "call_method") or shape_of(s) is None:
+        if s.op not in ("call_function", "call_method") or hinted_shape(s) is None:
             continue
         name = op_name(s)
         p, kind = None, ""
-        if name in _STATE_OPS:
+        if name in ops.STATE_OPS:
             p, kind = _affine_pred(s, ctx), "affine"
-        if p is None and (name in _NONLINEAR_STATE or _fname(s) in _NONLINEAR_STATE):
+        if p is None and (name in ops.NONLINEAR_STATE or _fname(s) in ops.NONLINEAR_STATE):
             p, kind = _general_pred(s, ctx), "general"
         if p is not None:
             links[s] = (p, kind)
@@ -274,7 +182,7 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
             if ctx.label(u) != ctx.label(v):
                 raise _Mismatch(f"steps differ at node {v.name}: step {k + 2} has {_describe(v)} where step 2 has "
                                 f"{_describe(u)}", v)
-            for au, av in zip(_node_args(u), _node_args(v)):
+            for au, av in zip(node_args(u), node_args(v)):
                 if au is av and pos[au] < start:
                     shared[au] = None
                     continue
@@ -298,8 +206,8 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
         for u in tmpl:
             for q, val in enumerate(ctx.ints(u)):
                 slots[(u, q)] = {2: val}
-            for au in _node_args(u):
-                if pos[au] < start and _index_positions(au):
+            for au in node_args(u):
+                if pos[au] < start and index_kind(au):
                     for q, val in enumerate(ctx.ints(au)):
                         slots[(au, q)] = {2: val}
     # step 1, matched backwards from c_1 along the template
@@ -320,7 +228,7 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
                 continue
             ok, why = False, f"step 1 differs at node {getattr(u1, 'name', u1)} (the loop's first iteration is special)"
             break
-        for au, a1 in zip(_node_args(u), _node_args(u1)):
+        for au, a1 in zip(node_args(u), node_args(u1)):
             if au is a1:
                 continue
             pa = pos[au]
@@ -353,7 +261,7 @@ def _check_windows(chain: list[fx.Node], ctx: _Ctx) -> _Loop:
 
 def _same_slice(au: fx.Node, av: fx.Node, ctx: _Ctx) -> bool:
     """Both are the same indexing op of the same source (maybe at different indices)."""
-    return bool(_index_positions(au)) and ctx.label(au) == ctx.label(av) and bool(au.args) and bool(av.args) \
+    return bool(index_kind(au)) and ctx.label(au) == ctx.label(av) and bool(au.args) and bool(av.args) \
         and au.args[0] is av.args[0]
 
 
@@ -366,7 +274,7 @@ def _add_slot(slots: dict[tuple[fx.Node, int], dict[int, int]], u: fx.Node, v: f
 
 
 def _describe(n: fx.Node) -> str:
-    return f"{op_name(n) or _fname(n) or n.op}({', '.join(a.name for a in n.all_input_nodes)})"
+    return f"{name_of(n) or n.op}({', '.join(a.name for a in n.all_input_nodes)})"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,14 +291,14 @@ def _xs(loop: _Loop, ctx: _Ctx) -> list[dict[str, Any]]:
             raise _Mismatch(f"steps differ at node {u.name}: its index does not progress evenly ({vals[:6]})", u)
         if steps and steps[0] != 0:
             src = u.args[0] if u.args else None
-            xs.append({"node": u.name, "source": getattr(src, "name", None), "op": _index_positions(u),
+            xs.append({"node": u.name, "source": getattr(src, "name", None), "op": index_kind(u),
                        "dim": _slot_dim(u, q), "index_position": q, "first_step": min(by_step), "start": vals[0], "stride": steps[0]})
     return xs
 
 
 def _slot_dim(u: fx.Node, q: int) -> int | None:
     """The source dim that the q-th varying int of an indexing node indexes (None when not readable)."""
-    kind = _index_positions(u)
+    kind = index_kind(u)
     if kind in ("select", "narrow"):
         d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
         return d if isinstance(d, int) else None
@@ -437,7 +345,7 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
     # NB: per-step slices made before the loop (unbind items) may sit just before the template: not carried values
     slices = {u for u, _ in loop.slots if ctx.pos[u] < start}
     for u in tmpl:
-        for a in _node_args(u):
+        for a in node_args(u):
             if start - L <= ctx.pos[a] < start and a not in loop.shared and a not in carried_in and a not in slices:
                 carried_in.append(a)
     reach = forward_reach(list(carried_in) or [c_prev], c_new, ctx.pos)
@@ -481,8 +389,8 @@ def _reads_slices(chain: list[fx.Node], ctx: _Ctx) -> bool:
     start, end = ctx.pos[chain[0]], ctx.pos[chain[1]]
     first = ctx.pos[chain[0]] - (end - start)
     for u in ctx.nodes[start + 1: end + 1]:
-        for a in [u] + _node_args(u):
-            if _index_positions(a) and a.args and isinstance(a.args[0], fx.Node) and ctx.pos[a.args[0]] < first:
+        for a in [u] + node_args(u):
+            if index_kind(a) and a.args and isinstance(a.args[0], fx.Node) and ctx.pos[a.args[0]] < first:
                 return True
     return False
 

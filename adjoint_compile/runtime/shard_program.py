@@ -41,10 +41,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..analysis.fx import is_linear_scan, scan_args
+from ..analysis.time_local import TimeLocalInfo, analyze
 from ..errors import UnsupportedRegion
 from ..inner import compile_inner
-from ..passes.time_local import TimeLocalInfo, analyze, is_linear_scan, scan_args
-from .random import hashed_dropout
+from ..kernels.random import hashed_dropout
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ShardProgram:
                 raise UnsupportedRegion(f"scan {s.name}: h0 must be None or an input of the region")
         self.specialized: dict[int, fx.GraphModule] = {}
         self.prepared_for: tuple | None = None
-        #: hashed dropouts (runtime/random.py): their masks depend on each element's global step, so shard programs
+        #: hashed dropouts (kernels/random.py): their masks depend on each element's global step, so shard programs
         #: take the shard's first step as one more input
         self.random = [n for n in region_gm.graph.nodes if n.op == "call_function" and n.target is hashed_dropout]
 

@@ -17,86 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from .graph_utils import callables_named
+from .fx import hinted_shape
+from .optable import op_name
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "Expr", "Const", "Atom", "Sum", "Prod", "Quot", "Affine", "NotAffine", "affine", "UpdateForm", "classify_update",
-    "op_name", "target_key", "example_value", "shape_of",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# node helpers shared by the matchers
-
-_MODULES = (operator, torch, F, torch._C._nn, torch.special, torch.Tensor, torch._C._VariableFunctions)
-_NAMES = """add iadd sub isub rsub mul imul div truediv itruediv true_divide neg negative pos addcmul clone contiguous
-relu relu_ layer_norm rms_norm group_norm sigmoid tanh getitem select narrow unbind stack cat linear matmul
-exp softplus silu gelu""".split()
-_FN_NAME: dict[Any, str] = {}
-for _name in _NAMES:
-    for _obj in callables_named(_name, _MODULES):
-        _FN_NAME.setdefault(_obj, _name)
-_ALIASES = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "truediv": "div", "true_divide": "div",
-            "negative": "neg", "relu_": "relu"}
-
-
-def op_name(n: Any) -> str | None:
-    """Canonical short name of a torch-level op (``operator.add``, ``torch.add``, ``x.add`` -> ``"add"``); None
-    for placeholders, unknown functions and non-nodes."""
-    if not isinstance(n, fx.Node):
-        return None
-    if n.op == "call_method":
-        name = str(n.target)
-    elif n.op == "call_function":
-        t = n.target
-        try:
-            name = _FN_NAME.get(t)
-        except TypeError:
-            name = None
-        if name is None and isinstance(t, torch._ops.OpOverload):
-            name = t.overloadpacket.__name__
-        if name is None:
-            return None
-    else:
-        return None
-    return _ALIASES.get(name, name)
-
-
-def target_key(n: fx.Node) -> str:
-    """A stable, address-free string for a node's op and target (``str(torch.add)`` contains an address)."""
-    t = n.target
-    if isinstance(t, str):
-        return f"{n.op}:{t}"
-    mod = getattr(t, "__module__", None) or ""
-    name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
-    return f"{n.op}:{mod}.{name}"
-
-
-def example_value(n: Any) -> Any:
-    """The FakeTensor (or tuple of them) dynamo recorded for ``n``; ``meta["val"]`` as a fallback."""
-    if not isinstance(n, fx.Node):
-        return None
-    return n.meta.get("example_value", n.meta.get("val"))
-
-
-def shape_of(n: Any) -> tuple[int, ...] | None:
-    v = example_value(n)
-    if isinstance(v, torch.Tensor):
-        try:
-            return tuple(int(s) for s in v.shape)
-        except TypeError:  # symbolic sizes
-            return None
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -427,7 +360,7 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
         return UpdateForm(
             "general", reason=f"not linear in the carry: it passes through {what} at node {culprit.name} "
                               f"(a general nonlinear recurrence)", where=culprit.name)
-    sn, sc = shape_of(new), shape_of(carry)
+    sn, sc = hinted_shape(new), hinted_shape(carry)
     if sn is not None and sc is not None and sn != sc:
         return UpdateForm("general", reason=f"the new state's shape {list(sn)} differs from the carry's {list(sc)}",
                           where=new.name)
@@ -440,22 +373,3 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
             why = f"b depends on the carry (via node {dep_o[0].name})"
         return UpdateForm("gated", aff.coef, aff.offset, reason=why, where=(dep_c or dep_o)[0].name)
     return UpdateForm("linear", aff.coef, aff.offset)
-
-
-def forward_reach(start: fx.Node | list[fx.Node], limit: fx.Node | None = None,
-                  order: dict[fx.Node, int] | None = None) -> set[fx.Node]:
-    """Nodes reachable from ``start`` along def-use edges (``start`` included), not past ``limit`` in graph order."""
-    starts = start if isinstance(start, list) else [start]
-    cap = order[limit] if (limit is not None and order is not None) else None
-    seen: set[fx.Node] = set(starts)
-    stack = list(starts)
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in seen:
-                continue
-            if cap is not None and order.get(u, cap + 1) > cap:
-                continue
-            seen.add(u)
-            stack.append(u)
-    return seen

@@ -1,0 +1,202 @@
+"""FX graph utilities shared by the analyses, the passes and the runtime: linear_scan nodes and their arguments,
+example values and shapes (symbolic-safe), reachability and convexity of node sets, a stable topological sort."""
+from __future__ import annotations
+
+import functools
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
+    "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named",
+]
+
+#: linear_scan's arguments in schema order, and the defaults of the optional ones.
+SCAN_ARGS = ("a", "b", "h0", "dim", "reverse", "window", "impl")
+SCAN_DEFAULTS: dict[str, Any] = {"h0": None, "dim": 1, "reverse": False, "window": None, "impl": None}
+
+
+def is_linear_scan(node: fx.Node) -> bool:
+    """True for a call of ``torch.ops.adjoint_compile.linear_scan`` (overload or packet)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name == "adjoint_compile::linear_scan"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name == "adjoint_compile::linear_scan"
+    return False
+
+
+def scan_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a linear_scan node by name: a, b, h0, dim, reverse, window, impl."""
+    t = node.target
+    names = list(SCAN_ARGS)
+    if isinstance(t, torch._ops.OpOverload):
+        names = [a.name for a in t._schema.arguments]
+    out = dict(SCAN_DEFAULTS)
+    out.update(zip(names, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Reorder ``graph`` so that every node follows its inputs, keeping the current order wherever it is valid."""
+    order = list(graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    indeg = {n: len(set(n.all_input_nodes)) for n in order}
+    ready = [(index[n], n.name) for n in order if indeg[n] == 0]
+    by_name = {n.name: n for n in order}
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        n = by_name[name]
+        out.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (index[u], u.name))
+    if len(out) != len(order):
+        raise RuntimeError("a pass made a cycle in the graph")  # NB: a bug in a pass, never a user error
+    if out == order:
+        return
+    prev = out[0]
+    if order[0] is not prev:
+        order[0].prepend(prev)
+    for n in out[1:]:
+        prev.append(n)
+        prev = n
+
+
+def callables_named(name: str, modules: Iterable[Any]) -> Iterator[Any]:
+    """Every hashable callable called ``name`` in ``modules`` (``torch.add``, ``Tensor.add``, ``operator.add``...):
+    the keys a table of torch-level ops needs so that every spelling of an op in a dynamo graph finds it."""
+    for mod in modules:
+        obj = getattr(mod, name, None)
+        if obj is None or not callable(obj):
+            continue
+        try:
+            hash(obj)
+        except TypeError:
+            continue
+        yield obj
+
+
+# --------------------------------------------------------------------------------------------------------------
+# example values and shapes
+
+
+def example_value(n: Any) -> Any:
+    """The FakeTensor (or tuple of them) dynamo recorded for ``n``; ``meta["val"]`` as a fallback; None for
+    non-nodes."""
+    if not isinstance(n, fx.Node):
+        return None
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def size(x: Any, hint: bool = False) -> Any:
+    """An int, or for a symbolic size (dynamic shapes) its sympy expression; with ``hint``, the size dynamo traced
+    with (None when it has none).
+
+    NB: comparing SymInts (or ``int()`` of one) would install guards in dynamo's shape environment; sympy
+    expressions compare structurally and hints are plain ints, so an analysis stays a pure read of the graph.
+    """
+    if isinstance(x, torch.SymInt):
+        if hint:
+            return x.node.hint
+        expr = x.node.expr
+        return int(expr) if expr.is_number else expr
+    return x
+
+
+def shape(n: Any, first_of_tuple: bool = False, hint: bool = False) -> tuple[Any, ...] | None:
+    """The shape of ``n``'s example value, each size as :func:`size` gives it; None for a non-tensor value (or,
+    with ``hint``, a size without a hint). ``first_of_tuple``: a tuple of tensors (split, max(dim)) has its first
+    one's."""
+    v = example_value(n)
+    if first_of_tuple and isinstance(v, (tuple, list)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        v = v[0]
+    if not isinstance(v, torch.Tensor):
+        return None
+    out = tuple(size(x, hint) for x in v.shape)
+    return None if hint and any(x is None for x in out) else out
+
+
+#: shapes with the sizes dynamo traced with: recognition reads a symbolic graph only to decide whether to
+#: specialize it per call (passes/specialize.py), and reports lengths as numbers.
+hinted_shape = functools.partial(shape, hint=True)
+
+
+def nodes_in(x: Any) -> list[fx.Node]:
+    """The nodes in a (nested) argument structure, in order, with repeats."""
+    out: list[fx.Node] = []
+    fx.node.map_arg(x, out.append)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reachability and convexity (linear in the nodes and edges visited: region graphs have ~20k nodes)
+
+
+def reachable(start: fx.Node | Iterable[fx.Node], limit: fx.Node | None = None,
+              order: dict[fx.Node, int] | None = None, *, forward: bool = True) -> set[fx.Node]:
+    """Nodes reachable from ``start`` (included) along users (``forward``) or inputs; forward, not past ``limit``
+    in graph order (``order``: position of every node)."""
+    starts = [start] if isinstance(start, fx.Node) else list(start)
+    cap = order[limit] if (limit is not None and order is not None) else None
+    seen: set[fx.Node] = set(starts)
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        for u in (n.users if forward else n.all_input_nodes):
+            if u in seen:
+                continue
+            if cap is not None and order.get(u, cap + 1) > cap:
+                continue
+            seen.add(u)
+            stack.append(u)
+    return seen
+
+
+def reentry(graph_nodes: Iterable[fx.Node], members: set[fx.Node]) -> fx.Node | None:
+    """Where a path that leaves ``members`` comes back (member -> non-member -> member): the first such non-member
+    read by a member, in graph order; None when ``members`` is convex (can be outlined into one call)."""
+    tainted: set[fx.Node] = set()
+    for n in graph_nodes:
+        ins = n.all_input_nodes
+        if n in members:
+            entry = next((a for a in ins if a in tainted), None)
+            if entry is not None:
+                return entry
+        elif any(a in members or a in tainted for a in ins):
+            tainted.add(n)
+    return None
+
+
+def is_convex(nodes: list[fx.Node]) -> bool:
+    """No path leaves ``nodes`` and comes back (the set can be outlined into one call)."""
+    # NB: torch.fx.passes.utils.fuser_utils.validate_partition answers the same, but region_around needs the
+    # node where the path comes back, so both use reentry.
+    return not nodes or reentry(nodes[0].graph.nodes, set(nodes)) is None
+
+
+def bfs_inputs(start: fx.Node, budget: int, expand: Callable[[fx.Node], bool]) -> Iterator[fx.Node]:
+    """Ancestors of ``start`` breadth-first along inputs, each once, while fewer than ``budget`` nodes were seen;
+    the walk goes on past the nodes for which ``expand(node)`` is true."""
+    seen = {start}
+    queue = deque([start])
+    while queue and len(seen) < budget:
+        n = queue.popleft()
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            if expand(a):
+                queue.append(a)
+            yield a

@@ -1,0 +1,179 @@
+"""Regions grown from the time-local analysis (:mod:`.time_local`): the maximal convex set of time-local nodes
+around some scans (:func:`region_around`), and the seeds of the analysis found from the scans alone
+(:func:`infer_seeds`). Both are linear in the size of the graph (times the arity of its nodes).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import operator
+
+import torch.fx as fx
+
+from .fx import example_value, nodes_in, reachable, reentry, scan_args
+from .rules import Ctx, norm_dim, step_shape
+from .time_local import TimeLocalInfo, rule_for
+
+log = logging.getLogger(__name__)
+
+__all__ = ["region_around", "infer_seeds"]
+
+
+def _region_candidates(gm: fx.GraphModule, info: TimeLocalInfo) -> set[fx.Node]:
+    return {n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+            and info.is_time_local(n)}
+
+
+def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
+                  info: TimeLocalInfo) -> tuple[list[fx.Node], list[tuple[str, str]]]:
+    """The maximal connected time-local set of nodes containing ``scan_nodes``, and the mixing nodes bounding it.
+
+    Connectivity follows def-use edges in both directions between time-local ops (placeholders, step-free nodes and
+    mixing nodes are not members: they are the region's inputs or its bounds).  The set is also made convex: a
+    member reachable from another member through a non-member (e.g. ``y + cumsum(y)``) is dropped, so that the set
+    can be outlined into one call.  Returns ``(nodes in graph order, [(name, why) of bounding mixing nodes])``;
+    ``([], bounds)`` when no scan is time-local.
+    """
+    cand = _region_candidates(gm, info)
+    seeds = [s for s in scan_nodes if s in cand]
+    bad = [s for s in scan_nodes if s not in cand]
+    for s in bad:
+        log.debug("scan %s is not time-local: %s", s.name, info.mixing.get(s, "no step axis"))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    members: set[fx.Node] = set()
+    while True:
+        # connected component(s) of cand containing the seeds
+        members = set()
+        stack = [s for s in seeds if s in cand]
+        while stack:
+            n = stack.pop()
+            if n in members:
+                continue
+            members.add(n)
+            for m in list(n.all_input_nodes) + list(n.users):
+                if m in cand and m not in members:
+                    stack.append(m)
+        # a getitem of a tuple made outside the region becomes an input: region inputs must be tensors
+        cut = {n for n in members if n.op == "call_function" and n.target is operator.getitem
+               and isinstance(n.args[0], fx.Node) and n.args[0] not in members
+               and isinstance(example_value(n.args[0]), (tuple, list))}
+        if cut:
+            cand -= cut
+            continue
+        # convexity: a path that leaves the members and comes back (member -> non-member -> member)
+        entry = reentry(gm.graph.nodes, members)
+        if entry is None:
+            break
+        # NB: drop the members downstream of the path, unless that drops a scan we grow the region for (e.g. a
+        # causal conv between two SSM layers): then drop the members upstream of it, which go to a later region.
+        dropped = reachable(entry) & members
+        if any(x in dropped for x in seeds):
+            near = reachable(entry, forward=False) & members
+            if not any(x in near for x in seeds):
+                dropped = near
+        cand -= dropped
+        log.debug("region_around: dropping %s to keep the region convex", sorted(x.name for x in dropped))
+    nodes = sorted(members, key=order.__getitem__)
+    bounds: list[tuple[str, str]] = []
+    seen: set[fx.Node] = set()
+    for n in nodes:
+        for m in list(n.all_input_nodes) + list(n.users):
+            if m in info.mixing and m not in seen:
+                seen.add(m)
+                bounds.append((m.name, info.mixing[m]))
+    for s in bad:
+        if s not in seen:
+            seen.add(s)
+            bounds.append((s.name, info.mixing.get(s, "does not carry the step axis")))
+    return nodes, bounds
+
+
+def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
+    """Which inputs of ``node`` carry the step axis, given that its output carries it at ``d_out``.
+
+    Found by trying the forward rule on every assignment of candidate dims (dims of length T, or none) to the tensor
+    inputs: an assignment is valid when the rule puts the output's step axis at ``d_out``.  Time-local assignments
+    beat mixing ones, then fewer tracked inputs win (a parameter that broadcasts stays whole); a tie with T > 1 is
+    ambiguous and gives None, as does an op without a rule.
+    """
+    rule = rule_for(node)
+    if rule is None:
+        return None
+    ins = [a for a in dict.fromkeys(nodes_in((node.args, node.kwargs))) if step_shape(a) is not None]
+    cands = [[None] + [k for k, n in enumerate(step_shape(a)) if n == T] for a in ins]
+    if math.prod(len(c) for c in cands) > 256:
+        return None
+    best: list[tuple[tuple[int, int], dict[fx.Node, int]]] = []
+    for combo in itertools.product(*cands):
+        if all(c is None for c in combo):
+            continue
+        trial = TimeLocalInfo(step_dim=dict(zip(ins, combo)), mixing={}, length=T)
+        try:
+            d, why = rule(node, Ctx(node, trial))
+        except Exception:  # noqa: BLE001 - an assignment the rule cannot read is not valid
+            continue
+        if d != d_out:
+            continue
+        assign = {a: k for a, k in zip(ins, combo) if k is not None}
+        best.append(((why is not None, len(assign)), assign))
+    if not best:
+        return None
+    best.sort(key=lambda x: x[0])
+    if len(best) > 1 and best[0][0] == best[1][0] and T > 1 and best[0][1] != best[1][1]:
+        return None
+    return best[0][1]
+
+
+def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
+    ``a`` and ``b`` along the step axis.
+
+    Walks back from every scan's a and b through ops whose rule can be inverted exactly (broadcasting aligns a
+    per-step operand with the step axis; Linear passes it to its input, never to its weight; views map it by the
+    row-major rule).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
+    seed itself: its output is a step-carrying input of any region after it.  The forward :func:`analyze` then checks
+    everything; a node asked for at two different dims keeps the first and is logged.
+    """
+    seeds: dict[fx.Node, int] = {}
+    T = None
+    want: dict[fx.Node, int] = {}
+    work: list[fx.Node] = []
+    for s in scan_nodes:
+        a = scan_args(s)
+        shp = step_shape(s)
+        if shp is None or not isinstance(a["dim"], int):
+            continue
+        dim = norm_dim(a["dim"], len(shp))
+        if T is not None and shp[dim] != T:
+            log.debug("infer_seeds: scan %s has %d steps, others %d: skipped", s.name, shp[dim], T)
+            continue
+        T = shp[dim]
+        seeds[s] = dim
+        for key in ("a", "b"):
+            v = a[key]
+            vs = step_shape(v)
+            if vs is None or dim + len(vs) - len(shp) < 0 or vs[dim + len(vs) - len(shp)] != T:
+                continue  # broadcast along time: step-free
+            d = dim + len(vs) - len(shp)
+            if want.setdefault(v, d) != d:
+                log.debug("infer_seeds: %s wanted at dims %d and %d", v.name, want[v], d)
+            else:
+                work.append(v)
+    done: set[fx.Node] = set()
+    while work:
+        n = work.pop()
+        if n in done or n in seeds:
+            continue
+        done.add(n)
+        d = want[n]
+        inv = _inverse(n, d, T) if n.op in ("call_function", "call_method") else None
+        if not inv:
+            seeds[n] = d
+            continue
+        for a, k in inv.items():
+            if want.setdefault(a, k) != k:
+                log.debug("infer_seeds: %s wanted at dims %d and %d", a.name, want[a], k)
+            elif a not in done:
+                work.append(a)
+    return seeds

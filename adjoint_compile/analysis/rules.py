@@ -1,0 +1,381 @@
+"""Step-dim rules of the time-local analysis (:mod:`.time_local`) for ops that compute: elementwise ops,
+contractions, reductions, norms, convolutions, random ops and the scan. The rules that only move data (views,
+indexing, cat) are in :mod:`.layout_rules`.
+
+A rule reads one node and the step dims of its inputs (:class:`Ctx`) and returns ``(step dim of the output or
+None, why it mixes steps or None)``. Every rule checks shapes: an operand that is not tracked along the step axis
+but has full length there makes the op mixing, because a shard could not take its slice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .fx import nodes_in, scan_args, shape
+
+@dataclasses.dataclass
+class TimeLocalInfo:
+    """Result of :func:`~adjoint_compile.analysis.time_local.analyze` (defined here, where the rules read it).
+
+    ``step_dim[n]`` is the dim of ``n``'s output holding the step axis (None: not carried); ``mixing[n]`` says why
+    ``n`` mixes steps.  ``length`` is the number of steps T (from the seeds).
+    """
+
+    step_dim: dict[fx.Node, int | None]
+    mixing: dict[fx.Node, str]
+    length: int | None = None
+    #: previous-state readouts ``cat([first, h[:, :-1]], dim=d)`` of a scan output ``h``: cat node -> the parts.
+    #: Within a shard, the step before the shard's first one is the scan's carry, so the shift stays time-local.
+    shifts: dict[fx.Node, "Shift"] = dataclasses.field(default_factory=dict)
+
+    def carries_step(self, n: fx.Node) -> bool:
+        return self.step_dim.get(n) is not None
+
+    def is_time_local(self, n: fx.Node) -> bool:
+        """True for a node that carries the step axis and acts on each step on its own."""
+        return self.step_dim.get(n) is not None and n not in self.mixing
+
+    def kind(self, n: fx.Node) -> str:
+        """``"mixing"``, ``"local"`` or ``"step_free"``."""
+        if n in self.mixing:
+            return "mixing"
+        return "local" if self.step_dim.get(n) is not None else "step_free"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shift:
+    """``out = cat([first, scan[..., :-1 along d]], dim=d)``: out_t = h_{t-1}, and out_0 = first.
+
+    ``first`` is step-free (length 1 at d); ``sliced`` is the ``getitem`` that drops the last step of ``scan``.
+    """
+
+    first: fx.Node
+    sliced: fx.Node
+    scan: fx.Node
+    dim: int
+
+
+
+Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]
+
+#: a node's shape; a tuple of tensors (split, max(dim)) has its first one's: they share their step dim, and the
+#: rules check ndim only.
+step_shape = functools.partial(shape, first_of_tuple=True)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def op_label(node: fx.Node) -> str:
+    """The op's name in a reason (``"unknown op X"``, ``"sum over the step dim"``)."""
+    if node.op == "call_method":
+        return str(node.target)
+    t = node.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    return getattr(t, "__name__", str(t))
+
+
+class Ctx:
+    """Per-node view used by the rules: argument access and step dims of inputs."""
+
+    def __init__(self, node: fx.Node, info: "TimeLocalInfo") -> None:
+        self.node = node
+        self.info = info
+        self.method = node.op == "call_method"
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        """Positional argument i (counting self for methods) or keyword ``name``."""
+        args = self.node.args
+        if i < len(args):
+            return args[i]
+        return self.node.kwargs.get(name, default)
+
+    def sd(self, n: Any) -> int | None:
+        return self.info.step_dim.get(n) if isinstance(n, fx.Node) else None
+
+    @property
+    def out_shape(self) -> tuple[int, ...] | None:
+        return step_shape(self.node)
+
+    @property
+    def T(self) -> int | None:
+        return self.info.length
+
+
+# --------------------------------------------------------------------------------------------------------------
+# rules: each returns (output step dim or None, mixing reason or None)
+
+
+def broadcast(node: fx.Node, ctx: Ctx, operands: list[Any] | None = None) -> tuple[int | None, str | None]:
+    """Elementwise op with numpy broadcasting: operands align on their trailing dims."""
+    out = ctx.out_shape
+    if out is None:
+        return None, f"no shape for {node.name}"
+    ops = operands if operands is not None else nodes_in((node.args, node.kwargs))
+    tensors = [a for a in ops if isinstance(a, fx.Node) and step_shape(a) is not None]
+    d_out: int | None = None
+    for a in tensors:
+        if ctx.sd(a) is None:
+            continue
+        s = step_shape(a)
+        d = ctx.sd(a) + len(out) - len(s)
+        if d_out is not None and d != d_out:
+            return d_out, f"step axes of the operands do not line up ({a.name} at dim {d}, others at {d_out})"
+        d_out = d
+    if d_out is None:
+        return None, None
+    if out[d_out] != ctx.T and ctx.T is not None:
+        return None, f"output length {out[d_out]} at the step dim differs from T={ctx.T}"
+    for a in tensors:
+        if ctx.sd(a) is not None:
+            continue
+        s = step_shape(a)
+        pos = d_out - (len(out) - len(s))
+        if 0 <= pos < len(s) and s[pos] != 1:
+            return d_out, (f"operand {a.name} is not tracked along the step axis but has length {s[pos]} there "
+                           f"(a per-step table?)")
+    return d_out, None
+
+
+def pointwise(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    return broadcast(node, ctx)
+
+
+def same_shape(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """Ops whose output has the shape of their first argument (to, contiguous, clone, zeros_like, ...)."""
+    x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    d = ctx.sd(x)
+    out = ctx.out_shape
+    if d is not None and (out is None or step_shape(x) != out):
+        return None, f"{op_label(node)} changes the shape"
+    return d, None
+
+
+def dropout(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    p = ctx.arg(1, "p", 0.5)
+    if node.target is torch.dropout:  # torch.dropout(input, p, train)
+        training = ctx.arg(2, "train")
+    else:  # F.dropout(input, p=0.5, training=True, inplace=False)
+        training = ctx.arg(2, "training", True)
+    if training is False or p == 0:
+        return same_shape(node, ctx)
+    return ctx.sd(node.args[0]), "random op (dropout): a shard's recomputation would draw a different mask"
+
+
+def random_draw(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    return None, f"random op {op_label(node)}: a shard's recomputation would draw different numbers"
+
+
+def metadata(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    # size(), dim(), ...: plain numbers, no step axis. Lowering refuses regions that consume them as shapes.
+    return None, None
+
+
+def linear(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    x, w, b = ctx.arg(0, "input"), ctx.arg(1, "weight"), ctx.arg(2, "bias")
+    if ctx.sd(w) is not None or ctx.sd(b) is not None:
+        return None, "Linear weight or bias depends on the step"
+    d, s = ctx.sd(x), step_shape(x)
+    if d is None:
+        return None, None
+    if d == len(s) - 1:
+        return None, "Linear contracts the step dim"
+    return d, None
+
+
+def matmul(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    x, y = ctx.arg(0, "input"), ctx.arg(1, "other", ctx.arg(1, "mat2"))
+    sx, sy, out = step_shape(x), step_shape(y), ctx.out_shape
+    if sx is None or sy is None or out is None:
+        return None, f"no shape for {node.name}"
+    dx, dy = ctx.sd(x), ctx.sd(y)
+    if len(sx) < 2 or len(sy) < 2:
+        if len(sy) == 1 and dy is None and dx is not None and dx < len(sx) - 1:
+            return dx, None  # matrix-vector over features
+        return None, "matmul with a 1-D operand along the step axis"
+    cands: list[int] = []
+    for d, s, contract, keep in ((dx, sx, len(sx) - 1, len(sx) - 2), (dy, sy, len(sy) - 2, len(sy) - 1)):
+        if d is None:
+            continue
+        if d == contract:
+            return None, "matmul contracts the step dim (attention-like or a time mixing matrix)"
+        if d == keep:
+            cands.append(len(out) - 2 if s is sx else len(out) - 1)
+        else:
+            cands.append(d + len(out) - len(s))
+    if len(set(cands)) != 1:
+        return None, "both matmul operands carry the step axis at different dims (attention-like scores)"
+    d_out = cands[0]
+    if d_out < len(out) - 2:  # a batch dim: the untracked operand must broadcast along it
+        for d, s in ((dx, sx), (dy, sy)):
+            if d is None:
+                pos = d_out - (len(out) - len(s))
+                if 0 <= pos < len(s) - 2 and s[pos] != 1:
+                    return d_out, "matmul operand is not tracked along the step axis but has its length there"
+    return d_out, None
+
+
+def einsum(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    eq = node.args[0]
+    ops = list(node.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str):
+        return None, "einsum with a non-literal equation"
+    eq = eq.replace(" ", "")
+    if "->" not in eq:
+        return None, "einsum without an explicit output"
+    lhs, rhs = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ops):
+        return None, "einsum operand count does not match the equation"
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+
+    def expand(term: str, ndim: int) -> str:
+        if "..." not in term:
+            return term
+        k = ndim - (len(term) - 3)
+        return term.replace("...", "".join(free[-k:]) if k > 0 else "")
+
+    ell_nd = max((len(step_shape(o) or ()) - (len(t) - 3) for t, o in zip(terms, ops) if "..." in t), default=0)
+    terms = [expand(t, len(step_shape(o) or ())) for t, o in zip(terms, ops)]
+    rhs = rhs.replace("...", "".join(free[-ell_nd:]) if ell_nd > 0 else "")
+    letter = None
+    for t, o in zip(terms, ops):
+        d = ctx.sd(o)
+        if d is None:
+            continue
+        if len(t) != len(step_shape(o) or ()):
+            return None, "einsum term does not match its operand's rank"
+        if letter is not None and t[d] != letter:
+            return None, "einsum operands carry the step axis under different indices"
+        letter = t[d]
+    if letter is None:
+        return None, None
+    if letter not in rhs:
+        return None, f"einsum contracts the step index {letter!r}"
+    for t, o in zip(terms, ops):
+        if ctx.sd(o) is None and letter in t and (step_shape(o) or ())[t.index(letter)] != 1:
+            return rhs.index(letter), "einsum operand is not tracked along the step axis but carries its index"
+    return rhs.index(letter), None
+
+
+def dims_arg(dim: Any, ndim: int) -> list[int] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        return [norm_dim(dim, ndim)]
+    if isinstance(dim, (list, tuple)) and all(isinstance(d, int) for d in dim):
+        return [norm_dim(d, ndim) for d in dim] if dim else None  # NB: sum(x, ()) reduces everything
+    return []
+
+
+def reduction(dim_pos: int, keep_pos: int, dim_kw: str = "dim") -> Rule:
+    def rule(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+        x = node.args[0]
+        d, s = ctx.sd(x), step_shape(x)
+        if d is None:
+            return None, None
+        dim = ctx.arg(dim_pos, dim_kw)
+        if isinstance(dim, fx.Node):  # max(x, y) / min(x, y): elementwise
+            return broadcast(node, ctx)
+        dims = dims_arg(dim, len(s))
+        if dims is None:
+            return None, f"{op_label(node)} over all dims (including the step dim)"
+        if dims == [] :
+            return None, f"{op_label(node)} with an unreadable dim argument {dim!r}"
+        if d in dims:
+            return None, f"{op_label(node)} over the step dim"
+        keep = ctx.arg(keep_pos, "keepdim", False)
+        return (d if keep else d - sum(1 for k in dims if k < d)), None
+
+    return rule
+
+
+def along_dim(dim_pos: int, dim_kw: str = "dim", default: Any = None) -> Rule:
+    """Shape-preserving ops along one dim (softmax, cumsum, normalize, flip, sort): local unless dim is the step."""
+
+    def rule(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+        x = node.args[0]
+        d, s = ctx.sd(x), step_shape(x)
+        if d is None:
+            return None, None
+        dims = dims_arg(ctx.arg(dim_pos, dim_kw, default), len(s))
+        if not dims:
+            return d, f"{op_label(node)} with an implicit or unreadable dim"
+        if d in dims:
+            return d, f"{op_label(node)} along the step dim"
+        return d, None
+
+    return rule
+
+
+def norm_layer(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    x, shape = ctx.arg(0, "input"), ctx.arg(1, "normalized_shape")
+    for extra in nodes_in((node.args[2:], {k: v for k, v in node.kwargs.items() if k != "input"})):
+        if ctx.sd(extra) is not None:
+            return None, f"{op_label(node)} weight depends on the step"
+    d, s = ctx.sd(x), step_shape(x)
+    if d is None:
+        return None, None
+    k = len(shape) if isinstance(shape, (list, tuple)) else 1
+    if d >= len(s) - k:
+        return None, f"{op_label(node)} normalizes over the step dim"
+    return d, None
+
+
+def conv(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    x, w, b = ctx.arg(0, "input"), ctx.arg(1, "weight"), ctx.arg(2, "bias")
+    if ctx.sd(w) is not None or ctx.sd(b) is not None:
+        return None, "convolution weight depends on the step"
+    d, out = ctx.sd(x), ctx.out_shape
+    if d is None:
+        return None, None
+    if d == 0:
+        return 0, None
+    if d == 1:
+        return None, "convolution mixes channels, and the step axis is the channel dim"
+    keep = d if out is not None and out[d] == step_shape(x)[d] else None
+    return keep, "convolution along the step axis"
+
+
+def pad(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    x, pad = ctx.arg(0, "input"), ctx.arg(1, "pad")
+    d, s = ctx.sd(x), step_shape(x)
+    if d is None:
+        return None, None
+    if not isinstance(pad, (list, tuple)) or not all(isinstance(p, int) for p in pad):
+        return None, "pad with unreadable amounts"
+    k = len(s) - 1 - d  # pad pairs run from the last dim backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        return None, "pad along the step dim"
+    return d, None
+
+
+def scan(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    a = scan_args(node)
+    shp = ctx.out_shape
+    if shp is None or not isinstance(a["dim"], int):
+        return None, "linear_scan with unreadable arguments"
+    dim = norm_dim(a["dim"], len(shp))
+    if ctx.sd(a["h0"]) is not None:
+        return dim, "linear_scan's h0 carries the step axis"
+    for key in ("a", "b"):
+        v = a[key]
+        if ctx.sd(v) is None:
+            vs = step_shape(v) if isinstance(v, fx.Node) else None
+            if vs and len(vs) == len(shp) and vs[dim] != 1:
+                return dim, f"linear_scan input {key} ({v.name}) is not tracked along the step axis (seed its source)"
+            continue
+        if ctx.sd(v) + len(shp) - len(step_shape(v)) != dim:
+            return dim, f"linear_scan runs along dim {dim} but its input {key} carries the step axis elsewhere"
+    if a["reverse"]:
+        return dim, "reverse linear_scan: state flows from the last step to the first"
+    return dim, None

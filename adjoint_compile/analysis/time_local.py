@@ -1,0 +1,250 @@
+"""Step-dim propagation over a dynamo FX graph: which nodes act on each step on its own (DESIGN.md §3,
+"Regions along time").
+
+Given seeds ``{node: step_dim}`` (sequence inputs ``[B, T, D]`` with step dim 1, ``linear_scan`` nodes with their
+``dim``), :func:`analyze` walks the graph once in topological order and, for every node, records
+
+* ``step_dim[n]``: the dim of ``n``'s output that is the step (time) axis of length T, or ``None`` when the output
+  does not carry it as a dim of its own;
+* ``mixing[n]``: why ``n`` mixes steps (a convolution along time, a sum over time, attention, slicing along time,
+  a reshape that merges the step dim with another, an unknown op, ...).
+
+A node is *time-local* when it carries the step axis and does not mix (output step t depends only on input step t
+of every step-carrying input, and on step-free tensors); *step-free* when none of its inputs carries the step axis
+(parameter math); *step-mixing* otherwise.  A mixing node still reports the dim of its output's step axis when it
+keeps one of full length (e.g. a causal conv along time), so that the ops after it can be classified.
+
+Every rule checks shapes (``node.meta["example_value"]``): an operand that is not tracked along the step axis but
+has full length there (e.g. a ``[T, D]`` positional table added to ``[B, T, D]``) makes the op mixing, because a
+shard could not take its slice.  Unknown ops are mixing with reason ``"unknown op X"``: the analysis never guesses.
+
+:func:`~.grow.region_around` then grows the maximal connected set of time-local nodes around some scans and
+reports the mixing nodes that bound it.  Both are linear in the size of the graph (times the arity of its nodes).
+
+The rules are in :mod:`.rules` (ops that compute) and :mod:`.layout_rules` (ops that move data), keyed here by the
+op names of :mod:`.optable`.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import layout_rules as lr
+from . import optable as ops
+from . import rules as r
+from .fx import example_value, is_linear_scan, nodes_in
+from .rules import Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_label, step_shape
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TimeLocalInfo", "Shift", "analyze", "drops_last_step", "rule_for"]
+
+# --------------------------------------------------------------------------------------------------------------
+# rule table: op name (optable) -> rule
+
+RULES: dict[str, Rule] = {}
+
+
+def _by_name(names: Any, rule: Rule) -> None:
+    for name in sorted(names):
+        RULES.setdefault(name, rule)
+
+
+_by_name(ops.POINTWISE, r.pointwise)
+_by_name(ops.SAME_SHAPE, r.same_shape)
+_by_name(ops.METADATA, r.metadata)
+_by_name(ops.RANDOM, r.random_draw)
+_by_name(ops.DROPOUT, r.dropout)
+_by_name(["linear"], r.linear)
+_by_name(ops.MATMULS, r.matmul)
+_by_name(["einsum"], r.einsum)
+_by_name(ops.REDUCTIONS, r.reduction(1, 2))
+_by_name(["norm", "vector_norm"], r.reduction(2, 3))  # torch.norm(input, p, dim, keepdim)
+_by_name(ops.ALONG_DIM, r.along_dim(1))
+_by_name(["normalize"], r.along_dim(2, default=1))  # F.normalize(input, p=2.0, dim=1)
+_by_name(["flip"], r.along_dim(1, "dims"))
+_by_name(["roll"], r.along_dim(2, "dims"))
+_by_name(["topk"], r.along_dim(2, default=-1))
+_by_name(ops.NORM_LAYERS, r.norm_layer)
+_by_name(ops.RESHAPES, lr.view)
+_by_name(ops.EXPANDS, lr.expand)
+_by_name(["permute"], lr.permute)
+_by_name(ops.TRANSPOSES, lr.transpose)
+_by_name(ops.MOVEDIMS, lr.movedim)
+_by_name(["unsqueeze"], lr.unsqueeze)
+_by_name(["squeeze"], lr.squeeze)
+_by_name(["getitem"], lr.getitem)
+_by_name(["select"], lr.split_like(1, None, drop=True))
+_by_name(["narrow"], lr.split_like(1, None))
+_by_name(["index_select"], lr.index_select)
+_by_name(ops.SPLITS, lr.split_like(2))
+_by_name(["unbind"], lr.split_like(1, drop=True))
+_by_name(ops.CATS, lr.cat(False))
+_by_name(["stack"], lr.cat(True))
+_by_name(ops.CONVS, r.conv)
+_by_name(["pad"], r.pad)
+# NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
+_by_name(["hashed_dropout"], r.same_shape)
+assert set(RULES) <= ops.KNOWN, sorted(set(RULES) - ops.KNOWN)  # NB: a name the table lacks would match nothing
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    """The step-dim rule of a node's op; None for an op without one (the analysis never guesses)."""
+    if node.op == "call_method":
+        return RULES.get(node.target)
+    if node.op == "call_function":
+        if is_linear_scan(node):
+            return r.scan
+        name = ops.spelling(node.target)
+        if name is not None:
+            return RULES.get(name)
+        if isinstance(node.target, torch._ops.OpOverload):
+            # NB: aten overloads only as pointwise ops: the other rules read torch-level signatures
+            name = node.target.overloadpacket.__name__
+            if name in ops.POINTWISE:
+                return r.pointwise
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# public API
+
+
+def _length_of_seeds(seeds: dict[fx.Node, int]) -> int | None:
+    lengths = {}
+    for n, d in seeds.items():
+        if not isinstance(n, fx.Node):
+            raise ValueError(f"seeds: keys must be fx.Node, got {type(n).__name__}")
+        s = step_shape(n)
+        if s is None:
+            raise ValueError(f"seeds: node {n.name} has no tensor example_value to read the step length from")
+        if not isinstance(d, int) or not -len(s) <= d < len(s):
+            raise ValueError(f"seeds: step dim {d!r} of node {n.name} is not a dim of its shape {list(s)}")
+        lengths[n.name] = s[d]
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"seeds: the seeds disagree on the number of steps: {lengths}")
+    return next(iter(lengths.values()), None)
+
+
+def drops_last_step(sliced: fx.Node, d: int) -> bool:
+    """``sliced`` is ``x[..., :-1, ...]`` with the ``:-1`` at dim d and full slices elsewhere."""
+    if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
+        return False
+    x, idx = sliced.args
+    s = step_shape(x)
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if s is None or any(not isinstance(i, slice) and i is not Ellipsis for i in items) or items.count(Ellipsis) > 1:
+        return False
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(s) - len(items) + 1) + items[k + 1:]
+    items += [slice(None)] * (len(s) - len(items))
+    for j, i in enumerate(items):
+        want_stop = -1 if j == d else None
+        if i.start not in (None, 0) or i.step not in (None, 1) or i.stop != want_stop:
+            return False
+    return True
+
+
+def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
+    """The step dim when ``node`` drops the last step of a scan output and its only user may be a shift's cat."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args
+            and isinstance(node.args[0], fx.Node) and is_linear_scan(node.args[0])):
+        return None
+    d = info.step_dim.get(node.args[0])
+    if d is None or len(node.users) != 1 or not drops_last_step(node, d):
+        return None
+    (user,) = node.users
+    return d if op_label(user) in ("cat", "concat", "concatenate") else None
+
+
+def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
+    """``node`` as a previous-state readout ``cat([first, h[..., :-1]], d)`` (see :class:`Shift`), or None."""
+    if op_label(node) not in ("cat", "concat", "concatenate") or node.kwargs.keys() - {"dim"}:
+        return None
+    tensors = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not isinstance(dim, int):
+        return None
+    first, sliced = tensors
+    if not (isinstance(first, fx.Node) and isinstance(sliced, fx.Node)):
+        return None
+    d = info.step_dim.get(sliced)
+    if d is None or _shift_slice_dim(sliced, info) != d or norm_dim(dim, len(step_shape(node) or ())) != d:
+        return None
+    fs, hs = step_shape(first), step_shape(sliced.args[0])
+    if (info.step_dim.get(first) is not None or first in info.mixing or fs is None or hs is None
+            or len(fs) != len(hs) or fs[d] != 1 or any(a != b for j, (a, b) in enumerate(zip(fs, hs)) if j != d)):
+        return None
+    return Shift(first=first, sliced=sliced, scan=sliced.args[0], dim=d)
+
+
+class _PendingSlices:
+    """Membership test for slices tentatively kept local by :func:`_shift_slice_dim` and not yet confirmed."""
+
+    def __init__(self, info: TimeLocalInfo) -> None:
+        self.info = info
+
+    def __contains__(self, node: fx.Node) -> bool:
+        return (node in self.info.step_dim and self.info.step_dim[node] is not None and node not in self.info.mixing
+                and node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node) and is_linear_scan(node.args[0])
+                and not any(sh.sliced is node for sh in self.info.shifts.values()))
+
+
+def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
+    """Propagate the step axis through ``gm`` from ``seeds`` (``{node: step dim}``); classify every node.
+
+    Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
+    is classified by its own rule (a scan whose a/b do not carry the step axis there is mixing).  Linear in the size
+    of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
+    """
+    T = _length_of_seeds(seeds)
+    info = TimeLocalInfo(step_dim={}, mixing={}, length=T)
+    pending_slices = _PendingSlices(info)
+    for node in gm.graph.nodes:
+        seed = seeds.get(node)
+        if seed is not None:
+            seed = norm_dim(seed, len(step_shape(node)))
+        if node.op in ("placeholder", "get_attr", "output"):
+            info.step_dim[node] = seed if node.op != "output" else None
+            continue
+        if (d := _shift_slice_dim(node, info)) is not None:
+            # NB: tentatively local (T-1 steps); confirmed by its one user, the shift's cat, or marked mixing there
+            info.step_dim[node] = d
+            continue
+        if (shift := _shift_of(node, info)) is not None:
+            info.step_dim[node] = shift.dim
+            info.shifts[node] = shift
+            continue
+        for a in nodes_in((node.args, node.kwargs)):
+            if a in pending_slices and node not in info.shifts:
+                info.step_dim[a] = None
+                info.mixing[a] = "slicing along the step dim (not part of a previous-state readout)"
+        inputs = nodes_in((node.args, node.kwargs))
+        if not any(info.step_dim.get(a) is not None for a in inputs) and seed is None:
+            info.step_dim[node] = None  # step-free: parameter math and constants, whatever the op
+            continue
+        rule = rule_for(node)
+        if rule is None:
+            d, why = None, f"unknown op {op_label(node)}"
+        else:
+            try:
+                d, why = rule(node, Ctx(node, info))
+            except Exception as e:  # a rule that cannot read its node must not guess
+                d, why = None, f"could not analyze {op_label(node)}: {type(e).__name__}: {e}"
+        if seed is not None and d != seed:
+            why = why or f"seeded at step dim {seed} but the op puts it at {d}"
+            d = seed
+        if (d is not None and T is not None and (s := step_shape(node)) is not None
+                and not isinstance(example_value(node), (tuple, list)) and (d >= len(s) or s[d] != T)):
+            why, d = why or f"output has length {s[d] if d < len(s) else '?'} at the step dim, not T={T}", None
+        info.step_dim[node] = d
+        if why is not None:
+            info.mixing[node] = why
+    log.debug("time-local analysis: %d nodes, %d mixing", len(info.step_dim), len(info.mixing))
+    return info
