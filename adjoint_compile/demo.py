@@ -21,6 +21,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import measure
+from .explain import explain
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def train(model: nn.Module, args: argparse.Namespace, options: dict[str, Any]) -> list[float]:
     """Train with backend="adjoint", showing a progress bar with the loss and copy accuracy."""
-    from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(args.seed)
     step_fn = torch.compile(model, backend="adjoint", options=options)
@@ -133,7 +136,6 @@ def plot(rows: list[dict[str, Any]], losses: list[float], args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from . import measure
 
     # NB: before any tensor exists, so that no freed block of the training run lingers in malloc's heap and
     # hides the measured step's allocations from the resident-memory high-water mark.
@@ -145,13 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     stack = ssm.SSMStack(args.d_model, args.d_state, args.layers)
     model = CopyModel(stack, args.vocab, args.d_model, args.n_data).to(args.device)
 
-    import adjoint_compile as ac
 
     options: dict[str, Any] = {}
     if args.shard_size:
         options["shard_size"] = args.shard_size
     tokens, _ = selective_copy_batch(args.batch, args.seq_len, args.n_data, args.vocab, torch.Generator().manual_seed(0))
-    report = ac.explain(model, tokens.to(args.device), options=options)
+    report = explain(model, tokens.to(args.device), options=options)
     print(report, flush=True)
     torch._dynamo.reset()
 

@@ -23,6 +23,7 @@ Time: the median of repeats after a warm-up, with ``torch.cuda.synchronize`` on 
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import os
 import statistics
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 @contextmanager
@@ -101,8 +103,6 @@ def _rss_available() -> bool:
         _RSS_OK = False
         if os.path.exists("/proc/self/clear_refs"):
             try:
-                import ctypes
-
                 _LIBC = ctypes.CDLL("libc.so.6")
                 _RSS_OK = bool(_LIBC.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(_LIBC.mallopt(M_TRIM_THRESHOLD, 0))
                 with open("/proc/self/clear_refs", "w") as f:
@@ -138,8 +138,6 @@ class Checkpointed(torch.nn.Module):
         self.module = module
 
     def forward(self, *args: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
-
         return checkpoint(self.module, *args, use_reentrant=False)
 
 

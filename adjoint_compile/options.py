@@ -7,6 +7,7 @@ both pass their dict through :func:`validate`, which returns a frozen :class:`Op
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -102,8 +103,6 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
         raise OptionsError(f"adjoint-compile options must be a dict, got {type(options).__name__}: {options!r}")
     for key in options:
         if key not in ALLOWED_KEYS:
-            import difflib
-
             close = difflib.get_close_matches(str(key), ALLOWED_KEYS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise OptionsError(

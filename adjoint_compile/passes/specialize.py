@@ -24,12 +24,15 @@ on the graph module names the symbolic graph's sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ def no_guards(gm: fx.GraphModule) -> Any:
     Recognition of a symbolic graph only decides whether to specialize it per call; the real decisions are made
     again on each static specialization.
     """
-    import contextlib
-
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
@@ -86,8 +87,6 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
 
     Raises whatever fake propagation raises when the graph does not run on these arguments.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
