@@ -63,11 +63,74 @@ class Region:
                 out["nodes"] = [n.name for n in v]
             elif isinstance(v, (fx.Node, list, tuple)):
                 out[f.name] = _name(v)
+            elif callable(getattr(v, "to_dict", None)):
+                out[f.name] = v.to_dict()
             elif dataclasses.is_dataclass(v):
                 out[f.name] = dataclasses.asdict(v)
             else:
                 out[f.name] = v
         return out
+
+
+@dataclasses.dataclass
+class PerStepSlice:
+    """A per-step slice of an unrolled loop: ``node`` reads ``source`` at index ``start + k·stride`` in step k."""
+
+    node: fx.Node
+    source: fx.Node | None
+    #: "getitem", "select", "unbind" ... (how the slice is taken)
+    op: str | None
+    #: the source dim the varying index selects (None when not readable)
+    dim: int | None
+    #: which of the node's int arguments varies
+    index_position: int
+    #: the first loop step that has this slice (1: every step; 2: the first step is special)
+    first_step: int
+    start: int
+    stride: int
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["node"], d["source"] = self.node.name, getattr(self.source, "name", None)
+        return d
+
+
+@dataclasses.dataclass
+class LoopRecipe:
+    """How to re-roll an unrolled loop into one scan (found by passes/unrolled.py, used by passes/reroll.py)."""
+
+    steps: int
+    #: ops per step
+    step_ops: int
+    #: the loop's state after each step, in order
+    states: list[fx.Node]
+    #: the nodes of the template step (step 2, or step 1 when the first step matched too), in order
+    template_step: list[fx.Node]
+    h0: fx.Node | None
+    xs: list[PerStepSlice]
+    #: values made before the loop that every step reads (weights)
+    shared: list[fx.Node]
+    #: values carried from one step to the next besides the state: (template node, its value before step 1)
+    carried: list[tuple[fx.Node, fx.Node | None]]
+    #: values computed at the end of a step from its new state (a loop body that starts mid-way, e.g. an LSTM's h
+    #: after its cell c): (template node, its value in step 1)
+    rotated: list[tuple[fx.Node, fx.Node | None]]
+    first_step_matched: bool
+    first_step_reason: str
+    #: the stack/cat that collects the states: {"node": name, "op": "stack" | "cat", "dim": d}, or None
+    stacked_by: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, with node names."""
+        def pairs(ps: list[tuple[fx.Node, fx.Node | None]], second: str) -> list[dict[str, Any]]:
+            return [{"template": a.name, second: getattr(b, "name", None)} for a, b in ps]
+
+        return {"steps": self.steps, "step_ops": self.step_ops, "states": [s.name for s in self.states],
+                "template_step": [n.name for n in self.template_step], "h0": getattr(self.h0, "name", None),
+                "xs": [x.to_dict() for x in self.xs], "shared": [n.name for n in self.shared],
+                "carried": pairs(self.carried, "initial"), "rotated": pairs(self.rotated, "initial"),
+                "first_step_matched": self.first_step_matched, "first_step_reason": self.first_step_reason,
+                "stacked_by": self.stacked_by}
 
 
 @dataclasses.dataclass
@@ -89,8 +152,8 @@ class Recurrence(Region):
     neighbourhood: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
     #: ops that mix steps and bound the neighbourhood, as (node name, why).
     bounds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    #: for unrolled loops: how to re-roll the steps into one scan (JSON-able description).
-    reroll: dict[str, Any] | None = None
+    #: for unrolled loops: how to re-roll the steps into one scan.
+    reroll: LoopRecipe | None = None
     #: for one carry of a ``scan`` op: the carry's index among the op's carries.
     carry_index: int | None = None
     #: for one leaf of an ``associative_scan`` op: the leaf's index among the op's xs.

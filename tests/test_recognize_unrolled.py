@@ -42,10 +42,10 @@ def test_linear_loop_is_recognized_and_its_reroll_recipe_reproduces_it(T):
     assert rejections == []
     (r,) = regions
     assert (r.kind, r.source, r.length) == ("linear_recurrence", "unrolled_loop", T)
-    assert r.h0 is _placeholder(gm, "h") and r.reroll["first_step_matched"]
-    assert r.reroll["stacked_by"]["dim"] == 1 and len(r.outputs) == T
+    assert r.h0 is _placeholder(gm, "h") and r.reroll.to_dict()["first_step_matched"]
+    assert r.reroll.to_dict()["stacked_by"]["dim"] == 1 and len(r.outputs) == T
     # re-roll: a scan over the recorded slices reproduces the loop
-    by_src = {x["source"]: x for x in r.reroll["xs"]}
+    by_src = {x["source"]: x for x in r.reroll.to_dict()["xs"]}
     assert set(by_src) == {"l_a_", "l_b_"}
     assert all((x["stride"], x["start"], x["dim"]) == (1, 0, 1) for x in by_src.values())
     assert r.a.args[0] is _placeholder(gm, "a") and r.b.args[0] is _placeholder(gm, "b")
@@ -53,7 +53,7 @@ def test_linear_loop_is_recognized_and_its_reroll_recipe_reproduces_it(T):
     env = {"l_a_": a, "l_b_": b}
 
     def seq(node):
-        x = next(x for x in r.reroll["xs"] if x["node"] == node.name)
+        x = next(x for x in r.reroll.to_dict()["xs"] if x["node"] == node.name)
         idx = torch.arange(x["start"], x["start"] + T * x["stride"], x["stride"])
         return env[x["source"]].index_select(x["dim"], idx)
 
@@ -72,7 +72,7 @@ def test_reverse_loop_has_a_negative_stride():
         return h
 
     (r,), _ = find_unrolled(trace(f, *_inputs(4)))
-    assert r.length == 4 and {(x["start"], x["stride"]) for x in r.reroll["xs"]} == {(3, -1)}
+    assert r.length == 4 and {(x["start"], x["stride"]) for x in r.reroll.to_dict()["xs"]} == {(3, -1)}
 
 
 def test_loop_of_one_step_is_no_recurrence():
@@ -138,9 +138,9 @@ def test_gru_over_unbind_is_gated_with_the_unbind_items_as_xs():
     gm = trace(f, torch.randn(B, 5, D), torch.zeros(B, D))
     regions, _ = recognize(gm, None)
     assert [(r.kind, r.source, r.length) for r in regions] == [("gated_recurrence", "unrolled_loop", 5)]
-    (x,) = regions[0].reroll["xs"]
+    (x,) = regions[0].reroll.to_dict()["xs"]
     assert x["source"] == "unbind" and x["stride"] == 1
-    assert "l_w_parameters_weight_" in " ".join(regions[0].reroll["shared"]) or regions[0].reroll["shared"]
+    assert "l_w_parameters_weight_" in " ".join(regions[0].reroll.to_dict()["shared"]) or regions[0].reroll.to_dict()["shared"]
 
 
 def test_special_first_step_starts_the_chain_at_its_result():

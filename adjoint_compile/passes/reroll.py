@@ -52,7 +52,7 @@ from ..analysis.affine import classify_update
 from ..analysis.fx import example_value, hinted_shape
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.fx import stable_toposort as _toposort
-from ..regions import PROVENANCE, Recurrence, Region
+from ..regions import PROVENANCE, LoopRecipe, PerStepSlice, Recurrence, Region
 from .batching import Batcher, Emitter, Value, batch_op, coefficients, emit_expr, emit_scan, full_steps, initial_state
 from .batching import Unproven as _Unproven
 from .batching import scan_op as _scan_op
@@ -74,12 +74,12 @@ def needs_reroll(region: Region) -> bool:
 # unrolled loops
 
 
-def _slice_seq(b: Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) -> Value:
+def _slice_seq(b: Batcher, slot: fx.Node, x: PerStepSlice, first_step: int) -> Value:
     """The whole sequence [T, ...] that a per-step slice ``slot`` (``x[:, t]``, ``select``, an unbind item) reads."""
     em, T = b.em, b.T
-    if x.get("first_step") != first_step:
+    if x.first_step != first_step:
         raise _Unproven(f"slice {slot.name} has no value recorded for the loop's first step")
-    stride, start = x.get("stride"), x.get("start")
+    stride, start = x.stride, x.start
     if stride not in (1, -1) or not isinstance(start, int):
         raise _Unproven(f"slice {slot.name} steps by {stride}, not by 1 or -1")
     src, dim = None, None
@@ -91,14 +91,14 @@ def _slice_seq(b: Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) ->
             if isinstance(idx, int) and base.args:
                 src = base.args[0]
                 dim = base.args[1] if len(base.args) > 1 else base.kwargs.get("dim", 0)
-        elif x.get("index_position") == 0:
+        elif x.index_position == 0:
             items = idx if isinstance(idx, tuple) else (idx,)
             ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool)]
             full = all(isinstance(it, slice) and (it.start, it.stop, it.step) == (None, None, None)
                        for i, it in enumerate(items) if i not in ints)
             if len(ints) == 1 and full:
                 src, dim = base, ints[0]
-    elif fname == "select" and x.get("index_position") == 0:
+    elif fname == "select" and x.index_position == 0:
         src = slot.args[0]
         dim = slot.args[1] if len(slot.args) > 1 else slot.kwargs.get("dim")
     if not isinstance(src, fx.Node) or not isinstance(dim, int) or hinted_shape(src) is None:
@@ -124,34 +124,32 @@ def _slice_seq(b: Batcher, slot: fx.Node, x: dict[str, Any], first_step: int) ->
     return b.seqs[key]
 
 
-def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[list[fx.Node], fx.Node, dict[str, fx.Node], dict[fx.Node, int]]:
-    recipe = r.reroll or {}
-    by_name = {n.name: n for n in gm.graph.nodes}
-    try:
-        states = [by_name[s] for s in recipe["states"]]
-    except KeyError as e:
-        raise _Unproven(f"the loop's state {e} is no longer in the graph") from None
-    h0 = by_name.get(recipe.get("h0") or "")
-    if h0 is None:
-        raise _Unproven("the loop's initial state is not a graph value")
-    if len(states) != r.length or len(states) < 2:
-        raise _Unproven(f"the re-roll recipe has {len(states)} states for {r.length} steps")
+def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[LoopRecipe, dict[fx.Node, int]]:
+    """The record's recipe, checked against the graph as it is now; and the position of every node."""
+    recipe = r.reroll
+    if recipe is None:
+        raise _Unproven("the record has no re-roll recipe")
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return states, h0, by_name, pos
+    gone = [n.name for n in (*recipe.states, *recipe.template_step, *(c for c, _ in recipe.carried),
+                             *(x.node for x in recipe.xs)) if n not in pos]
+    if gone:
+        raise _Unproven(f"the loop's node {gone[0]} is no longer in the graph")
+    if recipe.h0 is None or recipe.h0 not in pos:
+        raise _Unproven("the loop's initial state is not a graph value")
+    if len(recipe.states) != r.length or len(recipe.states) < 2:
+        raise _Unproven(f"the re-roll recipe has {len(recipe.states)} states for {r.length} steps")
+    return recipe, pos
 
 
-def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: list[fx.Node], h0: fx.Node,
-                      by_name: dict[str, fx.Node], pos: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
+def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, recipe: LoopRecipe,
+                      pos: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
     """A and B from the template step batched over the loop's per-step slices."""
-    recipe = r.reroll or {}
+    states, h0 = recipe.states, recipe.h0
     T = len(states)
-    matched = bool(recipe.get("first_step_matched"))
+    matched = recipe.first_step_matched
     tmpl_new, tmpl_prev = (states[1], states[0]) if matched else (states[0], h0)
-    try:
-        template = [by_name[s] for s in recipe["template_step"]]
-        carried = [by_name[c["template"]] for c in recipe.get("carried", [])]
-    except KeyError as e:
-        raise _Unproven(f"the template step's node {e} is no longer in the graph") from None
+    template = recipe.template_step
+    carried = [c for c, _ in recipe.carried]
     if template[-1] is not tmpl_new:
         raise _Unproven("the template step does not end in the loop's state")
     loop_start = min(pos[n] for n in r.nodes if n in pos) if r.nodes else pos[states[0]]
@@ -161,10 +159,8 @@ def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
         raise _Unproven(f"the template step is not linear in the carry ({form.reason})")
     inside = set(template)
     slots = {}
-    for x in recipe.get("xs", []):
-        n = by_name.get(x.get("node", ""))
-        if n is None:
-            raise _Unproven(f"per-step slice {x.get('node')} is no longer in the graph")
+    for x in recipe.xs:
+        n = x.node
         if n in slots:
             raise _Unproven(f"slice {n.name} varies in more than one index")
         slots[n] = x
@@ -175,9 +171,10 @@ def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
     return coefficients(b, form, state)
 
 
-def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: list[fx.Node],
-                      h0: fx.Node) -> tuple[fx.Node, fx.Node]:
+def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, recipe: LoopRecipe,
+                      pos: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
     """A and B as stacks of the per-step a_k, b_k, each from the affine expansion of h_k in h_{k-1}."""
+    states, h0 = recipe.states, recipe.h0
     T = len(states)
     state = hinted_shape(states[-1])
     chain = forward_reach([h0, *states]).__contains__
@@ -200,19 +197,17 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, states: li
 
 
 def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) -> tuple[fx.Node, str]:
-    states, h0, by_name, pos = _loop(gm, r)
+    recipe, pos = _loop(gm, r)
+    states, h0 = recipe.states, recipe.h0
     T, state = len(states), hinted_shape(states[-1])
     dtype = example_value(states[-1]).dtype
     if state is None:
         raise _Unproven("the state has no static shape")
     why = []
-    for how, build in (("batched", _unrolled_batched), ("stacked", None)):
+    for how, build in (("batched", _unrolled_batched), ("stacked", _unrolled_stacked)):
         em = Emitter(gm, prov)
         try:
-            if build is not None:
-                A, B = build(gm, r, em, states, h0, by_name, pos)
-            else:
-                A, B = _unrolled_stacked(gm, r, em, states, h0)
+            A, B = build(gm, r, em, recipe, pos)
             H = emit_scan(em, A, B, h0, T, state, dtype)
         except _Unproven as e:
             em.rollback()

@@ -40,7 +40,7 @@ from ..analysis.fx import reachable as forward_reach
 from ..analysis.labels import index_kind, node_args, node_label
 from ..analysis.optable import fn_name as _fname
 from ..analysis.optable import name_of, op_name
-from ..regions import Recurrence, Rejection
+from ..regions import LoopRecipe, PerStepSlice, Recurrence, Rejection
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def _describe(n: fx.Node) -> str:
 # stage 3: classification and the record
 
 
-def _xs(loop: _Loop, ctx: _Ctx) -> list[dict[str, Any]]:
+def _xs(loop: _Loop, ctx: _Ctx) -> list[PerStepSlice]:
     """Per-step slices: index slots whose value progresses by a nonzero stride. Raises on uneven progressions."""
     xs = []
     for (u, q), by_step in loop.slots.items():
@@ -291,8 +291,9 @@ def _xs(loop: _Loop, ctx: _Ctx) -> list[dict[str, Any]]:
             raise _Mismatch(f"steps differ at node {u.name}: its index does not progress evenly ({vals[:6]})", u)
         if steps and steps[0] != 0:
             src = u.args[0] if u.args else None
-            xs.append({"node": u.name, "source": getattr(src, "name", None), "op": index_kind(u),
-                       "dim": _slot_dim(u, q), "index_position": q, "first_step": min(by_step), "start": vals[0], "stride": steps[0]})
+            xs.append(PerStepSlice(node=u, source=src if isinstance(src, fx.Node) else None, op=index_kind(u),
+                                   dim=_slot_dim(u, q), index_position=q, first_step=min(by_step), start=vals[0],
+                                   stride=steps[0]))
     return xs
 
 
@@ -357,18 +358,15 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
     nodes = sorted(set(loop.step1.values()) | {n for w in loop.windows for n in w}, key=ctx.pos.__getitem__)
     nodes = [n for n in nodes if isinstance(n, fx.Node)]
     stacked = _stacked_by(chain[-1], states)
-    reroll = {
-        "steps": T, "step_ops": L, "states": [s.name for s in states], "template_step": [n.name for n in tmpl],
-        "h0": getattr(h0, "name", None), "xs": xs, "shared": [n.name for n in loop.shared],
-        "carried": [{"template": a.name, "initial": getattr(loop.init.get(ctx.pos[a] - start + L), "name", None)}
-                    for a in carried_in],
-        # values computed at the end of a step from its new state (a loop body that starts mid-way, e.g. an
-        # LSTM's h after its cell c): their initial values in step 1
-        "rotated": [{"template": tmpl[j].name, "initial": getattr(v, "name", None)}
-                    for j, v in sorted(loop.init.items()) if j != L - 1 and tmpl[j] not in carried_in],
-        "first_step_matched": loop.first_step_ok, "first_step_reason": loop.first_step_reason,
-        "stacked_by": stacked,
-    }
+    node_or_none = lambda v: v if isinstance(v, fx.Node) else None  # noqa: E731
+    reroll = LoopRecipe(
+        steps=T, step_ops=L, states=list(states), template_step=list(tmpl), h0=node_or_none(h0), xs=xs,
+        shared=list(loop.shared),
+        carried=[(a, node_or_none(loop.init.get(ctx.pos[a] - start + L))) for a in carried_in],
+        rotated=[(tmpl[j], node_or_none(v)) for j, v in sorted(loop.init.items())
+                 if j != L - 1 and tmpl[j] not in carried_in],
+        first_step_matched=loop.first_step_ok, first_step_reason=loop.first_step_reason, stacked_by=stacked,
+    )
     kind = "linear_recurrence" if form.kind == "linear" else "gated_recurrence"
     details = form.describe()
     if form.kind == "gated":
