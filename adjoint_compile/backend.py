@@ -151,10 +151,12 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
 
     ``compile=False`` stops before stitch (``explain()``: decisions and lowering only, nothing compiled).
     """
-    captured = capture(gm, example_inputs, seed_dropout=opts.mode == "exact")
+    captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
     regions, rejections = recognize(captured, opts)
-    symbolic = captured.symbolic and any(p.rewrite != "none" for p in decide.plan(regions, opts))
-    plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT if symbolic else None)
+    plans = decide.plan(regions, opts)
+    symbolic = captured.symbolic and any(p.rewrite != "none" for p in plans)
+    if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
+        plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT)
     outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)

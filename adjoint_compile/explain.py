@@ -72,7 +72,9 @@ class Report:
             regions.append(d)
         return {
             "options": self.options.to_dict(),
-            "graphs": [{"index": i, "nodes": len(g.graph.nodes)} for i, g in enumerate(self.graphs)],
+            "graphs": [{"index": i, "nodes": len(g.graph.nodes),
+                        "normalized": self.compiled[i].captured.normalized if i < len(self.compiled) else {}}
+                       for i, g in enumerate(self.graphs)],
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
             "regions": regions,
             "rejections": [j.to_dict() for j in self.rejections],

@@ -22,7 +22,7 @@ from ..regions import Lowered, NotLowered, Region, Rewrite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "TABLE", "plan", "settle", "mib"]
+__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,10 @@ TABLE: dict[tuple[str, str], Plan] = {
     **{(mode, kind): Plan("none", _NOT_YET) for mode in ("truncated", "highway")
        for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
 }
+
+#: modes whose rewrites recompute parts of the forward in the backward: capture makes their dropout masks
+#: reproducible (passes/seeded_dropout.py).
+RECOMPUTING_MODES = frozenset({"exact"})
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
