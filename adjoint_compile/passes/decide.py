@@ -92,7 +92,7 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
     """Write each region's decision: its plan, or for a region a lowering was tried on, the outcome.
 
     Regions lowered into the same call share a ``group`` when the call holds more than one of them (numbered in
-    graph order); a residual chain whose nodes went into sharded regions says so (its own rewrite is Highway-BP).
+    graph order; a lowered region alone in its call has none); a residual chain whose nodes went into sharded regions says so (its own rewrite is Highway-BP).
     """
     calls = list(dict.fromkeys(o.call for o in outcomes if isinstance(o, Lowered)))
     per_call = {c: sum(1 for o in outcomes if isinstance(o, Lowered) and o.call == c) for c in calls}
@@ -101,8 +101,8 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
     for r, p, out in zip(regions, plans, outcomes):
         if isinstance(out, Lowered):
             r.rewrite, r.reason, r.bounds = out.rewrite, _lowered_reason(r, out), list(out.bounds)
-            if out.call in shared:
-                r.group = shared.index(out.call)
+            # NB: the lowering's grouping replaces recognition's neighbourhood groups for what was lowered
+            r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
                               "expected_memory_bytes": dict(out.memory)})
             continue
