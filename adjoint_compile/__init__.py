@@ -1,5 +1,6 @@
 """adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences and residual chains an
-adjoint-sharded, truncated-adjoint or Highway-BP backward. See README.md (its Architecture section maps the pipeline's stages to files)."""
+adjoint-sharded, truncated-adjoint or Highway-BP backward. See README.md (its Architecture section maps the
+pipeline's stages to files)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,8 @@ from .errors import OptionsError
 from .explain import Report, explain, report
 from .options import Options, validate as validate_options
 
-__all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "validate_options", "__version__"]
+__all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "validate_options",
+           "__version__"]
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -85,7 +85,8 @@ class Report:
 
     def __str__(self) -> str:
         o = self.options
-        mode = o.mode + (f" window={o.window}" if o.window else "") + (f" iterations={o.iterations}" if o.iterations is not None else "")
+        mode = (o.mode + (f" window={o.window}" if o.window else "")
+                + (f" iterations={o.iterations}" if o.iterations is not None else ""))
         lines = [
             f"adjoint-compile report: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s), "
             f"mode={mode}, inner={o.inner}"
@@ -102,13 +103,15 @@ class Report:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
                 lines.append("  " + "  ".join(cells).rstrip())
         else:
-            lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler as is")
+            lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
+                         "as is")
         if self.rejections:
             lines.append("rejected candidates:")
             lines += [f"  {j.candidate} at {j.node}: {j.reason}" for j in self.rejections]
         if self.graph_breaks:
             lines.append("graph breaks:")
-            lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "") for i, b in enumerate(self.graph_breaks)]
+            lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")
+                      for i, b in enumerate(self.graph_breaks)]
         return "\n".join(lines)
 
     __repr__ = __str__

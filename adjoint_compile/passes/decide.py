@@ -92,7 +92,8 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
     """Write each region's decision: its plan, or for a region a lowering was tried on, the outcome.
 
     Regions lowered into the same call share a ``group`` when the call holds more than one of them (numbered in
-    graph order; a lowered region alone in its call has none); a residual chain whose nodes went into sharded regions says so (its own rewrite is Highway-BP).
+    graph order; a lowered region alone in its call has none); a residual chain whose nodes went into sharded
+    regions says so (its own rewrite is Highway-BP).
     """
     calls = list(dict.fromkeys(o.call for o in outcomes if isinstance(o, Lowered)))
     per_call = {c: sum(1 for o in outcomes if isinstance(o, Lowered) and o.call == c) for c in calls}

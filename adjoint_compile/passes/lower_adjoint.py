@@ -106,7 +106,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner)
-    S = mod.prepare([_ev(a) for a in inputs])  # checks the shard programs on fake tensors now (raises UnsupportedRegion)
+    # checks the shard programs on fake tensors now (raises UnsupportedRegion)
+    S = mod.prepare([_ev(a) for a in inputs])
 
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
     gm.add_submodule(name, mod)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["recognize"]
 
+
 def recognize(gm: fx.GraphModule, options: Options | None = None, *,
               matched: tuple[list[Recurrence], list[Rejection]] | None = None) -> tuple[list[Region], list[Rejection]]:
     """All recurrences (in graph order) then all residual chains of ``gm``, and the rejected candidates.
