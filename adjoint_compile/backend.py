@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
 from . import options as _options
-from .inner import compile_inner
+from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
@@ -106,15 +105,11 @@ class _Specializing:
 
     def __init__(self, owner: CompiledGraph, opts: Options) -> None:
         self.owner, self.gm, self.opts = owner, owner.captured.gm, opts
-        self._fallback: Callable[..., Any] | None = None
+        # NB: compiled now, while dynamo's tracing context (with the graph's symbolic sizes) is active: compiled
+        # later, aot_autograd would take the sizes of the call at hand as static and fail on the next length
+        self.fallback = stitch(owner.captured, [], opts)
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self._warned = False
-        self._lock = threading.Lock()
-
-    def fallback(self, *args: Any) -> Any:
-        if self._fallback is None:
-            self._fallback = compile_inner(self.gm, self.owner.captured.example_inputs, self.opts.inner)
-        return self._fallback(*args)
 
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
         if len(self.cache) >= SPECIALIZE_LIMIT:
@@ -140,7 +135,7 @@ class _Specializing:
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
         fn = self.cache.get(key)
         if fn is None:
-            with self._lock:
+            with COMPILE_LOCK:
                 fn = self.cache.get(key) or self._specialize(key, args)
         return fn(*args)
 

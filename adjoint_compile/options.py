@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .errors import OptionsError
 
@@ -72,22 +74,43 @@ def _check_devices(value: Any) -> tuple[torch.device, ...]:
     out = []
     for d in value:
         try:
-            out.append(torch.device(d))
+            dev = torch.device(d)
         except (RuntimeError, TypeError) as e:
             raise _bad("devices", value, f"{d!r} is not a device ({e})") from None
+        if (why := _unavailable(dev)) is not None:
+            raise _bad("devices", value, why)
+        out.append(dev)
+    # NB: accepted so that configurations can be written now, but nothing reads it yet: say so, once per place
+    warnings.warn("adjoint-compile option 'devices' is not used yet: every region runs on its inputs' device",
+                  UserWarning, stacklevel=3)
     return tuple(out)
+
+
+def _unavailable(dev: torch.device) -> str | None:
+    """Why ``dev`` cannot be used on this machine, or None."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    backend = getattr(torch, dev.type, None)
+    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        return f"{dev} is not available on this machine (no {dev.type} device)"
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else None
+    if dev.index is not None and count is not None and dev.index >= count:
+        return f"{dev} is not available on this machine ({count} {dev.type} device(s))"
+    return None
 
 
 def _check_sequence_parallel(value: Any) -> Any:
     if value is None or value is False:
         return None
     if value is True:
-        return True
-    import torch.distributed as dist
-
-    if dist.is_available() and isinstance(value, dist.ProcessGroup):
-        return value
-    raise _bad("sequence_parallel", value, "expected a torch.distributed ProcessGroup, True (WORLD) or False")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise _bad("sequence_parallel", value, "torch.distributed is not initialized: call "
+                       "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+    elif not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        raise _bad("sequence_parallel", value, "expected a torch.distributed ProcessGroup, True (WORLD) or False")
+    warnings.warn("adjoint-compile option 'sequence_parallel' is not used yet: each process runs its whole input "
+                  "as one sequence", UserWarning, stacklevel=3)
+    return value
 
 
 def validate(options: Mapping[str, Any] | Options | None) -> Options:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from ..inner import compile_inner
+from ..inner import COMPILE_LOCK, compile_inner
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class _LazyInner(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if self._compiled is None:
-            self._compiled = compile_inner(self.gm, list(args), self.inner)
+            with COMPILE_LOCK:  # two threads' first calls: one compiles, the other waits and reuses it
+                if self._compiled is None:
+                    self._compiled = compile_inner(self.gm, list(args), self.inner)
         out = self._compiled(*args)
         return out[0] if self._unwrap else out
 

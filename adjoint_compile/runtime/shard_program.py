@@ -30,9 +30,10 @@ runtime may call :meth:`~ShardProgram.run` and :meth:`~ShardProgram.vjp` once pe
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..analysis.fx import is_linear_scan, scan_args
 from ..analysis.time_local import TimeLocalInfo, analyze
 from ..errors import UnsupportedRegion
-from ..inner import compile_inner
+from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,30 @@ def _h0_index(node: fx.Node) -> int | None:
 
 def _devices(args: Sequence[Any]) -> tuple:
     return tuple(a.device for a in args if isinstance(a, torch.Tensor))
+
+
+#: the device types whose autocast settings a shard program depends on
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """The autocast settings in effect, per device type: (device type, enabled, dtype).
+
+    A shard program traced or compiled under autocast has its casts baked in, so the settings are part of the
+    caches' keys; and a shard's recomputation in the backward runs under the forward's settings
+    (:func:`autocast_as`), as ``torch.utils.checkpoint`` does, so that the VJP is that of the forward that ran.
+    """
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple) -> Iterator[None]:
+    """Run under the autocast settings ``state`` (from :func:`autocast_state`)."""
+    with contextlib.ExitStack() as stack:
+        for (device, enabled, dtype), (_, now, now_dtype) in zip(state, autocast_state()):
+            if (enabled, dtype) != (now, now_dtype):
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
 
 
 def _layout(key: tuple) -> tuple:
@@ -177,6 +202,12 @@ class ShardProgram:
                              for x in inputs))
         if self.prepared_for == key:
             return self.shard_size
+        with COMPILE_LOCK:
+            if self.prepared_for == key:  # prepared by another thread meanwhile
+                return self.shard_size
+            return self._prepare(inputs, shard_size, key)
+
+    def _prepare(self, inputs: Sequence[Any], shard_size: int | None, key: tuple) -> int:
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"expected {len(self.placeholders)} region inputs, got {len(inputs)}")
         Ts = {x.shape[d] for x, d in zip(inputs, self.in_step_dims) if d is not None}
@@ -226,7 +257,12 @@ class ShardProgram:
     def program(self, L: int) -> fx.GraphModule:
         """The shard program for shards of L steps (built once per L, checked with fake tensors)."""
         gm = self.specialized.get(L)
-        if gm is None:
+        if gm is not None:
+            return gm
+        with COMPILE_LOCK:
+            gm = self.specialized.get(L)
+            if gm is not None:
+                return gm
             if self.prepared_for is None:
                 raise RuntimeError("ShardProgram.program: call prepare(inputs, shard_size) first")
             if not 1 <= L <= self.T:
@@ -370,10 +406,13 @@ class ShardProgram:
         if self.inner == "eager":
             return self.program(L)
         grad = torch.is_grad_enabled()
-        key = (L, _devices(args), grad, tuple(None if a is None else (grad and a.requires_grad) for a in args))
+        key = (L, _devices(args), autocast_state(), grad,
+               tuple(None if a is None else (grad and a.requires_grad) for a in args))
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = compile_inner(self.program(L), args, self.inner)
+            with COMPILE_LOCK:
+                fn = self.compiled.get(key) or compile_inner(self.program(L), args, self.inner)
+                self.compiled[key] = fn
         return fn
 
     def _offset(self, t0: int) -> list[torch.Tensor]:
@@ -381,10 +420,13 @@ class ShardProgram:
 
     def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
             gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool],
-            t0: int = 0) -> tuple[list[Any], list[Any]]:
+            t0: int = 0, autocast: tuple | None = None) -> tuple[list[Any], list[Any]]:
         """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
         and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs ``xs`` (those
         with ``needs_x``) and the carries (those with ``needs_c``).
+
+        ``autocast``: the forward's autocast settings (:func:`autocast_state`; None: those in effect now): the
+        recomputation runs under them, its VJP under those in effect now, as eager autograd would.
 
         Returns (per input: its grad or None, per scan: the grad of its carry or None). The program is traced once
         per call pattern (make_fx over recompute + ``autograd.grad``: forward and backward ops in one aten graph)
@@ -402,10 +444,14 @@ class ShardProgram:
         args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
                 *(a for a in adjs if a is not None), *self._offset(t0)]
         # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
-        key = (L, _devices(args), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
+        fwd = autocast_state() if autocast is None else autocast
+        key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
         fn = self.vjps.get(key)
         if fn is None:
-            fn = self.vjps[key] = self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args)
+            with COMPILE_LOCK:
+                fn = self.vjps.get(key) or self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args,
+                                                           fwd)
+                self.vjps[key] = fn
         got = fn(*args)
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
@@ -414,7 +460,7 @@ class ShardProgram:
         return gx, gc
 
     def _build_vjp(self, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[int], has_g: tuple,
-                   has_a: tuple, has_c: tuple, example: list[Any]) -> Any:
+                   has_a: tuple, has_c: tuple, example: list[Any], fwd_autocast: tuple) -> Any:
         prog = self.program(L)
         n_x = len(self.placeholders)
         n_c = sum(has_c)
@@ -430,7 +476,8 @@ class ShardProgram:
                 ci = iter(flat[n_x: n_x + n_c])
                 cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
                 prevs = [None if first_shard else cs[k] for k in self.shift_scans]
-                res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):])
+                with autocast_as(fwd_autocast):
+                    res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):])
                 outs, cots = [], []
                 for y, g in zip(res, [*gos, *adjs]):
                     if g is not None and y.requires_grad:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, default_shard_size
+from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, autocast_state, default_shard_size
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class _ShardedFn(torch.autograd.Function):
             carries = [f.clone() for f in finals]
         ctx.prog, ctx.bounds = prog, bounds
         ctx.n_in = len(inputs)
+        ctx.autocast = autocast_state()
         # boundary[0] holds the h0 inputs (or None): already saved as inputs
         flat = [c for cs in boundary[1:] for c in cs]
         ctx.save_for_backward(*inputs, *flat)
@@ -85,7 +86,7 @@ class _ShardedFn(torch.autograd.Function):
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
             gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, prog.out_step_dims)]
             needs_c = [c is not None and (k > 0 or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
-            gx, adj = prog.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s)
+            gx, adj = prog.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s, autocast=ctx.autocast)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:
                     grads[i].narrow(d, s, L).copy_(g)
