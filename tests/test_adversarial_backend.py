@@ -157,3 +157,38 @@ def test_devices_that_do_not_exist_and_sequence_parallel_without_distributed_are
         warnings.simplefilter("always")
         ac.validate_options({"devices": ["cpu"]})
     assert any("'devices' is not used yet" in str(w.message) for w in caught)
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _NormScan(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = _RMSNorm(8), torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        a, b = self.proj(self.norm(x)).chunk(2, -1)
+        return ac.ops.linear_scan(torch.sigmoid(a), b)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_dynamic_true_with_a_float_attribute_is_specialized_and_sharded(inner):
+    """dynamic=True turns the float eps into a 0-dim tensor input read with .item(): specialization failed on it
+    (DataDependentOutputException) and the model kept ordinary autograd. Now the read stays a run-time value, so a
+    changed eps is used without a recompile."""
+    torch.manual_seed(0)
+    model = _NormScan()
+    f = torch.compile(model, backend="adjoint", dynamic=True, options={"inner": inner, "shard_size": 4})
+    for T, eps in ((9, 1e-5), (12, 1e-5), (12, 0.5)):
+        model.norm.eps = eps
+        x = torch.randn(2, T, 8)
+        _assert_close(_grads(f, model, x), _grads(model, model, x))
+    lowered = [g for g in ac.report(f).compiled if g.lowered]
+    assert len(lowered) == 2  # one specialization per length, each sharded

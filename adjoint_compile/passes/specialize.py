@@ -25,6 +25,7 @@ on the graph module names the symbolic graph's sizes.
 from __future__ import annotations
 
 import contextlib
+import operator
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,43 @@ def _literal(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v)
 
 
+#: binary arithmetic whose result is the same with a 0-dim floating tensor in place of a Python float, when the
+#: other operand is a floating tensor with dims (it then decides the result's dtype either way)
+_ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div,
+          "add", "sub", "mul", "div"}
+
+
+def _scalar_items_as_tensors(graph: fx.Graph) -> int:
+    """``x + t.item()`` -> ``x + t`` for a 0-dim floating tensor ``t`` and a floating tensor ``x`` with dims.
+
+    NB: with dynamic=True dynamo turns a float attribute (an RMSNorm's eps) into a 0-dim float64 input and reads
+    it with ``.item()``; the number is unknown until run time, so it could only enter a sharded region as a Python
+    scalar. Fed as the tensor itself, the arithmetic gives the same values and the region takes it as an input.
+    """
+    done = 0
+    for n in list(graph.nodes):
+        t = n.args[0] if n.op == "call_method" and n.target == "item" and n.args else None
+        tv = t.meta.get("val") if isinstance(t, fx.Node) else None
+        if not (isinstance(tv, torch.Tensor) and tv.ndim == 0 and tv.is_floating_point()):
+            continue
+        users = list(n.users)
+        if not users or not all(_arith_with_tensor(u, n) for u in users):
+            continue
+        for u in users:
+            u.args = fx.node.map_arg(u.args, lambda x: t if x is n else x)
+            u.kwargs = fx.node.map_arg(u.kwargs, lambda x: t if x is n else x)
+        done += 1
+    return done
+
+
+def _arith_with_tensor(u: fx.Node, item: fx.Node) -> bool:
+    if u.target not in _ARITH or u.kwargs or len(u.args) != 2:
+        return False
+    other = u.args[1] if u.args[0] is item else u.args[0]
+    ov = other.meta.get("val") if isinstance(other, fx.Node) else None
+    return isinstance(ov, torch.Tensor) and ov.ndim >= 1 and ov.is_floating_point()
+
+
 def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers).
 
@@ -93,7 +132,9 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     out = g.graph_copy(gm.graph, env)
     g.output(out)
     new = fx.GraphModule(gm, g)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # NB: a shape environment, so that a value read from tensor data (``.item()`` of a float attribute that
+    # dynamic=True turned into a 0-dim tensor input) is an unbacked symbol that stays a run-time node, not an error
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     FakeTensorProp(new, mode).propagate_dont_convert_inputs(*fakes)
     folded = 0
@@ -106,10 +147,12 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
             user.args = fx.node.map_arg(user.args, lambda x: v if x is n else x)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda x: v if x is n else x)
         folded += 1
+    items = _scalar_items_as_tensors(new.graph)
     new.graph.eliminate_dead_code()
     new.graph.lint()
     new.recompile()
     sizes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
     new.meta["adjoint_compile"] = {"specialized_from": "symbolic sizes", "sizes": sizes}
-    log.debug("adjoint-compile: specialized a symbolic graph to %s (%d size values folded)", sizes, folded)
+    log.debug("adjoint-compile: specialized a symbolic graph to %s (%d size values folded, %d scalar reads fed as "
+              "tensors)", sizes, folded, items)
     return new
