@@ -100,7 +100,11 @@ def _scan_kernel(A, B, H0, OUT, N2, T, R,
             a = tl.load(pa[None, :] + t[:, None] * sat, mask=m, other=1.0).to(ACC)
             b = tl.load(pb[None, :] + t[:, None] * sbt, mask=m, other=0.0).to(ACC)
             ca, cb = tl.associative_scan((a, b), 0, _combine)
-            h = ca * carry[None, :] + cb
+            if HAS_H0:
+                h = ca * carry[None, :] + cb
+            else:
+                # no state before step 0: the loop's first step is h = b, never a·0 (nan for a = inf)
+                h = tl.where(start > 0, ca * carry[None, :] + cb, cb)
             tl.store(po[None, :] + t[:, None] * sot, h.to(OUT.dtype.element_ty), mask=m)
             carry = tl.reduce(tl.where((k == BLOCK_T - 1)[:, None], h, 0.0), 0, _add)
     else:
@@ -108,7 +112,10 @@ def _scan_kernel(A, B, H0, OUT, N2, T, R,
             t, _ = _visit(i, T, REVERSE)
             a = tl.load(pa + t * sat, mask=rmask, other=1.0).to(ACC)
             b = tl.load(pb + t * sbt, mask=rmask, other=0.0).to(ACC)
-            carry = a * carry + b
+            if HAS_H0:
+                carry = a * carry + b
+            else:
+                carry = tl.where(i > 0, a * carry + b, b)
             tl.store(po + t * sot, carry.to(OUT.dtype.element_ty), mask=rmask)
 
 
