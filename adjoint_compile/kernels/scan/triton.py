@@ -154,7 +154,10 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
             hp = tl.load(ph[None, :] + prv[:, None] * sht, mask=mp, other=0.0).to(ACC)
             hp = tl.where(mp, hp, h0[None, :])
             tl.store(pgb[None, :] + t[:, None] * sgbt, mu.to(GB.dtype.element_ty), mask=m)
-            tl.store(pga[None, :] + t[:, None] * sgat, (mu * hp).to(GA.dtype.element_ty), mask=m)
+            ga = mu * hp
+            if not HAS_H0:
+                ga = tl.where(mp, ga, 0.0)   # a at the first step is unused without h0: ∂a = 0, not μ·0
+            tl.store(pga[None, :] + t[:, None] * sgat, ga.to(GA.dtype.element_ty), mask=m)
             carry = tl.reduce(tl.where((k == BLOCK_T - 1)[:, None], mu, 0.0), 0, _add)
             mu_first += tl.reduce(tl.where((kk == T - 1)[:, None], mu, 0.0), 0, _add)
     else:
@@ -171,7 +174,10 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
             hp = tl.load(ph + prv * sht, mask=rmask & has_prev, other=0.0).to(ACC)
             hp = tl.where(has_prev, hp, h0)
             tl.store(pgb + t * sgbt, carry.to(GB.dtype.element_ty), mask=rmask)
-            tl.store(pga + t * sgat, (carry * hp).to(GA.dtype.element_ty), mask=rmask)
+            ga = carry * hp
+            if not HAS_H0:
+                ga = tl.where(has_prev, ga, 0.0)   # a at the first step is unused without h0: ∂a = 0
+            tl.store(pga + t * sgat, ga.to(GA.dtype.element_ty), mask=rmask)
             an = tl.load(pa + t * sat, mask=rmask, other=0.0).to(ACC)
         mu_first = carry
     # first_off: offset of the forward order's first step (0, or (T-1)·stride for reverse), int64 from the host

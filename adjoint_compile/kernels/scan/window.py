@@ -153,18 +153,42 @@ def _unsafe_channels(prim, a: Tensor, Q: Tensor, R: Tensor, h: Tensor, d: int, W
     return bad.any(dim=d)
 
 
-def _window_loop(a: Tensor, b: Tensor, h0: Tensor | None, W: int) -> Tensor:
+def _window_loop(a: Tensor, b: Tensor, h0: Tensor | None, W: int, keep: bool = False):
     """The windowed scan of ``[n, T]`` rows (forward direction) with exactly the per-step loop's arithmetic:
     after k rounds x_t is the loop over the k+1 inputs ending at t (fewer at the start), x_t = a_t x_{t-1} + b_t.
-    O(T·W); differentiable by autograd. h0 is the input at index -1."""
+    O(T·W). h0 is the input at index -1 (prepended, with a = 1 unused). ``keep``: also return every round's x
+    and the (prepended) a for :func:`_window_loop_bwd`."""
     if h0 is not None:
         a = torch.cat([torch.ones_like(a[:, :1]), a], 1)
         b = torch.cat([h0[:, None], b], 1)
     n = b.shape[1]
-    x = b
+    xs = [b]
     for k in range(1, min(W, n)):
+        x = xs[-1]
         x = torch.cat([x[:, :k], a[:, k:] * x[:, k - 1:n - 1] + b[:, k:]], 1)
-    return x[:, 1:] if h0 is not None else x
+        xs = xs + [x] if keep else [x]
+    h = xs[-1][:, 1:] if h0 is not None else xs[-1]
+    return (h, xs, a) if keep else h
+
+
+def _window_loop_bwd(g: Tensor, xs: list, a: Tensor, has_h0: bool):
+    """Reverse mode of :func:`_window_loop` (what autograd of it computes, term for term): (∂a, ∂b, ∂h0)."""
+    n = a.shape[1]
+    gx = torch.cat([torch.zeros_like(g[:, :1]), g], 1) if has_h0 else g
+    ga = torch.zeros_like(gx)
+    gb = torch.zeros_like(gx)
+    for k in range(len(xs) - 1, 0, -1):
+        top = gx[:, k:]
+        ga[:, k:] += top * xs[k - 1][:, k - 1:n - 1]
+        gb[:, k:] += top
+        prev = torch.zeros_like(gx)
+        prev[:, :k] = gx[:, :k]
+        prev[:, k - 1:n - 1] += top * a[:, k:]
+        gx = prev
+    gb += gx
+    if has_h0:
+        return ga[:, 1:], gb[:, 1:], gb[:, 0]
+    return ga, gb, None
 
 
 def _redo_fwd(h: Tensor, a, b, h0, d, W, bad) -> None:
@@ -175,18 +199,13 @@ def _redo_fwd(h: Tensor, a, b, h0, d, W, bad) -> None:
 
 def _redo_bwd(grads, g, a, b, h0, d, W, bad) -> None:
     ga, gb, gh0 = grads
-    cdt = ga.dtype
-    am = a.movedim(d, -1)[bad].detach().requires_grad_()
-    bm = b.movedim(d, -1)[bad].detach().requires_grad_()
-    hm = None if h0 is None else h0[bad].to(cdt).detach().requires_grad_()
-    with torch.enable_grad():
-        out = _window_loop(am, bm, hm, W)
-        got = torch.autograd.grad(out, [x for x in (am, bm, hm) if x is not None], g.movedim(d, -1)[bad],
-                                  allow_unused=True)
-    ga.movedim(d, -1)[bad] = got[0] if got[0] is not None else 0.0
-    gb.movedim(d, -1)[bad] = got[1]
+    hm = None if h0 is None else h0[bad].to(ga.dtype)
+    _, xs, ap = _window_loop(a.movedim(d, -1)[bad], b.movedim(d, -1)[bad], hm, W, keep=True)
+    ra, rb, rh0 = _window_loop_bwd(g.movedim(d, -1)[bad], xs, ap, hm is not None)
+    ga.movedim(d, -1)[bad] = ra
+    gb.movedim(d, -1)[bad] = rb
     if hm is not None:
-        gh0[bad] = got[2] if got[2] is not None else 0.0
+        gh0[bad] = rh0
 
 
 def _windowed_fwd(prim, a, b, h0, d, W):
