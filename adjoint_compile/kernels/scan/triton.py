@@ -10,6 +10,10 @@ state is carried in registers. Loads are upcast to fp32 (fp64 stays fp64); offse
 * ``_scan_bwd_kernel``: the full-scan backward fused in one pass (DESIGN.md §3): μ_t = g_t + a_{t±1} μ_{t±1}
   scanned in the opposite direction, ∂b = μ, ∂a_t = μ_t h_{t∓1} (h0 at the edge), ∂h0 = a_first μ_first.
 
+Extreme inputs: the step loop (the interpreter's default) is the per-step loop's arithmetic (first step h = b
+without h0); the tiled variant multiplies up to BLOCK_T consecutive a's in a tile, so where those products
+over/underflow it can differ from the loop (e.g. a = 1e-25, 1e-25, 1e25, 1e25 drops the state to 0).
+
 On a machine without a GPU these run under ``TRITON_INTERPRET=1`` (the env var must be set before this module
 is imported: Triton decides at decoration time). This module is imported lazily by the dispatcher.
 """
