@@ -168,6 +168,10 @@ def blocked_scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: boo
     for c in steps:
         o = ov.select(d + 1, c)
         torch.addcmul(bv.select(d + 1, c), av.select(d + 1, c), prev, out=o)
+        if prev is cin and h0 is None:
+            # the loop's first step is h = b (no a·0: a = inf must not give nan)
+            k0 = 0 if not reverse else nc - 1
+            o.select(d, k0).copy_(bv.select(d + 1, c).select(d, k0))
         prev = o
 
     # tail (< C steps) after the last chunk in scan order
@@ -178,7 +182,29 @@ def blocked_scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: boo
                         out.narrow(d, main, T - main))
         else:
             _sequential(a.narrow(d, 0, lo), b.narrow(d, 0, lo), last, d, True, out.narrow(d, 0, lo))
+
+    # check: the carry pass 2 handed on from chunk k (H_k, from the product P_k) must agree, to rounding, with
+    # pass 3's own end of chunk k (E_k, the per-step loop from the same carry). Products of a's can over- or
+    # underflow where the loop does not (a = 1e-25, 1e-25, 1e25, 1e25: P = 0, the loop keeps h): channels where
+    # any chunk disagrees are redone by the per-step loop, so the result is the loop's wherever it differs.
+    E = ov.select(d + 1, steps[-1])
+    tol = (P * cin).abs_().add_(S.abs()).mul_(4 * (C + 2) * torch.finfo(cdt).eps)
+    diff = (H - E).abs_()
+    ok = (H == E) | (torch.isnan(H) & torch.isnan(E)) | (torch.isfinite(diff) & (diff <= tol))
+    bad = ~ok.all(dim=d)
+    if bool(bad.any()):
+        _redo_sequential(a, b, h0, d, reverse, out, bad)
     return out
+
+
+def _redo_sequential(a: Tensor, b: Tensor, h0: Tensor | None, d: int, reverse: bool, out: Tensor, bad: Tensor
+                     ) -> None:
+    """Recompute the channels ``bad`` (a bool mask shaped like ``a`` without ``d``) with the per-step loop."""
+    am, bm = a.movedim(d, -1)[bad], b.movedim(d, -1)[bad]
+    om = torch.empty_like(am)
+    _sequential(am, bm, None if h0 is None else h0[bad], 1, reverse, om)
+    log.debug("blocked scan: %d channel(s) redone sequentially (chunk products over/underflowed)", om.shape[0])
+    out.movedim(d, -1)[bad] = om
 
 
 def _full_backward(prim, grad: Tensor, a: Tensor, h: Tensor, h0: Tensor | None, d: int, reverse: bool

@@ -10,6 +10,10 @@ state is carried in registers. Loads are upcast to fp32 (fp64 stays fp64); offse
 * ``_scan_bwd_kernel``: the full-scan backward fused in one pass (DESIGN.md §3): μ_t = g_t + a_{t±1} μ_{t±1}
   scanned in the opposite direction, ∂b = μ, ∂a_t = μ_t h_{t∓1} (h0 at the edge), ∂h0 = a_first μ_first.
 
+Extreme inputs: the step loop (the interpreter's default) is the per-step loop's arithmetic (first step h = b
+without h0); the tiled variant multiplies up to BLOCK_T consecutive a's in a tile, so where those products
+over/underflow it can differ from the loop (e.g. a = 1e-25, 1e-25, 1e25, 1e25 drops the state to 0).
+
 On a machine without a GPU these run under ``TRITON_INTERPRET=1`` (the env var must be set before this module
 is imported: Triton decides at decoration time). This module is imported lazily by the dispatcher.
 """
@@ -100,7 +104,11 @@ def _scan_kernel(A, B, H0, OUT, N2, T, R,
             a = tl.load(pa[None, :] + t[:, None] * sat, mask=m, other=1.0).to(ACC)
             b = tl.load(pb[None, :] + t[:, None] * sbt, mask=m, other=0.0).to(ACC)
             ca, cb = tl.associative_scan((a, b), 0, _combine)
-            h = ca * carry[None, :] + cb
+            if HAS_H0:
+                h = ca * carry[None, :] + cb
+            else:
+                # no state before step 0: the loop's first step is h = b, never a·0 (nan for a = inf)
+                h = tl.where(start > 0, ca * carry[None, :] + cb, cb)
             tl.store(po[None, :] + t[:, None] * sot, h.to(OUT.dtype.element_ty), mask=m)
             carry = tl.reduce(tl.where((k == BLOCK_T - 1)[:, None], h, 0.0), 0, _add)
     else:
@@ -108,7 +116,10 @@ def _scan_kernel(A, B, H0, OUT, N2, T, R,
             t, _ = _visit(i, T, REVERSE)
             a = tl.load(pa + t * sat, mask=rmask, other=1.0).to(ACC)
             b = tl.load(pb + t * sbt, mask=rmask, other=0.0).to(ACC)
-            carry = a * carry + b
+            if HAS_H0:
+                carry = a * carry + b
+            else:
+                carry = tl.where(i > 0, a * carry + b, b)
             tl.store(po + t * sot, carry.to(OUT.dtype.element_ty), mask=rmask)
 
 
@@ -147,7 +158,10 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
             hp = tl.load(ph[None, :] + prv[:, None] * sht, mask=mp, other=0.0).to(ACC)
             hp = tl.where(mp, hp, h0[None, :])
             tl.store(pgb[None, :] + t[:, None] * sgbt, mu.to(GB.dtype.element_ty), mask=m)
-            tl.store(pga[None, :] + t[:, None] * sgat, (mu * hp).to(GA.dtype.element_ty), mask=m)
+            ga = mu * hp
+            if not HAS_H0:
+                ga = tl.where(mp, ga, 0.0)   # a at the first step is unused without h0: ∂a = 0, not μ·0
+            tl.store(pga[None, :] + t[:, None] * sgat, ga.to(GA.dtype.element_ty), mask=m)
             carry = tl.reduce(tl.where((k == BLOCK_T - 1)[:, None], mu, 0.0), 0, _add)
             mu_first += tl.reduce(tl.where((kk == T - 1)[:, None], mu, 0.0), 0, _add)
     else:
@@ -164,7 +178,10 @@ def _scan_bwd_kernel(G, A, H, H0, GA, GB, GH0, N2, T, R,
             hp = tl.load(ph + prv * sht, mask=rmask & has_prev, other=0.0).to(ACC)
             hp = tl.where(has_prev, hp, h0)
             tl.store(pgb + t * sgbt, carry.to(GB.dtype.element_ty), mask=rmask)
-            tl.store(pga + t * sgat, (carry * hp).to(GA.dtype.element_ty), mask=rmask)
+            ga = carry * hp
+            if not HAS_H0:
+                ga = tl.where(has_prev, ga, 0.0)   # a at the first step is unused without h0: ∂a = 0
+            tl.store(pga + t * sgat, ga.to(GA.dtype.element_ty), mask=rmask)
             an = tl.load(pa + t * sat, mask=rmask, other=0.0).to(ACC)
         mu_first = carry
     # first_off: offset of the forward order's first step (0, or (T-1)·stride for reverse), int64 from the host

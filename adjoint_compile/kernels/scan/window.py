@@ -126,13 +126,96 @@ def _pieces(prim, a: Tensor, b: Tensor, h0: Tensor | None, d: int, W: int, cdt):
     S = _seg_rev_shift(prim, ones, R * b, d, W, None, torch.empty(a.shape, dtype=cdt, device=a.device))
     V = _shift_back(S, d, W - 1, 0.0 if h0 is None else h0.to(cdt))
     _every(V, d, W - 1, W).zero_()
+    # NB: Q at a block's last step is a product of W a's, which no window forms (and V = 0 there): it must not
+    # enter h (inf · 0 = nan where the loop is finite). Nothing else reads it (G and U stop one step short).
+    _every(Q, d, W - 1, W).zero_()
     return a, b, L, Q, R, V
+
+
+def _unsafe_channels(prim, a: Tensor, Q: Tensor, R: Tensor, h: Tensor, d: int, W: int) -> Tensor:
+    """Channels (bool, ``a``'s shape without ``d``) where the block decomposition may differ from the per-step loop
+    by more than rounding: a non-finite h, or a running product Q / R of a's that over- or underflowed (a zero
+    or subnormal product with no zero a in its range, or an inf / nan one). Conservative: a channel whose products
+    merely come near the fp limits is also redone."""
+    tiny = torch.finfo(Q.dtype).tiny
+    za = (a == 0).to(Q.dtype)
+    ones = _const(1.0, a, Q.dtype)
+    zq = _seg_fwd(prim, ones, za, d, W, None, torch.empty_like(Q))            # zeros of a in [s, t]
+    zr = _seg_rev_shift(prim, ones, za, d, W, None, torch.empty_like(Q)).sub_(za)  # zeros in (m, e]
+
+    def under_over(x, zeros):
+        m = x.abs()
+        return ~torch.isfinite(m) | ((m < tiny) & ((m != 0) | (zeros == 0)))
+
+    qbad = under_over(Q, zq)
+    _every(qbad, d, W - 1, W).fill_(False)      # Q is zeroed at block ends (module note in _pieces)
+    bad = qbad | under_over(R, zr) | ~torch.isfinite(h)
+    return bad.any(dim=d)
+
+
+def _window_loop(a: Tensor, b: Tensor, h0: Tensor | None, W: int, keep: bool = False):
+    """The windowed scan of ``[n, T]`` rows (forward direction) with exactly the per-step loop's arithmetic:
+    after k rounds x_t is the loop over the k+1 inputs ending at t (fewer at the start), x_t = a_t x_{t-1} + b_t.
+    O(T·W). h0 is the input at index -1 (prepended, with a = 1 unused). ``keep``: also return every round's x
+    and the (prepended) a for :func:`_window_loop_bwd`."""
+    if h0 is not None:
+        a = torch.cat([torch.ones_like(a[:, :1]), a], 1)
+        b = torch.cat([h0[:, None], b], 1)
+    n = b.shape[1]
+    xs = [b]
+    for k in range(1, min(W, n)):
+        x = xs[-1]
+        x = torch.cat([x[:, :k], a[:, k:] * x[:, k - 1:n - 1] + b[:, k:]], 1)
+        xs = xs + [x] if keep else [x]
+    h = xs[-1][:, 1:] if h0 is not None else xs[-1]
+    return (h, xs, a) if keep else h
+
+
+def _window_loop_bwd(g: Tensor, xs: list, a: Tensor, has_h0: bool):
+    """Reverse mode of :func:`_window_loop` (what autograd of it computes, term for term): (∂a, ∂b, ∂h0)."""
+    n = a.shape[1]
+    gx = torch.cat([torch.zeros_like(g[:, :1]), g], 1) if has_h0 else g
+    ga = torch.zeros_like(gx)
+    gb = torch.zeros_like(gx)
+    for k in range(len(xs) - 1, 0, -1):
+        top = gx[:, k:]
+        ga[:, k:] += top * xs[k - 1][:, k - 1:n - 1]
+        gb[:, k:] += top
+        prev = torch.zeros_like(gx)
+        prev[:, :k] = gx[:, :k]
+        prev[:, k - 1:n - 1] += top * a[:, k:]
+        gx = prev
+    gb += gx
+    if has_h0:
+        return ga[:, 1:], gb[:, 1:], gb[:, 0]
+    return ga, gb, None
+
+
+def _redo_fwd(h: Tensor, a, b, h0, d, W, bad) -> None:
+    am, bm = a.movedim(d, -1)[bad], b.movedim(d, -1)[bad]
+    log.debug("windowed scan: %d channel(s) redone by the per-step loop", am.shape[0])
+    h.movedim(d, -1)[bad] = _window_loop(am, bm, None if h0 is None else h0[bad].to(h.dtype), W)
+
+
+def _redo_bwd(grads, g, a, b, h0, d, W, bad) -> None:
+    ga, gb, gh0 = grads
+    hm = None if h0 is None else h0[bad].to(ga.dtype)
+    _, xs, ap = _window_loop(a.movedim(d, -1)[bad], b.movedim(d, -1)[bad], hm, W, keep=True)
+    ra, rb, rh0 = _window_loop_bwd(g.movedim(d, -1)[bad], xs, ap, hm is not None)
+    ga.movedim(d, -1)[bad] = ra
+    gb.movedim(d, -1)[bad] = rb
+    if hm is not None:
+        gh0[bad] = rh0
 
 
 def _windowed_fwd(prim, a, b, h0, d, W):
     cdt = _cdt(a, b, h0)
     a, b, L, Q, R, V = _pieces(prim, a, b, h0, d, W, cdt)
-    return torch.addcmul(L, Q, V, out=L)
+    h = torch.addcmul(L, Q, V, out=L)
+    bad = _unsafe_channels(prim, a, Q, R, h, d, W)
+    if bool(bad.any()):
+        _redo_fwd(h, a, b, h0, d, W, bad)
+    return h
 
 
 def _windowed_bwd(prim, g, a, b, h0, d, W):
@@ -168,6 +251,14 @@ def _windowed_bwd(prim, g, a, b, h0, d, W):
         gh0 = G.select(d, min(W - 2, T - 1)).clone()
     else:
         gh0 = torch.zeros(G.select(d, 0).shape if T > 0 else _drop(G.shape, d), dtype=cdt, device=a.device)
+    if T > 0:
+        h = torch.addcmul(L, Q, V)
+        bad = _unsafe_channels(prim, a, Q, R, h, d, W)
+        bad |= ~(torch.isfinite(ga) & torch.isfinite(gb)).all(dim=d)
+        if h0 is not None:
+            bad |= ~torch.isfinite(gh0)
+        if bool(bad.any()):
+            _redo_bwd((ga, gb, gh0), g, a, b, h0, d, W, bad)
     return ga, gb, gh0
 
 
