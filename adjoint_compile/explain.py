@@ -155,7 +155,9 @@ def report(compiled_model: Any) -> Report:
 
     One entry per graph dynamo compiled for it (graph breaks, recompiles for new sizes, and the per-size
     specializations of a graph with symbolic sizes), oldest first; ``report.compiled[i]`` is the pipeline's record
-    (captured graph, regions, rejections, lowered region calls). Empty before the first call.
+    (captured graph, regions, rejections, lowered region calls). Empty before the first call. With
+    ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``:
+    ``{"max_rel_err", "shard_size", "steps"}`` of the comparison with plain autograd on its first call.
 
     Raises TypeError when ``compiled_model`` is not the result of ``torch.compile``.
     """
@@ -163,8 +165,22 @@ def report(compiled_model: Any) -> Report:
     flat: list[CompiledGraph] = []
     for c in found:
         flat += [c, *c.specializations]
+    for c in flat:
+        _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
     return Report.of(flat, opts)
+
+
+def _fidelity(c: CompiledGraph) -> None:
+    """Copy each lowered region's verify figures (``ShardedRegion.last_verify``) into its ``details``."""
+    for r in c.regions:
+        call = r.details.get("region_call")
+        try:
+            figures = getattr(c.captured.gm.get_submodule(call), "last_verify", None) if call else None
+        except AttributeError:
+            continue
+        if figures:
+            r.details["fidelity"] = dict(figures)
 
 
 def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
