@@ -29,6 +29,11 @@ from .regions import Region, Rejection
 log = logging.getLogger(__name__)
 
 
+#: the line under the table that says what its ``group`` column means (passes/decide.py ``settle``)
+GROUP_LEGEND = ("  group: lowered regions with the same number run in one sharded call (not lowered: recurrences "
+                "whose time-local neighbourhoods join); blank: alone")
+
+
 @dataclasses.dataclass
 class GraphBreak:
     reason: str
@@ -102,6 +107,7 @@ class Report:
             for row in rows:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
                 lines.append("  " + "  ".join(cells).rstrip())
+            lines.append(GROUP_LEGEND)
         else:
             lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
                          "as is")
