@@ -1,6 +1,6 @@
 """adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences and residual chains an
-adjoint-sharded, truncated-adjoint or Highway-BP backward. See README.md (its Architecture section maps the
-pipeline's stages to files)."""
+adjoint-sharded backward (truncated-adjoint and Highway-BP are planned). See README.md (what users get; its
+Architecture section maps the pipeline's stages to files) and docs/DESIGN.md (the design: contract, pipeline, math)."""
 from __future__ import annotations
 
 from . import backend, ops
