@@ -57,3 +57,14 @@ def test_the_readme_has_python_blocks_and_the_parser_finds_them():
 def test_readme_block_runs_as_pasted(line, code, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # NB: a block that writes files writes them here
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+
+
+def test_the_readme_and_the_design_doc_link_only_files_of_the_repository():
+    import adjoint_compile
+
+    assert "docs/DESIGN.md" in (adjoint_compile.__doc__ or "")
+    for doc in (ROOT / "README.md", ROOT / "docs" / "DESIGN.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).resolve().exists(), f"{doc.name} links {target}, not in the repository"
+                assert ROOT in (doc.parent / target).resolve().parents or (doc.parent / target).resolve() == ROOT
