@@ -192,8 +192,8 @@ def format_table(rows: list[dict[str, Any]], relative_to: Sequence[str] = ("eage
     lines = [header]
     for r in rows:
         err = r.get("max_grad_rel_err")
-        lines.append([r["method"], f"{r['peak_bytes'] / 2**20:.1f}", *(f"{r['peak_bytes'] / b:.3f}" for _, b in mem_b),
-                      f"{r['step_s']:.3f}", *(f"{r['step_s'] / b:.2f}" for _, b in time_b),
+        lines.append([r["method"], f"{r['peak_bytes'] / 2**20:.1f}",
+                      *(f"{r['peak_bytes'] / b:.3f}" for _, b in mem_b), f"{r['step_s']:.3f}", *(f"{r['step_s'] / b:.2f}" for _, b in time_b),
                       "-" if err is None else f"{err:.2e}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in lines)

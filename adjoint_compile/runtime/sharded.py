@@ -115,7 +115,8 @@ class ShardedRegion(torch.nn.Module):
     ``forward(*inputs)`` takes the region's inputs in placeholder order and returns its outputs (a tensor when the
     region graph returns one, else a tuple).  ``shard_size=None`` picks :func:`default_shard_size` of T per call.
     With ``verify=True`` the first call also runs :func:`verify_region`, keeps its figures in ``last_verify``
-    (``{"max_rel_err", "shard_size", "steps"}``) and warns them as an :class:`~adjoint_compile.errors.AdjointVerifyReport`.
+    (``{"max_rel_err", "shard_size", "steps"}``) and warns them as an
+    :class:`~adjoint_compile.errors.AdjointVerifyReport`.
     ``inner`` ("eager", "aot_eager", "inductor") compiles each shard program, forward and recompute+VJP, on first
     use; "eager" runs them as FX code.
     """
