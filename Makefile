@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo demo-figures test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# results go to out/ (ignored by git)
 demo: setup
 	$(PY) -m adjoint_compile.cli demo
+
+# regenerates the checked-in benchmarks/results/demo.{json,png} (on purpose only)
+demo-figures: setup
+	$(PY) -m adjoint_compile.cli demo --out benchmarks/results
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests

@@ -1,17 +1,19 @@
 """adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences and residual chains an
-adjoint-sharded, truncated-adjoint or Highway-BP backward. See README.md (its Architecture section maps the
-pipeline's stages to files)."""
+adjoint-sharded backward (truncated-adjoint and Highway-BP are planned). See README.md (what users get; its
+Architecture section maps the pipeline's stages to files) and docs/DESIGN.md (the design: contract, pipeline, math)."""
 from __future__ import annotations
 
-import logging
-
 from . import backend, ops
-from .errors import OptionsError
+from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError
 from .explain import Report, explain, report
 from .options import Options, validate as validate_options
 
-__all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "validate_options",
+__all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "AdjointCompileWarning",
+           "AdjointVerifyReport", "validate_options",
            "__version__"]
 __version__ = "0.1.0"
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# NB: no NullHandler on the package's logger: with no handler configured anywhere (no TORCH_LOGS, no
+# logging.basicConfig), Python's last-resort handler prints WARNING and above to stderr, so the backend's warnings
+# (a graph kept with ordinary autograd, a missing C compiler, ...) reach the user by default. INFO and DEBUG stay
+# silent until asked for (TORCH_LOGS="adjoint_compile" / "+adjoint_compile").

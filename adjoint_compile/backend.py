@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
 from . import options as _options
+from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
 from .passes import decide
@@ -168,13 +170,12 @@ def adjoint_backend(
 
     ``options`` is validated here, on the first call (an :class:`~adjoint_compile.OptionsError`, a ``ValueError``,
     reaches the caller unwrapped). torch.compile's own ``mode=`` argument has no meaning for this backend; the
-    adjoint mode is ``options={"mode": ...}``.
+    adjoint mode is ``options={"mode": ...}``; another ``mode=`` gives an :class:`AdjointCompileWarning`.
     """
     opts = _options.validate(options)
     if mode not in (None, "default"):
-        log.warning(
-            "adjoint-compile ignores torch.compile(mode=%r); choose the backward with options={'mode': ...}", mode
-        )
+        warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
+                      f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
     return CompiledGraphFn(run_pipeline(gm, example_inputs, opts))
 
 

@@ -1,7 +1,7 @@
 """``adjoint-compile``: the command line.
 
     adjoint-compile explain path/to/file.py:factory --input "randn(2,1024,64)" [--input ...] [--options JSON] [--json]
-    adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" --out DIR
+    adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" [--out DIR (default out/dump)]
     adjoint-compile demo    [demo arguments]
 
 ``factory`` is a function in the file that returns an ``nn.Module`` or a function (called with no arguments; a
@@ -37,6 +37,7 @@ __all__ = ["main", "parse_input", "load_factory", "dump"]
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
            "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool}
+DEFAULT_DUMP = os.path.join("out", "dump")
 _MAKERS = {"randn": torch.randn, "rand": torch.rand, "ones": torch.ones, "zeros": torch.zeros}
 
 
@@ -226,7 +227,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "explain":
             s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
         else:
-            s.add_argument("--out", required=True, metavar="DIR", help="output directory")
+            s.add_argument("--out", default=DEFAULT_DUMP, metavar="DIR",
+                           help=f"output directory (default {DEFAULT_DUMP}: out/ is ignored by git)")
     sub.add_parser("demo", help="run the demo (adjoint_compile.demo)", add_help=False)
     return p
 

@@ -6,7 +6,9 @@ it needs content-dependent memory across the whole sequence, which is what a sel
 
 After training it measures one training step of the same model four ways, side by side in one run: eager
 autograd, torch.compile (inductor), per-layer activation checkpointing, and backend="adjoint" — peak memory, step
-time and the largest gradient difference against eager autograd — and writes a table, JSON and a plot.
+time and the largest gradient difference against eager autograd — and writes a table, JSON and a plot to ``out/``
+(ignored by git). The checked-in figures in ``benchmarks/results/`` change only on purpose: ``make demo-figures``
+(``--out benchmarks/results``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 BLANK, MARKER = 0, 1
+#: where a user's run writes its results: ignored by git, so running the demo never changes tracked files
+DEFAULT_OUT = ROOT / "out"
 
 
 def load_example(name: str) -> Any:
@@ -85,7 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--shard-size", type=int, default=None)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where the JSON and plot go")
+    p.add_argument("--out", default=str(DEFAULT_OUT),
+                   help="where demo.json and demo.png go (default: out/ of the checkout, ignored by git; "
+                        "`make demo-figures` writes the checked-in benchmarks/results/)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -10,10 +10,29 @@ class OptionsError(ShortenTraceback, ValueError):
     NB: it derives from dynamo's ``ShortenTraceback`` as well as ``ValueError`` because dynamo re-raises
     ``ShortenTraceback`` from a backend unchanged, whereas any other exception is wrapped in
     ``BackendCompilerFailed`` (a ``RuntimeError``); users should be able to write ``except ValueError``.
+
+    ``str(error)`` is our message alone: on its way out dynamo appends its "Set TORCHDYNAMO_VERBOSE=1 for the
+    internal stack trace ..." advice to ``args[0]`` (``torch._dynamo.exc.augment_exc_message``), which is about
+    dynamo's own frames, not about the option; ``message`` keeps the text as raised.
     """
 
     def __init__(self, message: str) -> None:
         super().__init__(message, first_useful_frame=None)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class AdjointCompileWarning(UserWarning):
+    """A warning from adjoint-compile meant for the user (e.g. torch.compile's ``mode=`` is ignored). Shown once per
+    message by Python's default filters; ``warnings.filterwarnings("ignore", category=AdjointCompileWarning)``
+    silences them all."""
+
+
+class AdjointVerifyReport(AdjointCompileWarning):
+    """The result of ``options={"verify": True}``: a sharded region's outputs and gradients against plain autograd
+    on its first call. Also in ``adjoint_compile.report(compiled)``: ``region.details["fidelity"]``."""
 
 
 class UnsupportedRegion(Exception):

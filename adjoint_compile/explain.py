@@ -29,6 +29,11 @@ from .regions import Region, Rejection
 log = logging.getLogger(__name__)
 
 
+#: the line under the table that says what its ``group`` column means (passes/decide.py ``settle``)
+GROUP_LEGEND = ("  group: lowered regions with the same number run in one sharded call (not lowered: recurrences "
+                "whose time-local neighbourhoods join); blank: alone")
+
+
 @dataclasses.dataclass
 class GraphBreak:
     reason: str
@@ -102,6 +107,7 @@ class Report:
             for row in rows:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
                 lines.append("  " + "  ".join(cells).rstrip())
+            lines.append(GROUP_LEGEND)
         else:
             lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
                          "as is")
@@ -155,7 +161,9 @@ def report(compiled_model: Any) -> Report:
 
     One entry per graph dynamo compiled for it (graph breaks, recompiles for new sizes, and the per-size
     specializations of a graph with symbolic sizes), oldest first; ``report.compiled[i]`` is the pipeline's record
-    (captured graph, regions, rejections, lowered region calls). Empty before the first call.
+    (captured graph, regions, rejections, lowered region calls). Empty before the first call. With
+    ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``:
+    ``{"max_rel_err", "shard_size", "steps"}`` of the comparison with plain autograd on its first call.
 
     Raises TypeError when ``compiled_model`` is not the result of ``torch.compile``.
     """
@@ -163,8 +171,22 @@ def report(compiled_model: Any) -> Report:
     flat: list[CompiledGraph] = []
     for c in found:
         flat += [c, *c.specializations]
+    for c in flat:
+        _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
     return Report.of(flat, opts)
+
+
+def _fidelity(c: CompiledGraph) -> None:
+    """Copy each lowered region's verify figures (``ShardedRegion.last_verify``) into its ``details``."""
+    for r in c.regions:
+        call = r.details.get("region_call")
+        try:
+            figures = getattr(c.captured.gm.get_submodule(call), "last_verify", None) if call else None
+        except AttributeError:
+            continue
+        if figures:
+            r.details["fidelity"] = dict(figures)
 
 
 def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:

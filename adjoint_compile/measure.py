@@ -28,7 +28,7 @@ import gc
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -176,26 +176,25 @@ def max_rel_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     return worst
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Rows of {method, peak_mib, step_s, max_grad_rel_err, ...} as an aligned text table with ratios to the first."""
+def format_table(rows: list[dict[str, Any]], relative_to: Sequence[str] = ("eager", "compile")) -> str:
+    """Rows of {method, peak_bytes, step_s, max_grad_rel_err, ...} as an aligned text table, with each row's memory
+    and time as ratios to each method named in ``relative_to`` that is among the rows (columns ``mem/<method>`` and
+    ``time/<method>``; the first row when none is)."""
     if not rows:
         return "(no rows)"
-    base_mem = rows[0]["peak_bytes"] or 1  # NB: a zero baseline would make every ratio meaningless; guard it
-    base_t = rows[0]["step_s"] or 1e-12
-    header = ["method", "peak MiB", "x mem", "step s", "x time", "max grad rel err"]
+    by_name = {r["method"]: r for r in rows}
+    bases = [by_name[m] for m in relative_to if m in by_name] or [rows[0]]
+    # NB: a zero baseline would make every ratio meaningless; guard it
+    mem_b = [(b["method"], b["peak_bytes"] or 1) for b in bases]
+    time_b = [(b["method"], b["step_s"] or 1e-12) for b in bases]
+    header = ["method", "peak MiB", *(f"mem/{m}" for m, _ in mem_b), "step s", *(f"time/{m}" for m, _ in time_b),
+              "max grad rel err"]
     lines = [header]
     for r in rows:
         err = r.get("max_grad_rel_err")
-        lines.append(
-            [
-                r["method"],
-                f"{r['peak_bytes'] / 2**20:.1f}",
-                f"{r['peak_bytes'] / base_mem:.3f}",
-                f"{r['step_s']:.3f}",
-                f"{r['step_s'] / base_t:.2f}",
-                "-" if err is None else f"{err:.2e}",
-            ]
-        )
+        lines.append([r["method"], f"{r['peak_bytes'] / 2**20:.1f}",
+                      *(f"{r['peak_bytes'] / b:.3f}" for _, b in mem_b), f"{r['step_s']:.3f}", *(f"{r['step_s'] / b:.2f}" for _, b in time_b),
+                      "-" if err is None else f"{err:.2e}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in lines)
 

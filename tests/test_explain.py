@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
+from adjoint_compile.explain import GROUP_LEGEND
 
 
 def test_explain_on_graph_with_nothing_to_rewrite():
@@ -13,7 +14,7 @@ def test_explain_on_graph_with_nothing_to_rewrite():
     assert report.regions == []
     assert len(report.graphs) == 1 and report.graph_breaks == []
     text = str(report)
-    assert "1 graph(s), 0 graph break(s)" in text and "no recurrence" in text
+    assert "1 graph(s), 0 graph break(s)" in text and "no recurrence" in text and "group:" not in text
     d = json.loads(json.dumps(report.to_dict()))
     assert d["regions"] == [] and d["options"]["mode"] == "exact" and d["graphs"][0]["nodes"] > 3
 
@@ -53,3 +54,13 @@ def test_explain_shows_expected_memory_of_a_sharded_region():
     assert mem["autograd"] >= 4 * 2 * 64 * 8 * 4  # at least a, b, h and the output, full length
     assert "activations <=" in r.reason and "->" in r.reason
     assert json.loads(report.to_json())["regions"][0]["details"]["expected_memory_bytes"] == mem
+
+
+def test_the_table_says_what_its_group_column_means():
+    def f(a, b):
+        return ac.ops.linear_scan(torch.sigmoid(a), b)
+
+    lines = str(ac.explain(f, torch.randn(2, 8, 3), torch.randn(2, 8, 3))).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "graph"])
+    assert lines[header + 2] == GROUP_LEGEND
+    assert lines[header + 2].startswith("  group: lowered regions with the same number run in one sharded call")

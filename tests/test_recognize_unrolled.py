@@ -206,3 +206,49 @@ def test_recognition_is_near_linear_on_a_20000_node_graph():
     # a few seconds, and no worse than ~linear (x10 nodes -> well under x100 time)
     assert elapsed < 15, elapsed
     assert elapsed < 30 * max(small_elapsed, 0.01), (elapsed, small_elapsed)
+
+
+@pytest.mark.parametrize("step", ["h @ A", "mm", "linear"])
+def test_dense_linear_loop_is_a_near_miss_with_the_reason(step):
+    """h = h @ A + b_t is linear but its coefficient is a matrix: reported as a rejected candidate, with why."""
+    A = torch.randn(D, D) * 0.1
+    W = nn.Linear(D, D, bias=False)
+
+    def f(b, h):
+        for t in range(b.shape[1]):
+            hA = {"h @ A": lambda: h @ A, "mm": lambda: torch.mm(h, A), "linear": lambda: W(h)}[step]()
+            h = hA + b[:, t]
+        return h
+
+    gm = trace(f, torch.randn(B, 6, D), torch.zeros(B, D))
+    regions, rejections = recognize(gm, None)
+    assert regions == [] and len(rejections) == 1, rejections
+    (j,) = rejections
+    assert j.reason.startswith("unrolled loop of 6 steps: the carry is multiplied by a matrix")
+    assert "not an elementwise one" in j.reason
+
+
+def test_a_matmul_on_the_input_only_is_still_a_linear_loop_with_no_rejection():
+    """The negative twin: x_t @ W feeds b, not h; the loop is an ordinary elementwise recurrence."""
+    W = torch.randn(D, D)
+
+    def f(a, x, h):
+        for t in range(a.shape[1]):
+            h = a[:, t] * h + x[:, t] @ W
+        return h
+
+    regions, rejections = recognize(trace(f, *_inputs(6)), None)
+    assert [(r.kind, r.length) for r in regions] == [("linear_recurrence", 6)] and rejections == []
+
+
+def test_a_stack_of_dense_layers_is_no_near_miss():
+    """Different weights per step and no per-step slice: a depth chain, not a loop over time; nothing reported."""
+    Ws = [torch.randn(D, D) for _ in range(4)]
+
+    def f(x, c):
+        for W in Ws:
+            x = x @ W + c
+        return x
+
+    regions, rejections = find_unrolled(trace(f, torch.randn(B, D), torch.randn(B, D)))
+    assert regions == [] and rejections == []

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import adjoint_compile.ops as ac_ops
-from adjoint_compile.errors import UnsupportedRegion
+from adjoint_compile.errors import AdjointVerifyReport, UnsupportedRegion
 from adjoint_compile.passes import decide
 from adjoint_compile.passes.lower import lowered_calls
 from adjoint_compile.passes.lower_adjoint import lower_recurrences, lower_region, outline
@@ -360,8 +360,10 @@ def test_verify_region_reports_a_small_error():
     err = verify_region(case[4], case[5], case[6], 2, region_inputs(case))
     assert 0.0 <= err <= 1e-11
     f = make_sharded(case[4], case[5], case[6], 4, verify=True)
-    f(*region_inputs(case))
+    with pytest.warns(AdjointVerifyReport, match=r"sharded region \(shard_size=4 of T=9\)"):
+        f(*region_inputs(case))
     assert f.last_verify_error is not None and f.last_verify_error <= 1e-11
+    assert f.last_verify == {"max_rel_err": f.last_verify_error, "shard_size": 4, "steps": 9}
 
 
 def test_default_shard_size_keeps_enough_work_per_shard():

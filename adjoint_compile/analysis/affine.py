@@ -22,8 +22,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from .fx import hinted_shape
-from .optable import op_name
+from .fx import bfs_inputs, hinted_shape
+from .optable import LINEAR_IN_CARRY as _AFFINE_OPS
+from .optable import MATMULS, op_name
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +341,19 @@ class UpdateForm:
                 "b": "0" if self.offset is None else str(self.offset)}
 
 
+def _matrix_product(n: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], bool]) -> fx.Node | None:
+    """The matrix product of a carry-dependent operand and carry-free ones (``h @ A``, ``A @ h``, ``linear(h, W)``)
+    that ``n`` is built from through affine ops only (add, mul, ...), if any: a dense linear recurrence."""
+    on_path = lambda a: a is carry or depends(a)  # noqa: E731
+    if op_name(n) not in _AFFINE_OPS | MATMULS | {"linear"}:
+        return None  # NB: tanh(h @ W + x) is a nonlinear recurrence, not a dense linear one
+    for m in [n, *bfs_inputs(n, 16, lambda a: on_path(a) and op_name(a) in _AFFINE_OPS)]:
+        dep = [on_path(a) for a in m.all_input_nodes]
+        if (op_name(m) in MATMULS or op_name(m) == "linear") and sum(dep) == 1 and len(dep) >= 2:
+            return m
+    return None
+
+
 def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], bool]) -> UpdateForm:
     """Classify ``new`` as linear / gated / general in ``carry`` (DESIGN.md §3–4).
 
@@ -357,6 +371,12 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
             return UpdateForm("general", reason="the new state does not depend on the carry", where=new.name)
         culprit = next((a for a in (aff.offset.nodes() if aff.offset else []) if depends(a)), new)
         what = op_name(culprit) or culprit.op
+        mm = _matrix_product(culprit, carry, depends)
+        if mm is not None:
+            return UpdateForm(
+                "general", reason=f"the carry is multiplied by a matrix ({op_name(mm)} at node {mm.name}): "
+                                  f"h' = h @ A + b has a matrix coefficient, not an elementwise one; only "
+                                  f"h' = a ⊙ h + b (a diagonal coefficient) is recognized", where=mm.name)
         return UpdateForm(
             "general", reason=f"not linear in the carry: it passes through {what} at node {culprit.name} "
                               f"(a general nonlinear recurrence)", where=culprit.name)

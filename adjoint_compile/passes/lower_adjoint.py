@@ -110,6 +110,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     S = mod.prepare([_ev(a) for a in inputs])
 
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
+    mod.label = name
     gm.add_submodule(name, mod)
     prov = {"rewrite": "adjoint", "scans": [s.name for s in scans], "nodes": len(nodes), "shard_size": S,
             "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],

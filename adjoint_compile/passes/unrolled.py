@@ -105,6 +105,22 @@ def _general_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
     return next((a for a in bfs_inputs(s, _GENERAL_BUDGET, lambda a: not same(a)) if same(a)), None)
 
 
+def _matrix_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
+    """A same-op, same-shape node that reaches ``s`` through a matrix product (``h = h @ A + b_t``): a dense linear
+    recurrence, which has no elementwise coefficient; linked only to report it as a near miss."""
+    same = _same_op(s, ctx)
+    for m in bfs_inputs(s, _BUDGET, lambda a: not same(a) and op_name(a) in _THROUGH_MATMUL):
+        if op_name(m) in _MATRIX_OPS:
+            p = next((a for a in m.all_input_nodes if same(a)), None)
+            if p is not None:
+                return p
+    return None
+
+
+_MATRIX_OPS = ops.MATMULS | {"linear"}
+_THROUGH_MATMUL = ops.LINEAR_IN_CARRY | _MATRIX_OPS
+
+
 def _same_op(s: fx.Node, ctx: _Ctx) -> Callable[[fx.Node], bool]:
     """Whether a node is an op like ``s``: same label (op and constants), same shape."""
     lab, shp = ctx.label(s), hinted_shape(s)
@@ -138,13 +154,25 @@ def _chains(ctx: _Ctx) -> list[tuple[list[fx.Node], str]]:
                 continue
             ss = [max(affine_ss, key=ctx.pos.__getitem__)]
         g.add_edge(p, ss[0], kind=links[ss[0]][1])
+    out = _paths(g, ctx, lambda kinds: "affine" if kinds == {"affine"} else "general")
+    # NB: matrix links only among states no other chain holds, so they add near-miss reports and change nothing else
+    dense = nx.DiGraph()
+    for s in ctx.nodes:
+        if s not in g and op_name(s) in ops.STATE_OPS and hinted_shape(s) is not None:
+            p = _matrix_pred(s, ctx)
+            if p is not None and p not in g and (p not in dense or not dense.out_degree(p)):
+                dense.add_edge(p, s, kind="matrix")
+    out += _paths(dense, ctx, lambda kinds: "matrix")
+    return sorted(out, key=lambda c: ctx.pos[c[0][0]])
+
+
+def _paths(g: nx.DiGraph, ctx: _Ctx, kind: Callable[[set[str]], str]) -> list[tuple[list[fx.Node], str]]:
     out = []
     for comp in nx.weakly_connected_components(g):
         path = sorted(comp, key=ctx.pos.__getitem__)
         if len(path) >= 2 and all(g.has_edge(path[i], path[i + 1]) for i in range(len(path) - 1)):
-            kinds = {g.edges[path[i], path[i + 1]]["kind"] for i in range(len(path) - 1)}
-            out.append((path, "affine" if kinds == {"affine"} else "general"))
-    return sorted(out, key=lambda c: ctx.pos[c[0][0]])
+            out.append((path, kind({g.edges[path[i], path[i + 1]]["kind"] for i in range(len(path) - 1)})))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,7 +353,7 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
         loop = _check_windows(chain, ctx)
         xs = _xs(loop, ctx)
     except _Mismatch as e:
-        if e.kind == "inputs" or not _reads_slices(chain, ctx):
+        if e.kind == "inputs" or link_kind == "matrix" or not _reads_slices(chain, ctx):
             # NB: a chain of layers (different weights, attention then MLP) is a depth chain: not reported here
             log.debug("chain at %s is not a loop over time: %s", chain[-1].name, e.reason)
             return None, None
@@ -351,6 +379,8 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
                 carried_in.append(a)
     reach = forward_reach(list(carried_in) or [c_prev], c_new, ctx.pos)
     form = classify_update(c_new, c_prev, reach.__contains__)
+    if link_kind == "matrix" and form.kind != "general":
+        return None, None  # NB: matrix links exist to report dense recurrences; anything else is not ours to judge
     if form.kind == "general":
         return None, Rejection("recurrence", chain[-1].name, f"unrolled loop of {T} steps: {form.reason}")
     h0 = loop.init.get(L - 1) if loop.first_step_ok else chain[0]

@@ -18,12 +18,14 @@ one shard's recomputation.  Regions the shard programs cannot be proven for rais
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..errors import AdjointVerifyReport
 from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, autocast_state, default_shard_size
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,9 @@ class ShardedRegion(torch.nn.Module):
 
     ``forward(*inputs)`` takes the region's inputs in placeholder order and returns its outputs (a tensor when the
     region graph returns one, else a tuple).  ``shard_size=None`` picks :func:`default_shard_size` of T per call.
-    With ``verify=True`` the first call also runs :func:`verify_region` and logs the max relative gradient error.
+    With ``verify=True`` the first call also runs :func:`verify_region`, keeps its figures in ``last_verify``
+    (``{"max_rel_err", "shard_size", "steps"}``) and warns them as an
+    :class:`~adjoint_compile.errors.AdjointVerifyReport`.
     ``inner`` ("eager", "aot_eager", "inductor") compiles each shard program, forward and recompute+VJP, on first
     use; "eager" runs them as FX code.
     """
@@ -133,6 +137,9 @@ class ShardedRegion(torch.nn.Module):
         #: the shard programs (named _plan for the tests and tools that look into a region)
         self._plan = ShardProgram(region_gm, self.in_step_dims, self.out_step_dims, inner)
         self.last_verify_error: float | None = None
+        self.last_verify: dict[str, Any] | None = None
+        #: how the warnings name the region (the lowering sets the name of its call)
+        self.label = "sharded region"
 
     def prepare(self, inputs: Sequence[Any]) -> int:
         """Check the region for these input shapes (real or fake tensors); returns the shard size used."""
@@ -145,8 +152,13 @@ class ShardedRegion(torch.nn.Module):
         S = self.prepare(inputs)
         if self.verify:
             self.verify = False
-            self.last_verify_error = verify_region(self.region_gm, self.in_step_dims, self.out_step_dims, S,
-                                                   [x.detach() for x in inputs])
+            err = verify_region(self.region_gm, self.in_step_dims, self.out_step_dims, S,
+                                [x.detach() for x in inputs])
+            self.last_verify_error = err
+            self.last_verify = {"max_rel_err": err, "shard_size": S, "steps": self._plan.T}
+            warnings.warn(AdjointVerifyReport(
+                f"adjoint-compile verify: {self.label} (shard_size={S} of T={self.last_verify['steps']}) against "
+                f"plain autograd: max relative error {err:.3g} over outputs and gradients"), stacklevel=2)
         outs = _ShardedFn.apply(self._plan, *inputs)
         return outs[0] if self._plan.single_output else tuple(outs)
 

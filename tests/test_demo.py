@@ -1,0 +1,50 @@
+"""A user's run writes to the ignored out/ folder; the checked-in figures change only on purpose; the demo table
+gives ratios to eager and to compile."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from adjoint_compile import cli, demo
+from adjoint_compile.measure import format_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ignored(path: Path) -> bool:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT).returncode == 0
+
+
+def test_the_demo_writes_to_an_ignored_folder_by_default():
+    out = Path(demo.parse_args([]).out)
+    assert out == ROOT / "out"
+    assert _ignored(out / "demo.json") and _ignored(out / "demo.png")
+    assert not _ignored(ROOT / "benchmarks" / "results" / "demo.json")  # the checked-in one stays tracked
+
+
+def test_dump_writes_to_an_ignored_folder_by_default():
+    args = cli._parser().parse_args(["dump", "model.py:make", "--input", "randn(2)"])
+    assert Path(args.out) == Path("out") / "dump" and _ignored(ROOT / args.out / "report.txt")
+
+
+def test_make_demo_figures_is_the_one_target_that_writes_the_checked_in_figures():
+    make = (ROOT / "Makefile").read_text()
+    demo_rule = make.split("\ndemo: setup\n")[1].split("\n\n")[0]
+    figures_rule = make.split("\ndemo-figures: setup\n")[1].split("\n\n")[0]
+    assert "--out" not in demo_rule and "--out benchmarks/results" in figures_rule
+
+
+def test_the_table_has_ratios_to_eager_and_to_compile():
+    rows = [{"method": m, "peak_bytes": b * 2**20, "step_s": s, "max_grad_rel_err": None if m == "eager" else 1e-6}
+            for m, b, s in (("eager", 40, 0.1), ("compile", 20, 0.05), ("adjoint", 5, 0.1))]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == ["method", "peak", "MiB", "mem/eager", "mem/compile", "step", "s", "time/eager",
+                                "time/compile", "max", "grad", "rel", "err"]
+    assert lines[3].split() == ["adjoint", "5.0", "0.125", "0.250", "0.100", "1.00", "2.00", "1.00e-06"]
+    # without those methods, ratios are to the first row
+    assert format_table(rows[2:]).splitlines()[0].split()[3] == "mem/adjoint"
