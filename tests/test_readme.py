@@ -1,8 +1,7 @@
 """Every ```python block of README.md runs as pasted, each on its own in a fresh namespace (tiny sizes, CPU).
 
 A block that cannot run here (needs a GPU, takes minutes) starts with the marker comment
-``# readme-test: skip: <why>``; keep such blocks rare. The blocks of the "Linear scans" section are expected to fail
-until that section (edited in another line of work) defines its inputs: strict, so this test says when they pass.
+``# readme-test: skip: <why>``; keep such blocks rare.
 """
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_MARKER = "# readme-test: skip:"
-#: README sections whose blocks still use names from the surrounding prose (a, b, w): not runnable as pasted yet
-NOT_YET_RUNNABLE = {"## Linear scans: `adjoint_compile.ops.linear_scan`"}
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str]]:
@@ -41,8 +38,6 @@ def _param(line: int, section: str, code: str):
     marks = [pytest.mark.slow]
     if code.lstrip().startswith(SKIP_MARKER):
         marks.append(pytest.mark.skip(reason=code.lstrip().splitlines()[0][len(SKIP_MARKER):].strip()))
-    elif section in NOT_YET_RUNNABLE:
-        marks.append(pytest.mark.xfail(strict=True, raises=NameError, reason="uses names the prose defines"))
     return pytest.param(line, code, id=f"line{line}", marks=marks)
 
 
