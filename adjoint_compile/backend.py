@@ -159,6 +159,8 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
     if compile:
         result.fn = _Specializing(result, opts) if symbolic else stitch(captured, result.lowered, opts)
+    # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
+    captured.example_inputs = []
     _log_decisions(result, opts)
     return result
 

@@ -161,7 +161,10 @@ def report(compiled_model: Any) -> Report:
 
     One entry per graph dynamo compiled for it (graph breaks, recompiles for new sizes, and the per-size
     specializations of a graph with symbolic sizes), oldest first; ``report.compiled[i]`` is the pipeline's record
-    (captured graph, regions, rejections, lowered region calls). Empty before the first call. With
+    (captured graph, regions, rejections, lowered region calls). Empty before the first call.
+
+    NB: dynamo keeps its compiled graphs per code object, so for a module this lists the graphs of every compiled
+    instance of its class (with parameters as graph inputs, instances of one class share them). With
     ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``:
     ``{"max_rel_err", "shard_size", "steps"}`` of the comparison with plain autograd on its first call.
 

@@ -86,3 +86,21 @@ def test_report_of_a_compiled_function():
 def test_report_refuses_what_torch_compile_did_not_make():
     with pytest.raises(TypeError, match="torch.compile"):
         ac.report(torch.nn.Linear(2, 2))
+
+
+def test_the_records_do_not_keep_the_first_calls_inputs_alive():
+    """The records live as long as dynamo's cache entries; the first call's inputs must not live with them."""
+    import gc
+    import weakref
+
+    ssm = _example("selective_ssm")
+    torch.manual_seed(0)
+    f = torch.compile(ssm.SSMStack(d_model=8, d_state=3, n_layers=1), backend="adjoint",
+                      options={"inner": "eager", "shard_size": 4})
+    x = torch.randn(2, 12, 8)
+    f(x)
+    assert ac.report(f).compiled[0].lowered
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
