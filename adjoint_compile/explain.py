@@ -192,6 +192,15 @@ def _fidelity(c: CompiledGraph) -> None:
             r.details["fidelity"] = dict(figures)
 
 
+def _wrapped_functions(fn: Any) -> list[Any]:
+    """``fn`` and the functions its ``__wrapped__`` chain leads to (stopping at anything that is not a function)."""
+    out = []
+    while inspect.isfunction(fn) and fn not in out:
+        out.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return out
+
+
 def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     """The records of backend="adjoint" that dynamo holds for ``compiled_model``'s frames.
 
@@ -200,15 +209,16 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     for a code object list the names its transformed bytecode uses.
     """
     if isinstance(compiled_model, OptimizedModule):
-        root = inspect.unwrap(compiled_model._orig_mod.forward)
+        # NB: dynamo compiles the module's forward, or for torch.nn's own modules (Sequential, ...) a wrapper
+        # function around the module, which the compiled forward's __wrapped__ chain reaches
+        roots = [inspect.unwrap(compiled_model._orig_mod.forward), *_wrapped_functions(compiled_model.forward)]
     elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):
-        root = inspect.unwrap(compiled_model._torchdynamo_orig_callable)
+        roots = [inspect.unwrap(compiled_model._torchdynamo_orig_callable)]
     else:
         raise TypeError(f"adjoint_compile.report expects the result of torch.compile(..., backend='adjoint'), got "
                         f"{type(compiled_model).__name__}")
-    root = getattr(root, "__func__", root)
     found: dict[int, CompiledGraph] = {}
-    todo = [root]
+    todo = [getattr(r, "__func__", r) for r in roots]
     seen: set[int] = set()
     while todo:
         fn = todo.pop()

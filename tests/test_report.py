@@ -104,3 +104,12 @@ def test_the_records_do_not_keep_the_first_calls_inputs_alive():
     del x
     gc.collect()
     assert alive() is None
+
+
+def test_report_of_a_compiled_torch_nn_container():
+    """dynamo compiles a wrapper function around torch.nn's own modules (Sequential), not their forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager"})
+    f(torch.randn(2, 3))
+    assert len(ac.report(f).compiled) == 1
