@@ -269,12 +269,15 @@ def find_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejecti
             rejections.append(Rejection("recurrence", node.name, f"matcher error {type(e).__name__}: {e}"))
     for find in (find_scan_forms, find_generic_scans):  # closed forms: capture rewrites them (passes/scan_forms.py)
         forms, missed = find(gm)
-        rejections += [*missed, *map(_unrewritten, forms)]
+        regions += map(_form_record, forms)
+        rejections += missed
     return regions, rejections
 
 
-def _unrewritten(f: ScanForm) -> Rejection:
-    prov = f.anchor.meta.get(PROVENANCE)
-    why = prov.get("not_rewritten") if isinstance(prov, dict) else None
-    return Rejection("linear_recurrence", f.anchor.name, f"{f.source} at {f.anchor.name}: proven, not rewritten: "
-                     f"{why or 'capture rewrites it into a linear_scan when it normalizes a graph with static sizes'}")
+def _form_record(f: ScanForm) -> Recurrence:
+    """A closed form still in the graph: capture did not normalize it (symbolic sizes: each call's specialization is
+    normalized) or could not rewrite it (its anchor's provenance says why; recognition reads it back)."""
+    shp = hinted_shape(f.anchor)
+    return Recurrence(kind="linear_recurrence", source=f.source, length=shp[f.dim] if shp else None,
+                      nodes=[f.anchor], name=f.anchor.name, a=f.a, b=f.b, h0=f.h0, outputs=[f.anchor],
+                      step_dim=f.dim, details={**f.details, "a": _show(f.a), "b": _show(f.b), "log": f.log})

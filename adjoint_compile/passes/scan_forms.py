@@ -71,20 +71,18 @@ def _emit(em: Emitter, f: ScanForm) -> fx.Node:
 
 
 def _commit(gm: fx.GraphModule, em: Emitter, f: ScanForm, H: fx.Node) -> None:
+    """Every use of the form's output reads H; a slice of its last T steps (minGRU's ``out[:, -seq_len:]``) is H."""
     out = f.anchor
-    if f.prepended:
-        T = hinted_shape(H)[f.dim]
-        for u in list(out.users):
-            if is_getitem_last(u, f.dim, T):
-                u.replace_all_uses_with(H)
-        if out.users:
-            first = em(torch.exp, (f.h0,))
-            out.replace_all_uses_with(em(torch.cat, ([first, H], f.dim)))
-        return
-    if hinted_shape(H) != hinted_shape(out) or example_value(H).dtype != example_value(out).dtype:
+    if not f.prepended and (hinted_shape(H) != hinted_shape(out) or
+                            example_value(H).dtype != example_value(out).dtype):
         raise Unproven(f"the scan gives {list(hinted_shape(H))} {example_value(H).dtype}, the form "
                        f"{list(hinted_shape(out) or [])} {example_value(out).dtype}")
-    out.replace_all_uses_with(H)
+    T = hinted_shape(H)[f.dim]
+    for u in list(out.users):
+        if is_getitem_last(u, f.dim, T):
+            u.replace_all_uses_with(H)
+    if out.users:
+        out.replace_all_uses_with(em(torch.cat, ([em(torch.exp, (f.h0,)), H], f.dim)) if f.prepended else H)
 
 
 def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
@@ -103,7 +101,8 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
             _commit(gm, em, f, H)
         except Unproven as e:
             em.rollback()
-            f.anchor.meta[PROVENANCE] = {**f.anchor.meta.get(PROVENANCE, {}), "not_rewritten": str(e)}
+            f.anchor.meta[PROVENANCE] = {**f.anchor.meta.get(PROVENANCE, {}), "pass": "scan_forms",
+                                          "not_rerolled": f"not rewritten into a linear_scan: {e}"}
             failed.append(Rejection("linear_recurrence", f.anchor.name, f"{f.source} at {f.anchor.name}: {e}"))
             log.info("scan_forms: %s %s keeps its form: %s", f.source, f.anchor.name, e)
             continue
