@@ -99,7 +99,7 @@ def _combine(block: _Block, env: dict, lead: dict, M: int) -> None:
         raise _Miss(f"the combine at {block.inc.name} takes leaves of different shapes")
     ok = torch.ones_like(xs[0], dtype=torch.bool)
     for i, (x, y) in enumerate(zip(xs, ys)):
-        (lx, fx_, tx), (ly, fy, ty) = _decode(x, M), _decode(y, M)
+        (lx, _, tx), (ly, fy, _) = _decode(x, M), _decode(y, M)
         ok &= (x > 0) & (y > 0) & (lx == i) & (ly == i) & (tx + 1 == fy)
         ok &= (x - xs[0] == (i * M * M)) & (y - ys[0] == (i * M * M))  # every leaf: the same interval
     first, last = _decode(xs[0], M)[1], _decode(ys[0], M)[2]
@@ -225,9 +225,12 @@ def find_generic_scans(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejecti
     """The generic-mode associative scans of ``gm`` with the linear combine, as closed forms, and rejections."""
     try:
         blocks = _blocks(gm)
-    except _Miss as e:
-        return [], [Rejection("linear_recurrence", "<graph>", f"associative_scan (generic mode): {e}")]
-    blocks = [b for b in blocks if b.ins and len(b.ins) % 2 == 0 and len(b.outs) == len(b.ins) // 2 and b.dec]
+    except _Miss:
+        return [], []  # NB: nested vmaps are the user's, not generic_associative_scan's
+    # NB: a block of the tree maps the combine over every other step: it reads step-2 slices along dim 0
+    blocks = [b for b in blocks if b.ins and len(b.ins) % 2 == 0 and len(b.outs) == len(b.ins) // 2 and b.dec
+              and any(_name(u.args[0]) == "slice" and tuple(u.args[0].args[1:2]) == (0,)
+                      and u.args[0].args[-1] == 2 for u in b.ins)]
     if not blocks:
         return [], []
     anchor = blocks[0].outs[0].name
