@@ -20,9 +20,10 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("runtime", "runtime.*")),
     # NB: the matchers are pure functions from a graph to typed records: capture uses the recurrence matchers to
     # find what to re-roll, recognition runs them all on the normalized graph
-    ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals")),
+    ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals",
+                  "passes.find_scan_forms", "passes.find_generic_scan")),
     ("capture", ("passes.capture", "passes.reroll", "passes.batching", "passes.canonical_shifts",
-                 "passes.seeded_dropout", "passes.specialize")),
+                 "passes.seeded_dropout", "passes.specialize", "passes.scan_forms")),
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
     ("lower", ("passes.lower", "passes.lower_adjoint")),

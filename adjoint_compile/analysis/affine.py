@@ -23,12 +23,14 @@ from typing import Any
 import torch.fx as fx
 
 from .fx import bfs_inputs, hinted_shape
+from .fx import reachable as forward_reach
 from .optable import LINEAR_IN_CARRY as _AFFINE_OPS
 from .optable import MATMULS, op_name
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "linear_combine",
     "Expr", "Const", "Atom", "Sum", "Prod", "Quot", "Affine", "NotAffine", "affine", "UpdateForm", "classify_update",
 ]
 
@@ -393,3 +395,42 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
             why = f"b depends on the carry (via node {dep_o[0].name})"
         return UpdateForm("gated", aff.coef, aff.offset, reason=why, where=(dep_c or dep_o)[0].name)
     return UpdateForm("linear", aff.coef, aff.offset)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the combine of an associative scan
+
+
+def linear_combine(xl: list[fx.Node], yl: list[fx.Node], res: list[Any]) -> tuple[set[int], dict[int, Any]] | str:
+    """Classify a combine ``res = combine(xl, yl)`` (one result per leaf) as the linear-recurrence combine: its
+    decay leaves (``x_k * y_k``) and state leaves (leaf -> its decay leaf, or ``"one"`` for ``x_k + y_k``), or the
+    reason it is not that combine. Used by the matchers of an ``associative_scan`` node (passes/find_recurrences.py) and of its
+    generic mode (passes/find_generic_scan.py)."""
+    n = len(xl)
+    depends = forward_reach(list(xl)).__contains__
+    decay: set[int] = set()
+    state: dict[int, Any] = {}  # leaf -> index of its decay leaf, or "one"
+    for k in range(n):
+        r = res[k]
+        if not isinstance(r, fx.Node):
+            return f"combine output {k} is not a graph value"
+        try:
+            aff = affine(r, xl[k], depends)
+        except NotAffine as e:
+            return f"combine output {k}: {e.reason}"
+        c, o = aff.coef, aff.offset
+        free = lambda e: e is None or not any(depends(a) for a in e.nodes())  # noqa: E731
+        if c is None or not free(c) or not free(o):
+            return f"combine output {k} is not a ⊙ x + b in its own leaf with a, b from y only"
+        if o is None and isinstance(c, Atom) and c.n is yl[k]:
+            decay.add(k)
+        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Atom) and c.n in yl:
+            state[k] = yl.index(c.n)
+        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Const) and c.value == 1:
+            state[k] = "one"
+        else:
+            return f"combine output {k} = ({c})*x + ({o}) is not the associative linear combine"
+    for k, j in state.items():
+        if j != "one" and j not in decay:
+            return f"combine: leaf {k} is scaled by leaf {j}, which is not a running product (x*y)"
+    return decay, state

@@ -7,6 +7,9 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
+0. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
+   ``associative_scan`` in generic mode, which dynamo inlines as a tree) become one ``linear_scan`` node; first,
+   so that the matchers below do not look into the tree's nodes;
 1. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
@@ -31,6 +34,7 @@ from ..regions import Recurrence, Rejection
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences
 from .reroll import needs_reroll, reroll
+from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
 from .unrolled import find_unrolled
@@ -74,6 +78,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     if not normalize or captured.symbolic:
         return captured
     try:
+        forms, _ = rewrite_scan_forms(gm)
         matched = match_recurrences(gm)
     except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
         log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
@@ -84,7 +89,9 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
     captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts}
-    if not (made or shifts or dropouts or any(r.not_rerolled for r in todo)):
+    if forms:
+        captured.normalized["scan_forms"] = forms
+    if not (made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured

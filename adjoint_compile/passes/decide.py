@@ -83,7 +83,9 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
     why = (f"sharded exact adjoint: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
     if getattr(r, "rerolled_from", None):
-        why += f" (re-rolled into {r.nodes[0].name})"
+        # NB: loops and scan ops are re-rolled; closed forms (log-space, cumprod) and registered scans are replaced
+        how = "re-rolled" if r.source in ("scan", "associative_scan", "unrolled_loop") else "rewritten"
+        why += f" ({how} into {r.nodes[0].name})"
     return why
 
 

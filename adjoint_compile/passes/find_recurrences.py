@@ -22,19 +22,21 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis.affine import Atom, Const, NotAffine, UpdateForm, affine, classify_update
+from ..analysis.affine import UpdateForm, classify_update, linear_combine
 from ..analysis.fx import hinted_shape, is_linear_scan, scan_args
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.optable import fn_name, op_name
 from ..regions import PROVENANCE, Recurrence, Rejection
+from .find_generic_scan import find_generic_scans
+from .find_scan_forms import ScanForm, find_scan_forms
 
 log = logging.getLogger(__name__)
 
 __all__ = ["is_linear_scan", "is_scan_hop", "is_associative_scan_hop", "match_linear_scan", "match_scan",
            "match_associative_scan", "find_recurrences"]
 
-#: capture forms that the reroll pass turns into a linear_scan (recorded in the new node's provenance).
-_REROLLED = ("scan", "associative_scan", "unrolled_loop")
+#: capture forms that the reroll pass (or the scan_forms pass) turns into a linear_scan (in the node's provenance).
+_REROLLED = ("scan", "associative_scan", "unrolled_loop", "log_space_scan", "cumprod_scan")
 
 
 def _hop_name(node: fx.Node) -> str | None:
@@ -82,7 +84,7 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     dim = dim % len(shp)
     # NB: a scan made by the reroll pass reports how the user wrote the recurrence (a loop, torch's scan, ...)
     prov = node.meta.get(PROVENANCE)
-    rerolled = isinstance(prov, dict) and prov.get("pass") == "reroll" and prov.get("source") in _REROLLED
+    rerolled = isinstance(prov, dict) and prov.get("pass") in ("reroll", "scan_forms") and prov.get("source") in _REROLLED
     details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
     if rerolled:
         details["rerolled_from"] = prov.get("region")
@@ -216,36 +218,10 @@ def match_associative_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recu
     res = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     if len(phs) < 2 * n or len(res) != n:
         return [], [Rejection("linear_recurrence", node.name, "combine signature does not match its inputs")]
-    xl, yl = phs[:n], phs[n:2 * n]
-    depends = forward_reach(list(xl)).__contains__
-    decay: set[int] = set()
-    state: dict[int, Any] = {}  # leaf -> index of its decay leaf, or "one"
-    for k in range(n):
-        r = res[k]
-        if not isinstance(r, fx.Node):
-            return [], [Rejection("linear_recurrence", node.name, f"combine output {k} is not a graph value")]
-        try:
-            aff = affine(r, xl[k], depends)
-        except NotAffine as e:
-            return [], [Rejection("linear_recurrence", node.name, f"combine output {k}: {e.reason}")]
-        c, o = aff.coef, aff.offset
-        free = lambda e: e is None or not any(depends(a) for a in e.nodes())  # noqa: E731
-        if c is None or not free(c) or not free(o):
-            return [], [Rejection("linear_recurrence", node.name,
-                                  f"combine output {k} is not a ⊙ x + b in its own leaf with a, b from y only")]
-        if o is None and isinstance(c, Atom) and c.n is yl[k]:
-            decay.add(k)
-        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Atom) and c.n in yl:
-            state[k] = yl.index(c.n)
-        elif isinstance(o, Atom) and o.n is yl[k] and isinstance(c, Const) and c.value == 1:
-            state[k] = "one"
-        else:
-            return [], [Rejection("linear_recurrence", node.name,
-                                  f"combine output {k} = ({c})*x + ({o}) is not the associative linear combine")]
-    for k, j in state.items():
-        if j != "one" and j not in decay:
-            return [], [Rejection("linear_recurrence", node.name,
-                                  f"combine: leaf {k} is scaled by leaf {j}, which is not a running product (x*y)")]
+    combine = linear_combine(phs[:n], phs[n:2 * n], res)
+    if isinstance(combine, str):
+        return [], [Rejection("linear_recurrence", node.name, combine)]
+    decay, state = combine
     length = hinted_shape(xs[0])[0] if hinted_shape(xs[0]) else None
     items = _getitems(node)
     regions = []
@@ -291,4 +267,17 @@ def find_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejecti
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
             log.debug("recurrence matcher failed at %s", node.name, exc_info=True)
             rejections.append(Rejection("recurrence", node.name, f"matcher error {type(e).__name__}: {e}"))
+    for find in (find_scan_forms, find_generic_scans):  # closed forms: capture rewrites them (passes/scan_forms.py)
+        forms, missed = find(gm)
+        regions += map(_form_record, forms)
+        rejections += missed
     return regions, rejections
+
+
+def _form_record(f: ScanForm) -> Recurrence:
+    """A closed form still in the graph: capture did not normalize it (symbolic sizes: each call's specialization is
+    normalized) or could not rewrite it (its anchor's provenance says why; recognition reads it back)."""
+    shp = hinted_shape(f.anchor)
+    return Recurrence(kind="linear_recurrence", source=f.source, length=shp[f.dim] if shp else None,
+                      nodes=[f.anchor], name=f.anchor.name, a=f.a, b=f.b, h0=f.h0, outputs=[f.anchor],
+                      step_dim=f.dim, details={**f.details, "a": _show(f.a), "b": _show(f.b), "log": f.log})

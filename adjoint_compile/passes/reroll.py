@@ -66,8 +66,10 @@ REROLL_SOURCES = ("scan", "associative_scan", "unrolled_loop")
 
 
 def needs_reroll(region: Region) -> bool:
-    """True for a linear recurrence captured as a scan op, an associative_scan op or an unrolled loop."""
-    return isinstance(region, Recurrence) and region.kind == "linear_recurrence" and region.source in REROLL_SOURCES
+    """True for a linear recurrence captured as a scan op, an associative_scan op or an unrolled loop (not yet a
+    linear_scan: capture's scan_forms pass makes one for ``associative_scan`` in generic mode)."""
+    return isinstance(region, Recurrence) and region.kind == "linear_recurrence" and \
+        region.source in REROLL_SOURCES and region.rerolled_from is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
