@@ -9,9 +9,10 @@ from . import backend, ops
 from .errors import OptionsError
 from .explain import Report, explain, report
 from .options import Options, validate as validate_options
+from .passes.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
 
 __all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "validate_options",
-           "__version__"]
+           "register_scan", "unregister_scan", "registered_scans", "ScanAdapter", "__version__"]
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -16,7 +16,8 @@ from typing import Any, Literal
 import torch.fx as fx
 
 RegionKind = Literal["linear_recurrence", "gated_recurrence", "residual_chain"]
-Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual"]
+Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual",
+                 "registered_scan"]  # registered_scan: passes/known_scans.py
 Rewrite = Literal["adjoint", "truncated", "highway", "none"]
 
 #: the reason of a record no decision has been made for yet (straight from recognition).

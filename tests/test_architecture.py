@@ -22,7 +22,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     # find what to re-roll, recognition runs them all on the normalized graph
     ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals")),
     ("capture", ("passes.capture", "passes.reroll", "passes.batching", "passes.canonical_shifts",
-                 "passes.seeded_dropout", "passes.specialize")),
+                 "passes.seeded_dropout", "passes.specialize", "passes.known_scans")),
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
     ("lower", ("passes.lower", "passes.lower_adjoint")),

@@ -7,6 +7,8 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
+0. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
+   mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
 1. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
@@ -30,6 +32,7 @@ from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences
+from .known_scans import replace_known_scans
 from .reroll import needs_reroll, reroll
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
@@ -73,6 +76,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured
+    known = replace_known_scans(gm)
     try:
         matched = match_recurrences(gm)
     except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
@@ -83,7 +87,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     shifts = canonicalize_shifts(gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
-    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts}
+    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
     if not (made or shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
