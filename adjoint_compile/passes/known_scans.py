@@ -26,6 +26,8 @@ says why it keeps ordinary autograd. Part of the capture stage (passes/capture.p
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 import logging
 import operator
 import os
@@ -215,29 +217,72 @@ def _run_original(gm: fx.GraphModule, node: fx.Node, ins: list[Any], output: int
     return out[output] if isinstance(out, (tuple, list)) else out
 
 
-def check(gm: fx.GraphModule, node: fx.Node, operands: list[Any], adapter: ScanAdapter) -> str | None:
+def _random(evs: list[Any], gen: torch.Generator, unit: set[int]) -> list[Any]:
+    """Inputs like the example values: uniform in (0.01, 0.99) at the positions in ``unit``, normal elsewhere."""
+    out: list[Any] = []
+    for i, ev in enumerate(evs):
+        if not isinstance(ev, torch.Tensor):
+            out.append(ev)
+            continue
+        shape = tuple(ev.shape)
+        x = torch.rand(shape, generator=gen, dtype=torch.float64) * 0.98 + 0.01 if i in unit else \
+            torch.randn(shape, generator=gen, dtype=torch.float64)
+        out.append(x.to(device=ev.device, dtype=ev.dtype).requires_grad_(ev.dtype.is_floating_point))
+    return out
+
+
+def _bind(gm: fx.GraphModule, node: fx.Node, entry: _Entry, evs: list[Any]) -> list[int]:
+    """For each positional argument of the Function's ``forward`` (after ctx), the index of the operand of dynamo's
+    call that it is.
+
+    NB: dynamo lists an autograd.Function's operands in the order its forward first uses them, not in the order
+    of ``apply``'s arguments. The binding is the arrangement of the operands for which the Function's own
+    ``apply`` reproduces the call's output (identity first); a wrong one could only fail the adapter's check.
+    """
+    if not is_autograd_function(node):
+        return list(range(len(evs)))
+    cls = entry.obj if entry.obj is not None else _resolve(entry.name)
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        raise Unproven(f"the signature of {entry.name}.forward is not readable") from None
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) or len(params) != len(evs):
+        raise Unproven(f"{entry.name}.forward takes {len(params)} argument(s) after ctx, dynamo's call has "
+                       f"{len(evs)} tensor operand(s)")
+    if len(evs) > 5:
+        raise Unproven(f"{len(evs)} operands: too many to bind to {entry.name}.forward's arguments")
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    ins = _random(evs, torch.Generator().manual_seed(1), set(range(len(evs))))
+    with unset_fake_temporarily(), torch.no_grad():
+        want = _run_original(gm, node, ins, entry.adapter.output)
+        for perm in itertools.permutations(range(len(evs))):
+            try:
+                got = cls.apply(*[ins[i] for i in perm])
+                got = got[entry.adapter.output] if isinstance(got, (tuple, list)) else got
+                if got.shape == want.shape and _rel(got, want, want) <= _tolerance(want.dtype):
+                    return list(perm)
+            except Exception:  # noqa: BLE001,S112 - an arrangement forward refuses is not the binding
+                continue
+    raise Unproven(f"no arrangement of the call's operands as {entry.name}.forward's arguments reproduces it")
+
+
+def check(gm: fx.GraphModule, node: fx.Node, perm: list[int], adapter: ScanAdapter) -> str | None:
     """None when the original and the adapter agree (values and VJP) on random inputs of the node's shapes; else
-    what differs."""
+    what differs. ``perm``: positional argument -> operand of the call (:func:`_bind`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..ops import linear_scan
 
-    evs = [example_value(o) if isinstance(o, fx.Node) else o for o in operands]
+    evs = [example_value(o) if isinstance(o, fx.Node) else o for o in _operands(node)]
     gen = torch.Generator().manual_seed(0)
-    ins: list[Any] = []
-    for i, ev in enumerate(evs):
-        if isinstance(ev, torch.Tensor):
-            x = torch.rand(tuple(ev.shape), generator=gen, dtype=torch.float64) * 0.98 + 0.01 if i == adapter.a \
-                else torch.randn(tuple(ev.shape), generator=gen, dtype=torch.float64)
-            x = x.to(device=ev.device, dtype=ev.dtype)
-            ins.append(x.requires_grad_(ev.dtype.is_floating_point))
-        else:
-            ins.append(ev)
+    ins = _random(evs, gen, {perm[adapter.a]})
+    pos = [ins[i] for i in perm]
     diff = [x for x in ins if isinstance(x, torch.Tensor) and x.requires_grad]
     with unset_fake_temporarily(), torch.enable_grad():
-        h0 = ins[adapter.h0] if adapter.h0 is not None else None
+        h0 = pos[adapter.h0] if adapter.h0 is not None else None
         want = _run_original(gm, node, ins, adapter.output)
-        got = linear_scan(ins[adapter.a], ins[adapter.b], h0, dim=adapter.dim, reverse=adapter.reverse)
+        got = linear_scan(pos[adapter.a], pos[adapter.b], h0, dim=adapter.dim, reverse=adapter.reverse)
         if want.shape != got.shape or want.dtype != got.dtype:
             return f"the original gives {want.dtype} {list(want.shape)}, the adapter {got.dtype} {list(got.shape)}"
         tol = _tolerance(want.dtype)
@@ -248,8 +293,8 @@ def check(gm: fx.GraphModule, node: fx.Node, operands: list[Any], adapter: ScanA
         gg = torch.autograd.grad(got, diff, g, allow_unused=True)
     for x, a, b in zip(diff, gg, gw):
         if (err := _rel(a, b, x)) > tol:
-            k = next(i for i, y in enumerate(ins) if y is x)
-            return f"the gradient of operand {k} differs (rel. error {err:.2e} > {tol:.0e})"
+            k = next(k for k, y in enumerate(pos) if y is x)
+            return f"the gradient of argument {k} differs (rel. error {err:.2e} > {tol:.0e})"
     return None
 
 
@@ -266,25 +311,28 @@ def _replace(gm: fx.GraphModule, node: fx.Node, entry: _Entry) -> fx.Node:
     if node.kwargs and not is_autograd_function(node):
         raise Unproven(f"the call has keyword arguments {sorted(node.kwargs)}")
     idx = [i for i in (ad.a, ad.b, ad.h0) if i is not None]
-    if any(not 0 <= i < len(ops) or not isinstance(ops[i], fx.Node) for i in idx):
-        raise Unproven(f"the adapter names operands {idx}, the call has {len(ops)} operand(s)")
+    if any(not 0 <= i < len(ops) for i in idx):
+        raise Unproven(f"the adapter names arguments {idx}, the call has {len(ops)} operand(s)")
     users = list(node.users)
     tuple_out = isinstance(example_value(node), (tuple, list))
     if tuple_out and any(u.target is not operator.getitem or u.args[1] != ad.output for u in users):
         raise Unproven(f"outputs other than h (output {ad.output}) are used")
-    out = users[0] if tuple_out and users else node
-    like = example_value(out)
-    a, b = example_value(ops[ad.a]), example_value(ops[ad.b])
+    perm = _bind(gm, node, entry, [example_value(o) if isinstance(o, fx.Node) else o for o in ops])
+    pos = [ops[i] for i in perm]
+    if any(not isinstance(pos[i], fx.Node) for i in idx):
+        raise Unproven("an argument the adapter names is not a tensor in the graph")
+    like = example_value(users[0] if tuple_out and users else node)
+    a, b = example_value(pos[ad.a]), example_value(pos[ad.b])
     if not isinstance(like, torch.Tensor) or tuple(a.shape) != tuple(b.shape) or tuple(a.shape) != tuple(like.shape):
         raise Unproven("a, b and h do not have one shape")
-    why = check(gm, node, ops, ad)
+    why = check(gm, node, perm, ad)
     if why is not None:
         raise Unproven(f"the adapter disagrees with the original: {why}")
     # NB: reported as e.g. "PScan(autograd_function_apply_1)": the implementation and the call it replaced
     region = f"{entry.name.rsplit('.', 1)[-1]}({node.name})"
     prov = {"pass": "known_scans", "source": SOURCE, "region": region, "implementation": entry.name}
     em = Emitter(gm, prov)
-    H = em(scan_op(), (ops[ad.a], ops[ad.b], ops[ad.h0] if ad.h0 is not None else None, ad.dim, ad.reverse,
+    H = em(scan_op(), (pos[ad.a], pos[ad.b], pos[ad.h0] if ad.h0 is not None else None, ad.dim, ad.reverse,
                        None, None))
     for u in users if tuple_out else [node]:
         u.replace_all_uses_with(H)
