@@ -362,8 +362,9 @@ def replace_known_scans(gm: fx.GraphModule) -> list[str]:
             continue
         try:
             made.append(_replace(gm, node, entry).name)
-        except (Unproven, RuntimeError, ValueError, TypeError, IndexError) as e:
-            why = f"registered scan {entry.name} not used: {e}; it keeps ordinary autograd"
+        except Exception as e:  # noqa: BLE001 - an entry that cannot be proven on this call is not used
+            detail = str(e) if isinstance(e, Unproven) else f"{type(e).__name__}: {e}"
+            why = f"registered scan {entry.name} not used: {detail}; it keeps ordinary autograd"
             warnings.warn(f"adjoint-compile: {why}", stacklevel=2)
             _refuse(node, name, why)
             continue
