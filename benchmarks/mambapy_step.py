@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import adjoint_compile as ac  # noqa: E402
-from adjoint_compile.measure import compare_training_step, format_table  # noqa: E402
+from adjoint_compile.measure import compare_training_step, format_table, prepare_cpu_measurement  # noqa: E402
 
 
 def main() -> None:
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--inner", default="inductor")
     p.add_argument("--first", action="store_true", help="time the first (compiling) step of backend='adjoint' only")
     a = p.parse_args()
+    prepare_cpu_measurement()  # NB: before anything is allocated, or CPU peaks read low (adjoint_compile.measure)
     from mambapy.mamba import Mamba, MambaConfig
 
     torch.manual_seed(0)
