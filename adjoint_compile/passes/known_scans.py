@@ -224,9 +224,9 @@ def _random(evs: list[Any], gen: torch.Generator, unit: set[int]) -> list[Any]:
         if not isinstance(ev, torch.Tensor):
             out.append(ev)
             continue
-        shape = tuple(ev.shape)
-        x = torch.rand(shape, generator=gen, dtype=torch.float64) * 0.98 + 0.01 if i in unit else \
-            torch.randn(shape, generator=gen, dtype=torch.float64)
+        shape, dt = tuple(ev.shape), ev.dtype if ev.dtype.is_floating_point else torch.float64
+        x = torch.rand(shape, generator=gen, dtype=dt) * 0.98 + 0.01 if i in unit else \
+            torch.randn(shape, generator=gen, dtype=dt)
         out.append(x.to(device=ev.device, dtype=ev.dtype).requires_grad_(ev.dtype.is_floating_point))
     return out
 
@@ -288,7 +288,7 @@ def check(gm: fx.GraphModule, node: fx.Node, perm: list[int], adapter: ScanAdapt
         tol = _tolerance(want.dtype)
         if (err := _rel(got, want, want)) > tol:
             return f"values differ (rel. error {err:.2e} > {tol:.0e})"
-        g = torch.randn(tuple(want.shape), generator=gen, dtype=torch.float64).to(want)
+        g = torch.randn(tuple(want.shape), generator=gen, dtype=want.dtype).to(want.device)
         gw = torch.autograd.grad(want, diff, g, allow_unused=True)
         gg = torch.autograd.grad(got, diff, g, allow_unused=True)
     for x, a, b in zip(diff, gg, gw):
