@@ -179,6 +179,14 @@ def _function_named_at(frame: tuple[str, int]) -> str | None:
 
 def _match(gm: fx.GraphModule, node: fx.Node) -> tuple[_Entry | None, str]:
     """(the registry entry for ``node``, the implementation's name for reports); (None, name) when unknown."""
+    try:
+        return _lookup(gm, node)
+    except Exception as e:  # noqa: BLE001 - capture never raises: an unreadable call is an unknown one
+        log.debug("known_scans: looking up %s failed", node.name, exc_info=True)
+        return None, f"(not identified: {type(e).__name__}: {e})"
+
+
+def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[_Entry | None, str]:
     if is_autograd_function(node):
         frame = _forward_frame(gm, node)
         if frame is None:
