@@ -7,10 +7,11 @@ from . import backend, ops
 from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError
 from .explain import Report, explain, report
 from .options import Options, validate as validate_options
+from .passes.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
 
 __all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "AdjointCompileWarning",
-           "AdjointVerifyReport", "validate_options",
-           "__version__"]
+           "AdjointVerifyReport", "validate_options", "register_scan", "unregister_scan", "registered_scans",
+           "ScanAdapter", "__version__"]
 __version__ = "0.1.0"
 
 # NB: no NullHandler on the package's logger: with no handler configured anywhere (no TORCH_LOGS, no

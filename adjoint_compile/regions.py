@@ -17,7 +17,7 @@ import torch.fx as fx
 
 RegionKind = Literal["linear_recurrence", "gated_recurrence", "residual_chain"]
 Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual", "log_space_scan",
-                 "cumprod_scan"]
+                 "cumprod_scan", "registered_scan"]  # the last three: passes/scan_forms.py, passes/known_scans.py
 Rewrite = Literal["adjoint", "truncated", "highway", "none"]
 
 #: the reason of a record no decision has been made for yet (straight from recognition).

@@ -23,7 +23,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals",
                   "passes.find_scan_forms", "passes.find_generic_scan")),
     ("capture", ("passes.capture", "passes.reroll", "passes.batching", "passes.canonical_shifts",
-                 "passes.seeded_dropout", "passes.specialize", "passes.scan_forms")),
+                 "passes.seeded_dropout", "passes.specialize", "passes.scan_forms", "passes.known_scans")),
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
     ("lower", ("passes.lower", "passes.lower_adjoint")),

@@ -7,14 +7,16 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
-0. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
-   ``associative_scan`` in generic mode, which dynamo inlines as a tree) become one ``linear_scan`` node; first,
-   so that the matchers below do not look into the tree's nodes;
-1. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
+1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
+   mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
+2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
+   ``associative_scan`` in generic mode, which dynamo inlines as a tree) become one ``linear_scan`` node; before
+   reroll, so that the matchers below do not look into the tree's nodes;
+3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
-2. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
-3. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
+4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
+5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
 
 A graph with symbolic sizes (dynamic shapes) is not normalized: it is specialized per call (passes/specialize.py)
@@ -33,6 +35,7 @@ from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences
+from .known_scans import replace_known_scans
 from .reroll import needs_reroll, reroll
 from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
@@ -77,6 +80,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured
+    known = replace_known_scans(gm)
     try:
         forms, _ = rewrite_scan_forms(gm)
         matched = match_recurrences(gm)
@@ -88,7 +92,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     shifts = canonicalize_shifts(gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
-    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts}
+    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms
     if not (made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):

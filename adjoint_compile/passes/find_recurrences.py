@@ -11,6 +11,9 @@ and ``associative_scan`` with the linear combine.
   be the linear-recurrence combine ``(x_a·y_a, y_a·x_b + y_b)`` (any operand order), which is the only form that
   is associative and means h_t = a_t ⊙ h_{t-1} + b_t; a cumulative sum (``x + y``) is the case a = 1.
 
+A call of a custom ``autograd.Function`` that capture could not replace by a checked ``linear_scan``
+(passes/known_scans.py) is a rejection with the reason capture recorded on it.
+
 Each matcher returns typed records and rejections; none mutates the graph.
 """
 from __future__ import annotations
@@ -88,10 +91,15 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
     if rerolled:
         details["rerolled_from"] = prov.get("region")
+    # NB: a registered scan implementation (passes/known_scans.py) is reported under the name it was called as
+    known = isinstance(prov, dict) and prov.get("pass") == "known_scans" and prov.get("source") == "registered_scan"
+    if known:
+        details.update({"implementation": prov.get("implementation"), "replaced": prov.get("region")})
     return Recurrence(
-        kind="linear_recurrence", source=prov["source"] if rerolled else "linear_scan", length=shp[dim], nodes=[node],
+        kind="linear_recurrence", source=prov["source"] if rerolled or known else "linear_scan", length=shp[dim],
+        nodes=[node],
         # NB: a re-rolled scan is reported under the name of the loop or scan op the user wrote
-        name=prov.get("region") or node.name if rerolled else node.name,
+        name=prov.get("region") or node.name if rerolled or known else node.name,
         rerolled_from=prov.get("region") if rerolled else None,
         a=a["a"] if isinstance(a["a"], fx.Node) else None, b=a["b"] if isinstance(a["b"], fx.Node) else None,
         h0=a["h0"] if isinstance(a["h0"], fx.Node) else None, carry=None, outputs=[node], step_dim=dim,
@@ -264,6 +272,8 @@ def find_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejecti
                 rs, js = match_associative_scan(node, gm)
                 regions += rs
                 rejections += js
+            elif isinstance(prov := node.meta.get(PROVENANCE), dict) and prov.get("not_recognized"):
+                rejections.append(Rejection("linear_recurrence", node.name, prov["not_recognized"]))
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
             log.debug("recurrence matcher failed at %s", node.name, exc_info=True)
             rejections.append(Rejection("recurrence", node.name, f"matcher error {type(e).__name__}: {e}"))
