@@ -84,6 +84,8 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
     if getattr(r, "rerolled_from", None):
         why += f" (re-rolled into {r.nodes[0].name})"
+    if r.details.get("captured_by"):
+        why += f" (captured by {r.details['captured_by']})"
     return why
 
 

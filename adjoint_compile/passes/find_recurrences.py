@@ -27,6 +27,7 @@ from ..analysis.fx import hinted_shape, is_linear_scan, scan_args
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.optable import fn_name, op_name
 from ..regions import PROVENANCE, Recurrence, Rejection
+from ..polyfills import polyfill_origin
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
     if rerolled:
         details["rerolled_from"] = prov.get("region")
+    origin = polyfill_origin(node)
+    if origin:  # NB: the library's loop never reached the graph: a polyfill wrote this scan while dynamo traced
+        details["captured_by"] = origin
     return Recurrence(
         kind="linear_recurrence", source=prov["source"] if rerolled else "linear_scan", length=shp[dim], nodes=[node],
         # NB: a re-rolled scan is reported under the name of the loop or scan op the user wrote
