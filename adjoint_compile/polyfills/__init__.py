@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 __all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active"]
 
 #: library module -> the submodule of this package that knows how to polyfill it.
-KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba"}
+KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
+                         "transformers.models.mamba2.modeling_mamba2": "hf_mamba2"}
 
 _LOCK = threading.Lock()
 #: library module -> description of what was registered (or why not), once tried.
