@@ -12,7 +12,9 @@ imported by then, which building the model does) or by :func:`install`. The scan
 their stack trace; :func:`polyfill_origin` reads it back, and ``explain()`` says "captured by ...".
 
 Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's torch path:
-its per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU).
+its per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU) and ``mamba2_chunk_scan``
+(Mamba2ForCausalLM's chunked SSD torch path). A module is tried once per process; :func:`installed` says what
+happened. NB: the registration is process-wide, but the polyfill only takes over while :func:`active` is true.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import types
 from typing import Any
 
@@ -106,10 +107,9 @@ def register(module: types.ModuleType) -> str:
     with torch.no_grad():
         err = max(check(original, T=T) for T in (1, 7))
     if not err <= TOL:
-        log_msg = f"not registered: differs from {NAME} (max rel. error {err:.2e} > {TOL:g})"
-        import logging
-        logging.getLogger(__name__).warning("adjoint-compile: polyfill %s", log_msg)
-        return log_msg
+        msg = f"not registered: differs from {NAME} (max rel. error {err:.2e} > {TOL:g})"
+        logging.getLogger(__name__).warning("adjoint-compile: polyfill %s", msg)
+        return msg
     traced_original = _copy(original)
     mambapy = _mambapy(module)
 
