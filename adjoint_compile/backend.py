@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
 from . import options as _options
+from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
 from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
@@ -179,6 +180,10 @@ def adjoint_backend(
         warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
                       f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
     return CompiledGraphFn(run_pipeline(gm, example_inputs, opts))
+
+
+#: polyfills.active() looks for this mark on the compiler dynamo traces for
+adjoint_backend._adjoint_compile_backend = True  # type: ignore[attr-defined]
 
 
 def _log_decisions(result: CompiledGraph, opts: Options) -> None:

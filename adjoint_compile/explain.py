@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
+from . import polyfills
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
 from .regions import Region, Rejection
@@ -151,7 +152,9 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     graphs as captured.
     """
     opts = validate(options)
-    out = torch._dynamo.explain(model_or_fn)(*example_inputs)
+    polyfills.install()
+    with polyfills.enabled():  # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
+        out = torch._dynamo.explain(model_or_fn)(*example_inputs)
     compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
     return Report.of(compiled, opts, _graph_breaks(out), list(out.graphs))
 

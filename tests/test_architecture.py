@@ -15,7 +15,8 @@ PKG = ROOT / "adjoint_compile"
 
 #: the pipeline's stages in order (DESIGN.md §2); a module may import its own stage or an earlier one.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "options", "regions", "inner", "ops", "kernels", "kernels.*")),
+    ("foundation", ("errors", "options", "regions", "inner", "ops", "kernels", "kernels.*", "polyfills",
+                    "polyfills.*")),
     ("analysis", ("analysis", "analysis.*")),
     ("runtime", ("runtime", "runtime.*")),
     # NB: the matchers are pure functions from a graph to typed records: capture uses the recurrence matchers to

@@ -86,6 +86,8 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
         # NB: loops and scan ops are re-rolled; closed forms (log-space, cumprod) and registered scans are replaced
         how = "re-rolled" if r.source in ("scan", "associative_scan", "unrolled_loop") else "rewritten"
         why += f" ({how} into {r.nodes[0].name})"
+    if r.details.get("captured_by"):
+        why += f" (captured by {r.details['captured_by']})"
     return why
 
 

@@ -29,6 +29,7 @@ from ..analysis.affine import UpdateForm, classify_update, linear_combine
 from ..analysis.fx import hinted_shape, is_linear_scan, scan_args
 from ..analysis.fx import reachable as forward_reach
 from ..analysis.optable import fn_name, op_name
+from ..polyfills import polyfill_origin
 from ..regions import PROVENANCE, Recurrence, Rejection
 from .find_generic_scan import find_generic_scans
 from .find_scan_forms import ScanForm, find_scan_forms
@@ -91,6 +92,9 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
     if rerolled:
         details["rerolled_from"] = prov.get("region")
+    origin = polyfill_origin(node)
+    if origin:  # NB: the library's loop never reached the graph: a polyfill wrote this scan while dynamo traced
+        details["captured_by"] = origin
     # NB: a registered scan implementation (passes/known_scans.py) is reported under the name it was called as
     known = isinstance(prov, dict) and prov.get("pass") == "known_scans" and prov.get("source") == "registered_scan"
     if known:

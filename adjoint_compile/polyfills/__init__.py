@@ -1,0 +1,124 @@
+"""Library functions whose per-step loops dynamo would unroll, replaced while dynamo traces for ``backend="adjoint"``
+by the same computation written with :func:`adjoint_compile.ops.linear_scan` (one graph node whatever T).
+
+Each polyfill is registered with ``torch._dynamo.substitute_in_graph`` on the library's own function object, and only
+after it was checked against that function: both run eagerly on small random inputs for every flag combination the
+polyfill handles, and a polyfill that disagrees (rel. err > 1e-5) is not registered (a warning says so). While
+dynamo traces for any other backend, or for a case the polyfill does not handle, it traces a copy of the library's
+own code instead, so ``aot_eager``/``inductor`` compile what they always did.
+
+Registration happens when dynamo starts compiling a frame (a start callback; the library module must have been
+imported by then, which building the model does) or by :func:`install`. The scans a polyfill makes carry its name in
+their stack trace; :func:`polyfill_origin` reads it back, and ``explain()`` says "captured by ...".
+
+Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's torch path:
+its per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU) and ``mamba2_chunk_scan``
+(Mamba2ForCausalLM's chunked SSD torch path). A module is tried once per process; :func:`installed` says what
+happened. NB: the registration is process-wide, but the polyfill only takes over while :func:`active` is true.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active"]
+
+#: library module -> the submodule of this package that knows how to polyfill it.
+KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
+                         "transformers.models.mamba2.modeling_mamba2": "hf_mamba2"}
+
+_LOCK = threading.Lock()
+#: library module -> description of what was registered (or why not), once tried.
+_TRIED: dict[str, str] = {}
+_FORCE = threading.local()
+_ORIGINS: dict[str, str] = {}  # polyfill file -> description, for polyfill_origin
+
+
+def installed() -> dict[str, str]:
+    """Library module -> what was registered for it, or why not (only modules tried so far)."""
+    return dict(_TRIED)
+
+
+def install() -> dict[str, str]:
+    """Register the polyfills of every known library module already imported (idempotent; cheap when done)."""
+    todo = [m for m in KNOWN if m in sys.modules and m not in _TRIED]
+    if not todo:
+        return installed()
+    with _LOCK:
+        for mod in todo:
+            if mod in _TRIED:
+                continue
+            try:
+                sub = __import__(f"{__name__}.{KNOWN[mod]}", fromlist=["register"])
+                _TRIED[mod] = sub.register(sys.modules[mod])
+                _ORIGINS.update(getattr(sub, "ORIGINS", {}))
+            except Exception as e:  # noqa: BLE001 - a polyfill that cannot be set up leaves tracing as it was
+                _TRIED[mod] = f"not registered: {type(e).__name__}: {e}"
+            log.info("adjoint-compile polyfill for %s: %s", mod, _TRIED[mod])
+    return installed()
+
+
+def _on_compile_start(*_: Any) -> None:
+    install()
+
+
+def _register_start_callback() -> None:
+    try:
+        from torch._dynamo.callback import callback_handler
+        callback_handler.register_start_callback(_on_compile_start)
+    except Exception as e:  # noqa: BLE001 - older torch: install() must be called by hand
+        log.debug("no dynamo start callback (%s); call adjoint_compile.polyfills.install()", e)
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Use the polyfills while dynamo traces in this thread, whatever the backend (``explain()`` runs under it)."""
+    prev = getattr(_FORCE, "on", False)
+    _FORCE.on = True
+    try:
+        yield
+    finally:
+        _FORCE.on = prev
+
+
+def _compiler_chain(fn: Any) -> Iterator[Any]:
+    for _ in range(8):
+        if fn is None:
+            return
+        yield fn
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "compiler_fn", None)
+
+
+@torch._dynamo.assume_constant_result
+def active() -> bool:
+    """True while dynamo traces for ``backend="adjoint"`` (or under :func:`enabled`); evaluated at trace time."""
+    if getattr(_FORCE, "on", False):
+        return True
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - not tracing
+        return False
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    return any(getattr(f, "_adjoint_compile_backend", False) for f in _compiler_chain(fn))
+
+
+def polyfill_origin(node: fx.Node) -> str | None:
+    """The description of the polyfill that made ``node`` (from its stack trace), or None."""
+    trace = node.meta.get("stack_trace") or ""
+    for path, what in _ORIGINS.items():
+        if path in trace:
+            return what
+    return None
+
+
+_register_start_callback()
