@@ -46,8 +46,9 @@ def test_options_must_be_a_dict():
 
 def test_defaults_and_good_values():
     assert validate(None) == validate({}) == ac.Options()
-    o = validate({"mode": "truncated", "window": 16, "shard_size": 3, "inner": "eager", "verify": True,
-                  "devices": ["cpu", torch.device("cpu")]})
+    with pytest.warns(UserWarning, match="'devices' is not used yet"):
+        o = validate({"mode": "truncated", "window": 16, "shard_size": 3, "inner": "eager", "verify": True,
+                      "devices": ["cpu", torch.device("cpu")]})
     assert (o.mode, o.window, o.shard_size, o.inner, o.verify) == ("truncated", 16, 3, "eager", True)
     assert o.devices == (torch.device("cpu"), torch.device("cpu"))
     assert validate({"mode": "highway", "iterations": 0}).iterations == 0
