@@ -11,9 +11,7 @@ installed) is left to the library.
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
-import logging
 import types
 from typing import Any
 
@@ -21,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import linear_scan
+from . import active
+from .common import copy_function, library_function, output_error, refuse_if_different
 
 NAME = "mamba_selective_scan"
 ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba_selective_scan (MambaForCausalLM)"}
@@ -53,21 +53,9 @@ def selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     return scan_output
 
 
-def _copy(fn: types.FunctionType) -> types.FunctionType:
-    """The library's function as a new object (dynamo traces it as it is: the polyfill is keyed on the original)."""
-    g = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    g.__kwdefaults__ = fn.__kwdefaults__
-    g.__qualname__ = fn.__qualname__
-    return g
-
-
 def _mambapy(module: types.ModuleType) -> bool:
     check = getattr(module, "is_mambapy_available", None)
     return bool(check()) if callable(check) else False
-
-
-def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
 
 
 def check(original: Any, *, T: int = 7, seed: int = 0) -> float:
@@ -83,34 +71,22 @@ def check(original: Any, *, T: int = 7, seed: int = 0) -> float:
         dtx = dt if softplus else dt.abs() * 0.5  # a decay in (0, 1] either way
         want = original(x, dtx, A, Bm, Cm, **kw)
         got = selective_scan(x, dtx, A, Bm, Cm, **kw)
-        pairs = zip(want, got) if last else [(want, got)]
-        for w, o in pairs:
-            if w.shape != o.shape or w.dtype != o.dtype:
-                return float("inf")
-            worst = max(worst, _rel(o, w))
+        worst = max(worst, output_error(want, got, bool(last)))
     return worst
 
 
 def register(module: types.ModuleType) -> str:
     """Register the polyfill for ``module.mamba_selective_scan``'s torch function; returns what was done."""
-    from . import active
-
-    wrapper = getattr(module, NAME, None)
-    original = inspect.unwrap(wrapper) if wrapper is not None else None
-    if not isinstance(original, types.FunctionType) or original.__module__ != module.__name__:
-        return f"not registered: {module.__name__}.{NAME} is not the library's torch function"
-    params = set(inspect.signature(original).parameters)
-    need = {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state",
-            "use_mambapy", "use_associative_scan"}
-    if not need <= params:
-        return f"not registered: {NAME}'s signature changed (missing {sorted(need - params)})"
+    original = library_function(module, NAME, ["hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias",
+                                                "delta_softplus", "return_last_state", "use_mambapy",
+                                                "use_associative_scan", "kwargs"])
+    if isinstance(original, str):
+        return original
     with torch.no_grad():
         err = max(check(original, T=T) for T in (1, 7))
-    if not err <= TOL:
-        msg = f"not registered: differs from {NAME} (max rel. error {err:.2e} > {TOL:g})"
-        logging.getLogger(__name__).warning("adjoint-compile: polyfill %s", msg)
-        return msg
-    traced_original = _copy(original)
+    if (why := refuse_if_different(NAME, err, TOL)) is not None:
+        return why
+    traced_original = copy_function(original)
     mambapy = _mambapy(module)
 
     @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)

@@ -13,9 +13,7 @@ rounding (the chunked form sums in a different order): :func:`check` compares bo
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
-import logging
 import types
 from typing import Any
 
@@ -23,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import linear_scan
-from .hf_mamba import _copy, _rel
+from . import active
+from .common import copy_function, library_function, output_error, refuse_if_different
 
 NAME = "mamba2_chunk_scan"
 ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba2_chunk_scan (Mamba2ForCausalLM)"}
@@ -72,33 +71,22 @@ def check(original: Any, *, T: int = 7, chunk: int = 4, seed: int = 0) -> float:
         dtx = dt if softplus else dt.abs() * 0.5
         want = original(x, dtx, A, Bm, Cm, chunk, **kw)
         got = chunk_scan(x, dtx, A, Bm, Cm, chunk, **kw)
-        for w, o in (zip(want, got) if last else [(want, got)]):
-            if w.shape != o.shape or w.dtype != o.dtype:
-                return float("inf")
-            worst = max(worst, _rel(o, w))
+        worst = max(worst, output_error(want, got, bool(last)))
     return worst
 
 
 def register(module: types.ModuleType) -> str:
     """Register the polyfill for ``module.mamba2_chunk_scan``'s torch function; returns what was done."""
-    from . import active
-
-    wrapper = getattr(module, NAME, None)
-    original = inspect.unwrap(wrapper) if wrapper is not None else None
-    if not isinstance(original, types.FunctionType) or original.__module__ != module.__name__:
-        return f"not registered: {module.__name__}.{NAME} is not the library's torch function"
-    params = list(inspect.signature(original).parameters)
-    want = ["hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus",
-            "dt_limit", "return_final_states", "kwargs"]
-    if params != want:
-        return f"not registered: {NAME}'s signature changed ({params})"
+    original = library_function(module, NAME, ["hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias",
+                                                "initial_states", "dt_softplus", "dt_limit", "return_final_states",
+                                                "kwargs"])
+    if isinstance(original, str):
+        return original
     with torch.no_grad():
         err = max(check(original, T=T, chunk=c) for T, c in ((1, 4), (7, 4), (8, 4), (13, 16)))
-    if not err <= TOL:
-        msg = f"not registered: differs from {NAME} (max rel. error {err:.2e} > {TOL:g})"
-        logging.getLogger(__name__).warning("adjoint-compile: polyfill %s", msg)
-        return msg
-    traced_original = _copy(original)
+    if (why := refuse_if_different(NAME, err, TOL)) is not None:
+        return why
+    traced_original = copy_function(original)
 
     @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,  # noqa: ANN001, ANN202

@@ -1,0 +1,53 @@
+"""What every polyfill does the same way: find the library's own function, compare it with the polyfill on random
+inputs before registering, and keep a traceable copy of the original for the traces that are not ours."""
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["library_function", "copy_function", "output_error", "refuse_if_different"]
+
+
+def library_function(module: types.ModuleType, name: str, params: list[str]) -> types.FunctionType | str:
+    """``module.name`` unwrapped to the library's own Python function, with exactly these parameters in this order
+    (the polyfill passes them on by position), or why not."""
+    wrapper = getattr(module, name, None)
+    original = inspect.unwrap(wrapper) if wrapper is not None else None
+    if not isinstance(original, types.FunctionType) or original.__module__ != module.__name__:
+        return f"not registered: {module.__name__}.{name} is not the library's torch function"
+    have = list(inspect.signature(original).parameters)
+    if have != params:
+        return f"not registered: {name}'s signature changed ({have}, expected {params})"
+    return original
+
+
+def copy_function(fn: types.FunctionType) -> types.FunctionType:
+    """The library's function as a new object (dynamo traces it as it is: the polyfill is keyed on the original)."""
+    g = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g.__kwdefaults__ = fn.__kwdefaults__
+    g.__qualname__ = fn.__qualname__
+    return g
+
+
+def output_error(want: Any, got: Any, several: bool) -> float:
+    """Max relative error of ``got`` against ``want`` (tuples of tensors when ``several``); inf when a shape or
+    dtype differs."""
+    worst = 0.0
+    for w, o in (zip(want, got) if several else [(want, got)]):
+        if w.shape != o.shape or w.dtype != o.dtype:
+            return float("inf")
+        worst = max(worst, float((o - w).abs().max() / w.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def refuse_if_different(name: str, err: float, tol: float) -> str | None:
+    """Why the polyfill of ``name`` is not registered (logged as a warning), or None when ``err <= tol``."""
+    if err <= tol:
+        return None
+    msg = f"not registered: differs from {name} (max rel. error {err:.2e} > {tol:g})"
+    log.warning("adjoint-compile: polyfill %s", msg)
+    return msg
