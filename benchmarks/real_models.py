@@ -205,14 +205,17 @@ def main() -> None:
             r["first"][str(T)] = {m: _measure(name, "first", T, m) for m in ("adjoint", "compile")}
             print(f"{name}: first step T={T} {r['first'][str(T)]}", flush=True)
         results[name] = r
+        _write(results, a)  # NB: after every target: a long run that is stopped keeps what it measured
+    print(_table(results, a.mem_len, a.first_lens))
+
+
+def _write(results: dict[str, Any], a: argparse.Namespace) -> None:
     meta = {"device": "cpu", "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "batch": B, "mem_len": a.mem_len, "first_lens": a.first_lens}
-    table = _table(results, a.mem_len, a.first_lens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "real_models_cpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "real_models_cpu.md").write_text(table + "\n")
-    print(table)
+    (out / "real_models_cpu.md").write_text(_table(results, a.mem_len, a.first_lens) + "\n")
 
 
 if __name__ == "__main__":
