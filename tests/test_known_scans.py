@@ -3,6 +3,8 @@ unknown custom autograd.Functions, and an adapter that is wrong on purpose."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -56,11 +58,49 @@ def test_mambapy_pscan_is_recognized_sharded_and_exact(inner, shard_size):
     assert "registered_scan" in str(rep) and not rep.rejections
 
 
-def test_mambapy_sequential_loop_is_rerolled_sharded_and_exact():
-    x = torch.randn(2, 24, 8)
-    rep = _check_grads(_mamba(pscan=False), x, {"inner": "aot_eager", "shard_size": 5})
+@pytest.mark.parametrize("shard_size", [1, 5])
+def test_mambapy_sequential_loop_is_one_scan_sharded_and_exact(shard_size):
+    """``pscan=False``: the polyfill (polyfills/mambapy_seq.py) replaces the per-step loop of
+    ``MambaBlock.selective_scan_seq`` by one linear_scan."""
+    x = torch.randn(2, 23, 8)
+    rep = _check_grads(_mamba(pscan=False), x, {"inner": "aot_eager", "shard_size": shard_size})
     scans = [r for r in rep.regions if r.kind == "linear_recurrence"]
-    assert [(r.source, r.rewrite) for r in scans] == [("unrolled_loop", "adjoint")] * 2
+    assert [(r.source, r.rewrite) for r in scans] == [("linear_scan", "adjoint")] * 2, str(rep)
+    assert all("polyfill for mambapy's MambaBlock.selective_scan_seq" in r.reason for r in scans), str(rep)
+
+
+def test_mambapy_sequential_graph_does_not_grow_with_T():
+    sizes = []
+    for T in (8, 40):
+        rep = ac.explain(_mamba(pscan=False), torch.randn(1, T, 8), options={"inner": "eager"})
+        assert [r.length for r in rep.regions if r.kind == "linear_recurrence"] == [T, T]
+        sizes.append(len(rep.graphs[0].graph.nodes))
+    assert sizes[0] == sizes[1]
+
+
+def test_mambapy_polyfill_matches_the_library_and_eager_calls_run_the_library():
+    from adjoint_compile import polyfills
+    from adjoint_compile.polyfills import mambapy_seq
+    assert polyfills.installed()["mambapy.mamba"].startswith("registered"), polyfills.installed()
+    original = mamba.MambaBlock.selective_scan_seq.__wrapped__
+    assert original.__module__ == "mambapy.mamba"
+    assert mambapy_seq.check(original, T=1) <= mambapy_seq.TOL and mambapy_seq.check(original, T=9) <= mambapy_seq.TOL
+    m = _mamba(pscan=False)  # eagerly, the forwarder runs the library's own loop: same values bit for bit
+    blk = m.layers[0].mixer
+    ed = blk.config.d_inner
+    args = (torch.randn(2, 6, ed), torch.rand(2, 6, ed), -torch.rand(ed, 4), torch.randn(2, 6, 4), torch.randn(2, 6, 4),
+            torch.randn(ed))
+    assert torch.equal(blk.selective_scan_seq(*args), original(blk, *args))
+
+
+def test_polyfills_survive_dynamo_reset_and_late_imports():
+    """Registered when the library is imported after adjoint_compile, even if ``torch._dynamo.reset()`` cleared
+    dynamo's start callbacks before the first compile (a fresh process: nothing imported yet)."""
+    code = ("import torch, adjoint_compile, sys; torch._dynamo.reset(); import mambapy.mamba; "
+            "from adjoint_compile import polyfills; print(polyfills.installed().get('mambapy.mamba', 'missing'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("registered"), out.stdout
 
 
 def test_explain_names_the_implementation():

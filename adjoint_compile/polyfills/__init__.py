@@ -7,18 +7,23 @@ polyfill handles, and a polyfill that disagrees (rel. err > 1e-5) is not registe
 dynamo traces for any other backend, or for a case the polyfill does not handle, it traces a copy of the library's
 own code instead, so ``aot_eager``/``inductor`` compile what they always did.
 
-Registration happens when dynamo starts compiling a frame (a start callback; the library module must have been
-imported by then, which building the model does) or by :func:`install`. The scans a polyfill makes carry its name in
+Registration happens as soon as both this package and the library module are imported (whichever comes second: an
+import hook on the library module, or this package's import), before dynamo can trace the library's code; also when
+dynamo starts compiling a frame, and by :func:`install`. NB: not only in a dynamo start callback, since
+``torch._dynamo.reset()`` clears those. The scans a polyfill makes carry its name in
 their stack trace; :func:`polyfill_origin` reads it back, and ``explain()`` says "captured by ...".
 
 Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's torch path:
 its per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU) and ``mamba2_chunk_scan``
-(Mamba2ForCausalLM's chunked SSD torch path). A module is tried once per process; :func:`installed` says what
+(Mamba2ForCausalLM's chunked SSD torch path), and mambapy's ``MambaBlock.selective_scan_seq`` (its ``pscan=False``
+loop). A module is tried once per process; :func:`installed` says what
 happened. NB: the registration is process-wide, but the polyfill only takes over while :func:`active` is true.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import logging
 import sys
 import threading
@@ -34,7 +39,8 @@ __all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "activ
 
 #: library module -> the submodule of this package that knows how to polyfill it.
 KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
-                         "transformers.models.mamba2.modeling_mamba2": "hf_mamba2"}
+                         "transformers.models.mamba2.modeling_mamba2": "hf_mamba2",
+                         "mambapy.mamba": "mambapy_seq"}
 
 _LOCK = threading.Lock()
 #: library module -> description of what was registered (or why not), once tried.
@@ -59,7 +65,9 @@ def install() -> dict[str, str]:
                 continue
             try:
                 sub = __import__(f"{__name__}.{KNOWN[mod]}", fromlist=["register"])
-                _TRIED[mod] = sub.register(sys.modules[mod])
+                # NB: the checks compare fp32 results: not under the caller's autocast
+                with torch.autocast("cpu", enabled=False):
+                    _TRIED[mod] = sub.register(sys.modules[mod])
                 _ORIGINS.update(getattr(sub, "ORIGINS", {}))
             except Exception as e:  # noqa: BLE001 - a polyfill that cannot be set up leaves tracing as it was
                 _TRIED[mod] = f"not registered: {type(e).__name__}: {e}"
@@ -69,6 +77,41 @@ def install() -> dict[str, str]:
 
 def _on_compile_start(*_: Any) -> None:
     install()
+
+
+class _Loader(importlib.abc.Loader):
+    """The library module's own loader, and :func:`install` once the module has run."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        install()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... as the library's loader has them
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a :data:`KNOWN` module, wraps the spec the other finders give in :class:`_Loader`."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in KNOWN or name in _TRIED:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
 
 
 def _register_start_callback() -> None:
@@ -122,3 +165,6 @@ def polyfill_origin(node: fx.Node) -> str | None:
 
 
 _register_start_callback()
+if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _ImportHook())
+install()

@@ -9,16 +9,17 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["library_function", "copy_function", "output_error", "refuse_if_different"]
+__all__ = ["library_function", "copy_function", "output_error", "refuse_if_different", "flag_cases"]
 
 
-def library_function(module: types.ModuleType, name: str, params: list[str]) -> types.FunctionType | str:
-    """``module.name`` unwrapped to the library's own Python function, with exactly these parameters in this order
-    (the polyfill passes them on by position), or why not."""
-    wrapper = getattr(module, name, None)
+def library_function(owner: Any, name: str, params: list[str], module: str | None = None) -> types.FunctionType | str:
+    """``owner.name`` (``owner`` a module, or a class of ``module``) unwrapped to the library's own Python function,
+    with exactly these parameters in this order (the polyfill passes them on by position), or why not."""
+    module = module or owner.__name__
+    wrapper = getattr(owner, name, None)
     original = inspect.unwrap(wrapper) if wrapper is not None else None
-    if not isinstance(original, types.FunctionType) or original.__module__ != module.__name__:
-        return f"not registered: {module.__name__}.{name} is not the library's torch function"
+    if not isinstance(original, types.FunctionType) or original.__module__ != module:
+        return f"not registered: {module}.{name} is not the library's torch function"
     have = list(inspect.signature(original).parameters)
     if have != params:
         return f"not registered: {name}'s signature changed ({have}, expected {params})"
@@ -51,3 +52,13 @@ def refuse_if_different(name: str, err: float, tol: float) -> str | None:
     msg = f"not registered: differs from {name} (max rel. error {err:.2e} > {tol:g})"
     log.warning("adjoint-compile: polyfill %s", msg)
     return msg
+
+
+def flag_cases(n: int) -> list[tuple[int, ...]]:
+    """Settings of ``n`` on/off flags a check runs: all off, all on, each flag alone on and alone off (2n + 2
+    cases, every flag seen both ways next to every other's both values, at a fraction of the 2**n product)."""
+    cases = {(0,) * n, (1,) * n}
+    for i in range(n):
+        cases.add(tuple(int(j == i) for j in range(n)))
+        cases.add(tuple(int(j != i) for j in range(n)))
+    return sorted(cases)

@@ -13,7 +13,6 @@ rounding (the chunked form sums in a different order): :func:`check` compares bo
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from ..ops import linear_scan
 from . import active
-from .common import copy_function, library_function, output_error, refuse_if_different
+from .common import copy_function, flag_cases, library_function, output_error, refuse_if_different
 
 NAME = "mamba2_chunk_scan"
 ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba2_chunk_scan (Mamba2ForCausalLM)"}
@@ -58,13 +57,14 @@ def chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
 
 
 def check(original: Any, *, T: int = 7, chunk: int = 4, seed: int = 0) -> float:
-    """Max rel. error of :func:`chunk_scan` against ``original`` (eager; flags, initial state, padding, groups)."""
+    """Max rel. error of :func:`chunk_scan` against ``original`` (eager; flags (:func:`~.common.flag_cases`), initial
+    state, padding, groups)."""
     g = torch.Generator().manual_seed(seed)
     b, h, p, grp, n, worst = 2, 4, 3, 2, 5, 0.0
     r = functools.partial(torch.randn, generator=g)
     x, dt, Bm, Cm = r(b, T, h, p), r(b, T, h), r(b, T, grp, n), r(b, T, grp, n)
     A, Dv, bias, init = -torch.rand(h, generator=g) - 0.1, r(h), r(h), r(b, h, p, n)
-    for use_d, use_bias, softplus, use_init, last, limit in itertools.product((0, 1), repeat=6):
+    for use_d, use_bias, softplus, use_init, last, limit in flag_cases(6):
         kw = dict(D=Dv if use_d else None, dt_bias=bias if use_bias else None, dt_softplus=bool(softplus),
                   initial_states=init if use_init else None, return_final_states=bool(last),
                   dt_limit=(0.01, 0.6) if limit else (0.0, float("inf")))
