@@ -186,6 +186,7 @@ def main() -> None:
     p.add_argument("--mem-len", type=int, default=4096)
     p.add_argument("--first-lens", type=int, nargs="*", default=[1024, 4096])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement (each in its own process)")
     a = p.parse_args()
     results: dict[str, Any] = {}
     for name in a.targets:
@@ -196,13 +197,13 @@ def main() -> None:
             print(f"{name}: {lib} is not installed ({e})", flush=True)
             results[name] = {"missing": lib}
             continue
-        r: dict[str, Any] = {"recognize": _measure(name, "recognize", 64)}
+        r: dict[str, Any] = {"recognize": _measure(name, "recognize", 64, timeout=a.timeout)}
         print(f"{name}: recognized {r['recognize']}", flush=True)
-        r["memory"] = _measure(name, "memory", a.mem_len)
+        r["memory"] = _measure(name, "memory", a.mem_len, timeout=a.timeout)
         print(f"{name}: memory T={a.mem_len} {r['memory']}", flush=True)
         r["first"] = {}
         for T in a.first_lens:
-            r["first"][str(T)] = {m: _measure(name, "first", T, m) for m in ("adjoint", "compile")}
+            r["first"][str(T)] = {m: _measure(name, "first", T, m, timeout=a.timeout) for m in ("adjoint", "compile")}
             print(f"{name}: first step T={T} {r['first'][str(T)]}", flush=True)
         results[name] = r
         _write(results, a)  # NB: after every target: a long run that is stopped keeps what it measured

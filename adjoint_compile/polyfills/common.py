@@ -5,11 +5,13 @@ from __future__ import annotations
 import inspect
 import logging
 import types
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["library_function", "copy_function", "output_error", "refuse_if_different", "flag_cases"]
+__all__ = ["library_function", "copy_function", "output_error", "refuse_if_different", "flag_cases", "checked"]
 
 
 def library_function(owner: Any, name: str, params: list[str], module: str | None = None) -> types.FunctionType | str:
@@ -62,3 +64,17 @@ def flag_cases(n: int) -> list[tuple[int, ...]]:
         cases.add(tuple(int(j == i) for j in range(n)))
         cases.add(tuple(int(j != i) for j in range(n)))
     return sorted(cases)
+
+
+def checked(owner: Any, name: str, params: list[str], check: Callable[[types.FunctionType], float], tol: float,
+            label: str, module: str | None = None) -> tuple[types.FunctionType, types.FunctionType, float] | str:
+    """The library function (:func:`library_function`), a traceable copy of it (:func:`copy_function`) and the
+    polyfill's error against it (``check(original)``, run without grad), or why the polyfill is not registered."""
+    original = library_function(owner, name, params, module)
+    if isinstance(original, str):
+        return original
+    with torch.no_grad():
+        err = check(original)
+    if (why := refuse_if_different(label, err, tol)) is not None:
+        return why
+    return original, copy_function(original), err

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..ops import linear_scan
 from . import active
-from .common import copy_function, library_function, output_error, refuse_if_different
+from .common import checked, output_error
 
 NAME = "mamba_selective_scan"
 ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba_selective_scan (MambaForCausalLM)"}
@@ -77,16 +77,12 @@ def check(original: Any, *, T: int = 7, seed: int = 0) -> float:
 
 def register(module: types.ModuleType) -> str:
     """Register the polyfill for ``module.mamba_selective_scan``'s torch function; returns what was done."""
-    original = library_function(module, NAME, ["hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias",
-                                                "delta_softplus", "return_last_state", "use_mambapy",
-                                                "use_associative_scan", "kwargs"])
-    if isinstance(original, str):
-        return original
-    with torch.no_grad():
-        err = max(check(original, T=T) for T in (1, 7))
-    if (why := refuse_if_different(NAME, err, TOL)) is not None:
-        return why
-    traced_original = copy_function(original)
+    got = checked(module, NAME, ["hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                                 "return_last_state", "use_mambapy", "use_associative_scan", "kwargs"],
+                  lambda f: max(check(f, T=T) for T in (1, 7)), TOL, NAME)
+    if isinstance(got, str):
+        return got
+    original, traced_original, err = got
     mambapy = _mambapy(module)
 
     @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)

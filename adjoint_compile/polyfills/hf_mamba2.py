@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..ops import linear_scan
 from . import active
-from .common import copy_function, flag_cases, library_function, output_error, refuse_if_different
+from .common import checked, flag_cases, output_error
 
 NAME = "mamba2_chunk_scan"
 ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba2_chunk_scan (Mamba2ForCausalLM)"}
@@ -77,16 +77,12 @@ def check(original: Any, *, T: int = 7, chunk: int = 4, seed: int = 0) -> float:
 
 def register(module: types.ModuleType) -> str:
     """Register the polyfill for ``module.mamba2_chunk_scan``'s torch function; returns what was done."""
-    original = library_function(module, NAME, ["hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias",
-                                                "initial_states", "dt_softplus", "dt_limit", "return_final_states",
-                                                "kwargs"])
-    if isinstance(original, str):
-        return original
-    with torch.no_grad():
-        err = max(check(original, T=T, chunk=c) for T, c in ((1, 4), (7, 4), (8, 4), (13, 16)))
-    if (why := refuse_if_different(NAME, err, TOL)) is not None:
-        return why
-    traced_original = copy_function(original)
+    got = checked(module, NAME, ["hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states",
+                                 "dt_softplus", "dt_limit", "return_final_states", "kwargs"],
+                  lambda f: max(check(f, T=T, chunk=c) for T, c in ((1, 4), (7, 4), (8, 4), (13, 16))), TOL, NAME)
+    if isinstance(got, str):
+        return got
+    original, traced_original, err = got
 
     @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,  # noqa: ANN001, ANN202

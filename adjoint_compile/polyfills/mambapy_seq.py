@@ -22,7 +22,7 @@ import torch
 
 from ..ops import linear_scan
 from . import active
-from .common import copy_function, library_function, output_error, refuse_if_different
+from .common import checked, output_error
 
 NAME = "MambaBlock.selective_scan_seq"
 ORIGINS = {__file__: "adjoint-compile's polyfill for mambapy's MambaBlock.selective_scan_seq (pscan=False)"}
@@ -64,15 +64,11 @@ def register(module: types.ModuleType) -> str:
     block = getattr(module, "MambaBlock", None)
     if block is None:
         return f"not registered: {module.__name__} has no MambaBlock"
-    original = library_function(block, "selective_scan_seq", ["self", "x", "delta", "A", "B", "C", "D"],
-                                module=module.__name__)
-    if isinstance(original, str):
-        return original
-    with torch.no_grad():
-        err = max(check(original, T=T) for T in (1, 7))
-    if (why := refuse_if_different(NAME, err, TOL)) is not None:
-        return why
-    traced_original = copy_function(original)
+    got = checked(block, "selective_scan_seq", ["self", "x", "delta", "A", "B", "C", "D"],
+                  lambda f: max(check(f, T=T) for T in (1, 7)), TOL, NAME, module=module.__name__)
+    if isinstance(got, str):
+        return got
+    original, traced_original, err = got
 
     @torch._dynamo.substitute_in_graph(original, skip_signature_check=True)
     def mambapy_selective_scan_seq(self, x, delta, A, B, C, D):  # noqa: ANN001, ANN202
