@@ -7,6 +7,8 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
+0. :mod:`.noop_ops` and :mod:`.buffer_writes`: casts and slices that do nothing are dropped, and an output
+   buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack``, so loops written with them match;
 1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
    mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
 2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
@@ -33,9 +35,11 @@ import torch.fx as fx
 
 from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
+from .buffer_writes import stack_buffer_writes
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
+from .noop_ops import drop_noop_ops
 from .reroll import needs_reroll, reroll
 from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
@@ -81,6 +85,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     if not normalize or captured.symbolic:
         return captured
     known = replace_known_scans(gm)
+    noops, buffers = drop_noop_ops(gm), stack_buffer_writes(gm)
     try:
         forms, _ = rewrite_scan_forms(gm)
         matched = match_recurrences(gm)
@@ -95,7 +100,9 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms
-    if not (made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
+    if noops or buffers:
+        captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
+    if not (noops or buffers or made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured
