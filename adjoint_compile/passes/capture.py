@@ -17,6 +17,7 @@ Normalization, in this order, each pass in its own module and each recording pro
 3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
+   then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps;
 4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
 5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
@@ -41,6 +42,7 @@ from .find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
 from .noop_ops import drop_noop_ops
 from .reroll import needs_reroll, reroll
+from .reroll_readouts import reroll_readouts
 from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
@@ -94,12 +96,15 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         return captured
     todo = [r for r in matched[0] if needs_reroll(r)]
     made = reroll(gm, todo) if todo else []
+    readouts = reroll_readouts(gm, made) if made else {}
     shifts = canonicalize_shifts(gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
     captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms
+    if readouts:
+        captured.normalized["readouts"] = readouts
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
     if not (noops or buffers or made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
