@@ -56,8 +56,9 @@ def _write_dim(idx: Any, rank: int) -> tuple[int, int] | None:
 def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str:
     """Rewrite the writes into ``buf``; returns "" on success, else why not."""
     ev = example_value(buf)
-    if not isinstance(ev, torch.Tensor) or ev.requires_grad:
-        return "the buffer is not a fresh tensor"
+    # NB: no check of requires_grad: dynamo's example value is the buffer after its writes
+    if not isinstance(ev, torch.Tensor):
+        return "the buffer is not a tensor"
     writes = [u for u in buf.users if u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf]
     if len(writes) < 2:
         return "fewer than two writes"

@@ -46,6 +46,7 @@ from .reroll_readouts import reroll_readouts
 from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
+from .find_cells import find_cells
 from .unrolled import find_unrolled
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,11 @@ class Captured:
 
 
 def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
-    """The recurrence matchers (scan nodes, then unrolled loops): records and rejections, in that order."""
+    """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections."""
     found, rejected = find_recurrences(gm)
     loops, loop_rejected = find_unrolled(gm)
-    return [*found, *loops], [*rejected, *loop_rejected]
+    cells, _ = find_cells(gm)
+    return [*found, *loops, *cells], [*rejected, *loop_rejected]
 
 
 def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: bool = True,

@@ -282,6 +282,7 @@ def reroll_readouts(gm: fx.GraphModule, scans: list[str]) -> dict[str, str]:
             log.info("reroll_readouts: the readouts of %s stay per step: %s", name, e)
         else:
             changed |= bool(what)
+        _toposort(gm.graph)
         gm.graph.eliminate_dead_code()
         n = _unbind_rest(gm, H, (hinted_shape(H) or (0,))[0])
         if n:
