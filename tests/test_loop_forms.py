@@ -209,3 +209,46 @@ def test_recurrent_cell_loops_are_gated_and_keep_autograd(cls, cell, T):
     assert r.details["cell"] == cell and "gated recurrence" in r.reason
     text = str(ac.explain(cls(), *inputs.values()))
     assert "gated_recurrence" in text and "unrolled_loop" in text
+
+
+def test_rewrite_that_would_not_pay_is_declined_with_its_estimate():
+    """A bare scan whose states T per-step ops outside read (the readout has no batching rule): sharding would keep
+    the full-length states alive outside the region and recompute the scan, so it is declined."""
+    T = 64
+    inputs = dict(a=torch.rand(B, T, 16), b=torch.randn(B, T, 16), h=torch.randn(B, 16))
+    rep = ac.explain(readout_without_rule, *inputs.values(), options={"shard_size": 8})
+    (r,) = rep.regions
+    assert r.rewrite == "none" and r.reason.startswith("declined: the rewrite would not pay")
+    mem = r.details["expected_memory_bytes"]
+    assert mem["kept_outside"] == T * B * 16 * 4 and mem["sharded"] + mem["kept_outside"] > mem["autograd"]
+    assert "declined" in str(rep)
+    check(readout_without_rule, inputs, {"inner": "eager", "shard_size": 8})
+
+
+def test_gla_step_is_sharded_at_a_saving():
+    fn, make = CASES["gla"]
+    rep = ac.explain(fn, *make(64).values(), options={"shard_size": 8})
+    (r,) = rep.regions
+    assert r.rewrite == "adjoint", r.reason
+    mem = r.details["expected_memory_bytes"]
+    assert mem["kept_outside"] == 0 and mem["sharded"] < mem["autograd"] / 4
+
+
+def residual_loop(x, W):
+    outs = []
+    for _ in range(6):
+        x = x + torch.tanh(x @ W)
+        outs.append(x.sum())
+    return torch.stack(outs)
+
+
+def test_explain_groups_residual_chain_rejections():
+    rep = ac.explain(residual_loop, torch.randn(2, 4), torch.randn(4, 4))
+    assert len(rep.rejections) == 5
+    text = str(rep)
+    assert "residual_chain x5 (at x_1, x_2, x_3, ... (2 more)): layer input <node> of the residual layer at <node> " \
+           "also feeds <node> outside the layer" in text
+    assert len(text.splitlines()) < 8
+    verbose = rep.text(verbose=True)
+    assert "residual_chain at x_5: layer input x_4 of the residual layer at x_5 also feeds sum_5" in verbose
+    assert len(rep.to_dict()["rejections"]) == 5

@@ -197,27 +197,32 @@ def _sequence(b: Batcher, s0: fx.Node, ints: dict[int, tuple[int, ...]]) -> Valu
     return Value(seq, True)
 
 
+def _stacks(gm: fx.GraphModule, em: Emitter, copies: list[fx.Node], y: fx.Node) -> None:
+    """A ``stack``/``cat`` of exactly ``copies`` (one per step, in order) becomes ``y`` ([T, ...]) moved there."""
+    nd = len(hinted_shape(copies[0]) or ())
+    for user in list(copies[-1].users):
+        if user.op == "call_function" and user.target in (torch.stack, torch.cat) and user.args and \
+                isinstance(user.args[0], (list, tuple)) and list(user.args[0]) == copies:
+            d = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+            if not isinstance(d, int) or nd == 0 and user.target is torch.cat:
+                continue
+            if user.target is torch.stack:
+                new = em(torch.movedim, (y, 0, d % (nd + 1)))
+            else:
+                d = d % nd
+                new = em(torch.flatten, (em(torch.movedim, (y, 0, d)), d, d + 1))
+            user.replace_all_uses_with(new)
+            gm.graph.erase_node(user)
+
+
 def _commit(gm: fx.GraphModule, em: Emitter, st: _Steps, Y: dict[fx.Node, fx.Node]) -> None:
     """Uses of every readout copy read the batched values: stacks and cats of all copies at once."""
     T = st.T
     for u0, y in Y.items():
         copies = [u0] + [dict(zip(st.tmpl, st.steps[k]))[u0] for k in range(1, T)]
         members = set(copies)
-        nd = len(hinted_shape(u0) or ())
         items = None
-        for user in list(copies[-1].users):
-            if user.op == "call_function" and user.target in (torch.stack, torch.cat) and user.args and \
-                    isinstance(user.args[0], (list, tuple)) and list(user.args[0]) == copies:
-                d = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
-                if not isinstance(d, int):
-                    continue
-                if user.target is torch.stack:
-                    new = em(torch.movedim, (y, 0, d % (nd + 1)))
-                else:
-                    d = d % nd
-                    new = em(torch.flatten, (em(torch.movedim, (y, 0, d)), d, d + 1))
-                user.replace_all_uses_with(new)
-                gm.graph.erase_node(user)
+        _stacks(gm, em, copies, y)
         for k, c in enumerate(copies):
             outside = [u for u in c.users if not (u in members or st.tags.get(u) == k)]
             if outside:
@@ -227,11 +232,17 @@ def _commit(gm: fx.GraphModule, em: Emitter, st: _Steps, Y: dict[fx.Node, fx.Nod
 
 
 def _unbind_rest(gm: fx.GraphModule, H: fx.Node, T: int) -> int:
-    """Remaining reads ``H[k]`` (two or more) go through one ``H.unbind(0)``: an O(T) backward."""
+    """Remaining reads ``H[k]`` (two or more) go through one ``H.unbind(0)``: an O(T) backward. Returns how many
+    (-1: none, but a cat of all of them became ``H`` itself)."""
     picks = {k: g for k, g in _picks(H, T).items() if g.users}
     if len(picks) < 2:
         return 0
     em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name})
+    if len(picks) == T:  # NB: a stack or cat of the states themselves (cat: reroll's commit handles stacks only)
+        _stacks(gm, em, [picks[k] for k in range(T)], H)
+        picks = {k: g for k, g in picks.items() if g.users}
+        if len(picks) < 2:
+            return -1 if em.made else 0
     items = em(torch.unbind, (H, 0))
     for k, g in picks.items():
         g.replace_all_uses_with(em(operator.getitem, (items, k)))
@@ -249,6 +260,8 @@ def _one(gm: fx.GraphModule, H: fx.Node) -> str:
     if len(picks) != T:
         raise Unproven(f"the loop reads {len(picks)} of its {T} states")
     st = _Steps(picks, _tags(gm, picks), T)
+    if not st.tmpl:
+        return ""  # NB: the states are used as they are (a stack of them, a cat): nothing per step to re-roll
     st.check()
     em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name})
     with em:
@@ -285,8 +298,8 @@ def reroll_readouts(gm: fx.GraphModule, scans: list[str]) -> dict[str, str]:
         _toposort(gm.graph)
         gm.graph.eliminate_dead_code()
         n = _unbind_rest(gm, H, (hinted_shape(H) or (0,))[0])
-        if n:
-            changed = True
+        changed |= n != 0
+        if n > 0:
             what = what or f"{n} per-step reads of the state go through one unbind"
         if what:
             out[name] = what
