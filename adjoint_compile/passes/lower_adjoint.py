@@ -184,6 +184,7 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     region (``unbind``, or two or more one-step reads: a bare scan whose states T unrolled ops read): what those
     ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
     """
+    S = min(S, T)  # NB: a shard_size over T is one shard of T steps
     per_region = sum(_own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
     boundaries = (-(-T // S) - 1) * states
