@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,24 @@ class Report:
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
+        return self.text()
+
+    def grouped_rejections(self) -> list[tuple[str, str, list[str]]]:
+        """Rejections of residual chains grouped by reason (node names masked as ``<node>``): (candidate, reason,
+        nodes), most frequent first. Other candidates' rejections are one group each."""
+        names = {n.name for g in self.graphs for n in g.graph.nodes}
+        mask = lambda why: re.sub(r"[A-Za-z_][\w]*", lambda m: "<node>" if m.group(0) in names else m.group(0),  # noqa: E731
+                                  why)
+        groups: dict[tuple[str, str], list[str]] = {}
+        for j in self.rejections:
+            key = (j.candidate, mask(j.reason)) if j.candidate == "residual_chain" else (j.candidate, j.reason, j.node)
+            groups.setdefault(key, []).append(j.node)
+        out = [(k[0], k[1], v) for k, v in groups.items()]
+        return sorted(out, key=lambda g: (g[0] == "residual_chain", -len(g[2]) if g[0] == "residual_chain" else 0))
+
+    def text(self, verbose: bool = False) -> str:
+        """The table; rejected residual-chain candidates grouped by reason (one line per reason with a count and a
+        few locations) unless ``verbose``, which lists every rejection (as ``report.rejections`` does)."""
         o = self.options
         mode = (o.mode + (f" window={o.window}" if o.window else "")
                 + (f" iterations={o.iterations}" if o.iterations is not None else ""))
@@ -112,9 +131,22 @@ class Report:
         else:
             lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
                          "as is")
-        if self.rejections:
+        if self.rejections and verbose:
             lines.append("rejected candidates:")
             lines += [f"  {j.candidate} at {j.node}: {j.reason}" for j in self.rejections]
+        elif self.rejections:
+            lines.append("rejected candidates:")
+            for cand, why, where in self.grouped_rejections():
+                if cand != "residual_chain":
+                    lines.append(f"  {cand} at {where[0]}: {why}")
+                elif len(where) == 1:
+                    lines.append(f"  {cand} at {where[0]}: {why}")
+                else:
+                    more = f", ... ({len(where) - 3} more)" if len(where) > 3 else ""
+                    lines.append(f"  {cand} x{len(where)} (at {', '.join(where[:3])}{more}): {why}")
+            if any(cand == "residual_chain" and len(w) > 1 for cand, _, w in self.grouped_rejections()):
+                lines.append("  (residual_chain rejections grouped by reason; report.text(verbose=True) or "
+                             "report.rejections lists each)")
         if self.graph_breaks:
             lines.append("graph breaks:")
             lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")

@@ -223,6 +223,8 @@ class NotLowered:
 
     why: str
     bounds: list[tuple[str, str]] | None = None
+    #: the lowering's estimate (bytes), when the region was declined because the rewrite would not pay.
+    memory: dict[str, int] | None = None
 
 
 @dataclasses.dataclass

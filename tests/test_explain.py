@@ -51,7 +51,8 @@ def test_explain_shows_expected_memory_of_a_sharded_region():
     mem = r.details["expected_memory_bytes"]
     state_step = 2 * 8 * 4  # one step of the [2, 64, 8] fp32 state
     assert mem["sharded"] == (64 // 8 - 1) * state_step + mem["autograd"] * 8 // 64
-    assert mem["autograd"] >= 4 * 2 * 64 * 8 * 4  # at least a, b, h and the output, full length
+    # at least sigmoid(a), h and the output, full length (the chunks a, b are views: they allocate nothing)
+    assert mem["autograd"] >= 3 * 2 * 64 * 8 * 4
     assert "activations <=" in r.reason and "->" in r.reason
     assert json.loads(report.to_json())["regions"][0]["details"]["expected_memory_bytes"] == mem
 

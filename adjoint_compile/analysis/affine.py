@@ -8,7 +8,7 @@ does ``n`` equal ``C ⊙ h + O`` (elementwise, with broadcasting), and do ``C`` 
 * anything else (``tanh(W h + x)``, ``h * h``) is not affine in h and gets a reason.
 
 :func:`affine` expands ``n`` through the ops that keep a value affine (add, sub, rsub, neg, mul and div by an
-h-free value, addcmul, clone); any other op whose output depends on h is an opaque atom. The coefficients are
+h-free value, addcmul, lerp, clone); any other op whose output depends on h is an opaque atom. The coefficients are
 small expression trees (:class:`Expr`) over the graph's nodes, so a matcher can report the node that *is* ``a``
 when there is one (``a * h + b``) and an expression when there is not (``h * a - b`` has ``b = -(b)``), and a test
 can evaluate them (:meth:`Expr.evaluate`) against the real values.
@@ -301,6 +301,13 @@ def _expand(n: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], bool], memo
         if y.offset is None:
             return Affine(None, Atom(n))
         return Affine(e_div(x.coef, y.offset), e_div(x.offset, y.offset))
+    if name == "lerp" and len(n.args) >= 3 and not n.kwargs:  # lerp(s, e, w) = s + w ⊙ (e - s) = (1 - w) ⊙ s + w ⊙ e
+        st, en, w = (rec(v) for v in n.args[:3])
+        if w.coef is not None:
+            raise NotAffine(n, f"the carry is a lerp weight at node {n.name}")
+        one_minus_w = e_add(Const(1.0), w.offset, -1.0) if w.offset is not None else Const(1.0)
+        left, right = _mul(n, Affine(None, one_minus_w), st), _mul(n, w, en)
+        return Affine(e_add(left.coef, right.coef), e_add(left.offset, right.offset))
     if name == "addcmul" and len(n.args) >= 3:
         inp, t1, t2 = (rec(v) for v in n.args[:3])
         value = _arg(n, 3, "value", 1)

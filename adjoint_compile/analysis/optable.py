@@ -76,7 +76,7 @@ EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm
 
 #: ops that keep a value affine in a carried value (with a carry-free other operand): a sum-like state update,
 #: and the linear expansion under it.
-STATE_OPS = _names("add sub rsub mul div neg addcmul")
+STATE_OPS = _names("add sub rsub mul div neg addcmul lerp")
 LINEAR_IN_CARRY = STATE_OPS | _names("clone contiguous pos")
 #: the anchors of a residual layer ``x + g(x)``.
 SUM_OPS = _names("add sub addcmul")
@@ -97,7 +97,9 @@ INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "relu
 BATCH_POINTWISE = _names("""add sub rsub mul div truediv true_divide floordiv neg pos clone contiguous sigmoid tanh exp
 exp2 expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min
 clamp_max elu leaky_relu logsigmoid mish softsign hardtanh where maximum minimum float double half bfloat16 to type_as
-sign erf""")
+sign erf lerp""")
+#: basic indexing (ints, slices, None, ``...``): a leading full slice keeps the step axis.
+BATCH_INDEX = _names("getitem")
 #: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.
 BATCH_DIM_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
     "softmax": ((1, "dim"),), "log_softmax": ((1, "dim"),), "sum": ((1, "dim"),), "mean": ((1, "dim"),),
@@ -108,7 +110,7 @@ BATCH_VIEWS = _names("view reshape")
 #: act on trailing feature dims only: a leading step axis is a batch dim.
 BATCH_FEATURE_OPS = _names("layer_norm rms_norm linear")
 BATCH_MATMULS = _names("matmul")
-BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FEATURE_OPS | BATCH_MATMULS
+BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FEATURE_OPS | BATCH_MATMULS | BATCH_INDEX
 
 # --------------------------------------------------------------------------------------------------------------
 # the spellings

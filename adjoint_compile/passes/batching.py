@@ -201,6 +201,13 @@ class Batcher:
             return Value(self.em(v.target, _unwrap((x, w)), {}, method), True)
         if not rest_unbatched:
             raise Unproven(f"op {v.name} ({name}) reads per-step values in several arguments")
+        if name in ops.BATCH_INDEX:
+            # NB: basic indexing of the per-step value (``gk_t[..., None]``, ``y[:, :, 0]``): the same index after a
+            # full slice over the step axis
+            items = args[1] if len(args) == 2 and isinstance(args[1], tuple) else args[1:]
+            if kwargs or len(args) != 2 or not all(_basic(it) for it in items):
+                raise Unproven(f"index {v.name} is not basic indexing (ints, slices, None, ...)")
+            return Value(self.em(operator.getitem, (first.node, (slice(None), *items))), True)
         if name in ops.BATCH_FEATURE_OPS:
             # NB: linear/layer_norm/rms_norm act on the trailing feature dims only: a leading step axis is a batch dim
             return Value(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), True)
@@ -229,6 +236,17 @@ class Batcher:
         for _ in range(R - x.rank()):
             node = self.em(torch.unsqueeze, (node, 1))
         return Value(node, True)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _basic(it: Any) -> bool:
+    """An item of a basic index: an int, None, ``...`` or a slice of ints."""
+    if it is None or it is Ellipsis or _int(it):
+        return True
+    return isinstance(it, slice) and all(v is None or _int(v) for v in (it.start, it.stop, it.step))
 
 
 def _shift(d: Any, where: str) -> Any:

@@ -7,6 +7,8 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
+0. :mod:`.noop_ops` and :mod:`.buffer_writes`: casts and slices that do nothing are dropped, and an output
+   buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack``, so loops written with them match;
 1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
    mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
 2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
@@ -15,6 +17,7 @@ Normalization, in this order, each pass in its own module and each recording pro
 3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
+   then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps;
 4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
 5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
@@ -33,13 +36,17 @@ import torch.fx as fx
 
 from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
+from .buffer_writes import stack_buffer_writes
 from .canonical_shifts import canonicalize_shifts
 from .find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
+from .noop_ops import drop_noop_ops
 from .reroll import needs_reroll, reroll
+from .reroll_readouts import reroll_readouts
 from .scan_forms import rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
+from .find_cells import find_cells
 from .unrolled import find_unrolled
 
 log = logging.getLogger(__name__)
@@ -64,10 +71,11 @@ class Captured:
 
 
 def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
-    """The recurrence matchers (scan nodes, then unrolled loops): records and rejections, in that order."""
+    """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections."""
     found, rejected = find_recurrences(gm)
     loops, loop_rejected = find_unrolled(gm)
-    return [*found, *loops], [*rejected, *loop_rejected]
+    cells, _ = find_cells(gm)
+    return [*found, *loops, *cells], [*rejected, *loop_rejected]
 
 
 def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: bool = True,
@@ -81,6 +89,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     if not normalize or captured.symbolic:
         return captured
     known = replace_known_scans(gm)
+    noops, buffers = drop_noop_ops(gm), stack_buffer_writes(gm)
     try:
         forms, _ = rewrite_scan_forms(gm)
         matched = match_recurrences(gm)
@@ -89,13 +98,18 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         return captured
     todo = [r for r in matched[0] if needs_reroll(r)]
     made = reroll(gm, todo) if todo else []
+    readouts = reroll_readouts(gm, made) if made else {}
     shifts = canonicalize_shifts(gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
     captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms
-    if not (made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
+    if readouts:
+        captured.normalized["readouts"] = readouts
+    if noops or buffers:
+        captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
+    if not (noops or buffers or made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured

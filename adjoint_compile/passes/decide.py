@@ -22,7 +22,7 @@ from ..regions import Lowered, NotLowered, Region, Rewrite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib"]
+__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib", "declines"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +78,30 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**17 else f"{n / 2**10:.0f} KiB"
 
 
+def declines(memory: dict[str, int], shards: int) -> str:
+    """Why a sharded rewrite with this estimate (lower_adjoint.expected_memory) would not pay, or "" when it does.
+
+    The rewrite always costs time (each shard's forward is recomputed in the backward), so it must save memory:
+    it is declined when what it keeps (boundary states, one shard's recomputed activations, and the full-length
+    outputs that per-step ops outside the region keep alive because the region hands them over whole) exceeds what
+    ordinary autograd saves for the region's ops. A tie (one shard: nothing saved, nothing lost) is kept.
+    """
+    kept = memory["sharded"] + memory.get("kept_outside", 0)
+    if kept <= memory["autograd"]:
+        return ""
+    outside = (f" + {mib(memory['kept_outside'])} of full-length outputs that per-step ops outside the region keep "
+               f"alive" if memory.get("kept_outside") else "")
+    return (f"declined: the rewrite would not pay: it would keep ~{mib(memory['sharded'])} (boundary states and one "
+            f"shard){outside} against <= {mib(memory['autograd'])} for ordinary autograd, and recompute the region's "
+            f"forward in {shards} shard(s) in the backward; it keeps ordinary autograd")
+
+
 def _lowered_reason(r: Region, out: Lowered) -> str:
     mem = out.memory
     why = (f"sharded exact adjoint: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
+    if mem.get("kept_outside"):
+        why += f" + {mib(mem['kept_outside'])} kept by per-step ops outside"
     if getattr(r, "rerolled_from", None):
         # NB: loops and scan ops are re-rolled; closed forms (log-space, cumprod) and registered scans are replaced
         how = "re-rolled" if r.source in ("scan", "associative_scan", "unrolled_loop") else "rewritten"
@@ -112,6 +132,8 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
                               "expected_memory_bytes": dict(out.memory)})
             continue
         r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
+        if isinstance(out, NotLowered) and out.memory:
+            r.details["expected_memory_bytes"] = dict(out.memory)
         if r.kind == "residual_chain" and calls and r.nodes:
             _chain_inside(r, inside, calls)
 

@@ -92,6 +92,8 @@ def match_linear_scan(node: fx.Node) -> Recurrence | None:
     details = {"a": _show(a["a"]), "b": _show(a["b"]), "h0": _show(a["h0"]), "shape": list(shp)}
     if rerolled:
         details["rerolled_from"] = prov.get("region")
+        if prov.get("readouts"):  # NB: passes/reroll_readouts.py: the per-step readouts of the loop
+            details["readouts"] = prov["readouts"]
     origin = polyfill_origin(node)
     if origin:  # NB: the library's loop never reached the graph: a polyfill wrote this scan while dynamo traced
         details["captured_by"] = origin

@@ -27,6 +27,7 @@ from ..errors import UnsupportedRegion
 from ..options import Options, validate
 from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ..runtime.sharded import ShardedRegion
+from .decide import declines
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,17 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner)
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
+    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)
+    why = declines(memory, -(-T // S))
+    if why:
+        raise Declined(why, memory)
 
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
     mod.label = name
     gm.add_submodule(name, mod)
     prov = {"rewrite": "adjoint", "scans": [s.name for s in scans], "nodes": len(nodes), "shard_size": S,
             "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
-            "memory": expected_memory(nodes, scans, info, T, S)}
+            "memory": memory}
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["example_value"] = tuple(_ev(o) for o in outputs)
@@ -143,17 +148,52 @@ def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo, T: int, S: int) -> dict[str, int]:
+def _own_bytes(v: Any) -> int:
+    """Bytes a value allocates: 0 for a view (movedim, expand, a slice), which shares its base's memory."""
+    return 0 if isinstance(v, torch.Tensor) and v._is_view() else _nbytes(v)
+
+
+class Declined(UnsupportedRegion):
+    """The region could be sharded, but the rewrite would not pay (passes/decide.py ``declines``)."""
+
+    def __init__(self, why: str, memory: dict[str, int]) -> None:
+        super().__init__(why)
+        self.memory = memory
+
+
+def _per_step_read(u: fx.Node) -> bool:
+    """An op that reads one step of a full-length tensor (``H[k]``, ``select``, ``unbind``): outside a region, T
+    of them keep the whole tensor alive for their backward."""
+    name = getattr(u.target, "__name__", str(u.target))
+    if name in ("unbind", "select"):
+        return True
+    if u.target is operator.getitem and len(u.args) == 2:
+        idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
+        return any(isinstance(i, int) and not isinstance(i, bool) for i in idx)
+    return False
+
+
+def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo, T: int, S: int,
+                    inputs: list[fx.Node] = (), outputs: list[fx.Node] = ()) -> dict[str, int]:
     """What the region keeps for backward, estimated from the example shapes (bytes).
 
     ``autograd``: every step-carrying intermediate of the region, the most ordinary autograd can save (it saves a
     subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states at the ⌈T/S⌉ - 1
-    shard boundaries plus one shard's intermediates while it is recomputed in backward.
+    shard boundaries plus one shard's intermediates while it is recomputed in backward. ``inputs``: the region's
+    step-carrying inputs (saved either way). ``kept_outside``: full-length outputs read step by step outside the
+    region (``unbind``, or two or more one-step reads: a bare scan whose states T unrolled ops read): what those
+    ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
     """
-    per_region = sum(_nbytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
+    S = min(S, T)  # NB: a shard_size over T is one shard of T steps
+    per_region = sum(_own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
     boundaries = (-(-T // S) - 1) * states
-    return {"autograd": per_region, "sharded": boundaries + per_region * S // T}
+    members = set(nodes)
+    kept = sum(_nbytes(_ev(o)) for o in outputs if info.step_dim.get(o) is not None and
+               sum(u not in members and _per_step_read(u) for u in o.users) >= 2 or
+               any(u not in members and getattr(u.target, "__name__", "") == "unbind" for u in o.users))
+    return {"autograd": per_region, "sharded": boundaries + per_region * S // T,
+            "inputs": sum(_nbytes(_ev(a)) for a in inputs if info.step_dim.get(a) is not None), "kept_outside": kept}
 
 
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
@@ -200,7 +240,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
             call = _lower_region(gm, nodes, info, opts)
         except UnsupportedRegion as e:
             log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
-            result: Lowered | NotLowered = NotLowered(str(e))
+            result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
         else:
             p = call.meta[PROVENANCE]
             p["bounds"] = bounds

@@ -35,6 +35,7 @@ from ..options import Options
 from ..regions import PROVENANCE, Recurrence, Region, Rejection, ResidualChain
 from .find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from .find_residuals import find_residuals
+from .find_cells import find_cells
 from .unrolled import find_unrolled
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
     rejections: list[Rejection] = []
     matchers = [("residual chains", find_residuals, chains)]
     if matched is None:
-        matchers[:0] = [("scan nodes", find_recurrences, recurrences), ("unrolled loops", find_unrolled, recurrences)]
+        matchers[:0] = [("scan nodes", find_recurrences, recurrences), ("unrolled loops", find_unrolled, recurrences),
+                        ("recurrent cells", find_cells, recurrences)]
     else:
         recurrences += matched[0]
         rejections += matched[1]

@@ -76,35 +76,32 @@ def needs_reroll(region: Region) -> bool:
 # unrolled loops
 
 
-def _slice_seq(b: Batcher, slot: fx.Node, x: PerStepSlice, first_step: int) -> Value:
-    """The whole sequence [T, ...] that a per-step slice ``slot`` (``x[:, t]``, ``select``, an unbind item) reads."""
+def _slice_seq(b: Batcher, slot: fx.Node, xs: list[PerStepSlice], first_step: int) -> Value:
+    """The whole sequence [T, ...] that a per-step slice ``slot`` (``x[:, t]``, ``x[:, t:t + 1]``, ``select``, an
+    unbind item) reads; ``xs``: its varying index ints (two for a one-step slice ``t:t + 1``)."""
     em, T = b.em, b.T
-    if x.first_step != first_step:
+    x = min(xs, key=lambda v: v.index_position)
+    if any(v.first_step != first_step for v in xs):
         raise _Unproven(f"slice {slot.name} has no value recorded for the loop's first step")
     stride, start = x.stride, x.start
     if stride not in (1, -1) or not isinstance(start, int):
         raise _Unproven(f"slice {slot.name} steps by {stride}, not by 1 or -1")
-    src, dim = None, None
+    src, dim, keep = None, None, False
     fname = batch_op(slot) or getattr(slot.target, "__name__", str(slot.target))
     if slot.op == "call_function" and slot.target is operator.getitem and slot.args:
         base, idx = slot.args[0], slot.args[1]
         if isinstance(base, fx.Node) and base.op in ("call_function", "call_method") and \
                 (base.target == "unbind" or getattr(base.target, "__name__", "") == "unbind"):
-            if isinstance(idx, int) and base.args:
+            if isinstance(idx, int) and base.args and len(xs) == 1:
                 src = base.args[0]
                 dim = base.args[1] if len(base.args) > 1 else base.kwargs.get("dim", 0)
-        elif x.index_position == 0:
-            items = idx if isinstance(idx, tuple) else (idx,)
-            ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool)]
-            full = all(isinstance(it, slice) and (it.start, it.stop, it.step) == (None, None, None)
-                       for i, it in enumerate(items) if i not in ints)
-            if len(ints) == 1 and full:
-                src, dim = base, ints[0]
-    elif fname == "select" and x.index_position == 0:
+        else:
+            src, dim, keep = _one_step_item(base, idx, xs)
+    elif fname == "select" and x.index_position == 0 and len(xs) == 1:
         src = slot.args[0]
         dim = slot.args[1] if len(slot.args) > 1 else slot.kwargs.get("dim")
     if not isinstance(src, fx.Node) or not isinstance(dim, int) or hinted_shape(src) is None:
-        raise _Unproven(f"slice {slot.name} is not x[..., t, ...], select or an unbind item")
+        raise _Unproven(f"slice {slot.name} is not x[..., t, ...], x[..., t:t + 1, ...], select or an unbind item")
     size = hinted_shape(src)
     dim = dim % len(size)
     n = size[dim]
@@ -114,7 +111,7 @@ def _slice_seq(b: Batcher, slot: fx.Node, x: PerStepSlice, first_step: int) -> V
         raise _Unproven(f"slice {slot.name} reads steps {lo}..{lo + T - 1} of {n}")
     if not b.outer_ok(src):
         raise _Unproven(f"slice {slot.name} reads {src.name}, which is computed inside the loop")
-    key = (src, dim, lo, stride)
+    key = (src, dim, lo, stride, keep)
     if key in b.seqs:  # NB: x[:, t] read twice in a step (dynamo slices once per use) is one sequence
         return b.seqs[key]
     seq = src if dim == 0 else em(torch.movedim, (src, dim, 0))
@@ -122,8 +119,37 @@ def _slice_seq(b: Batcher, slot: fx.Node, x: PerStepSlice, first_step: int) -> V
         seq = em(torch.narrow, (seq, 0, lo, T))
     if stride == -1:
         seq = em(torch.flip, (seq, [0]))
+    if keep:
+        seq = em(torch.unsqueeze, (seq, dim + 1))
     b.seqs[key] = Value(seq, True)
     return b.seqs[key]
+
+
+def _one_step_item(base: Any, idx: Any, xs: list[PerStepSlice]) -> tuple[Any, Any, bool]:
+    """(source, dim, keeps the dim) of ``base[idx]`` with one varying item, ``t`` or ``t:t + 1``, and full slices
+    around it; (None, None, False) otherwise."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    q = 0
+    found = None
+    for i, it in enumerate(items):
+        if isinstance(it, int) and not isinstance(it, bool):
+            ints, one = [q], True
+        elif isinstance(it, slice) and all(v is None or isinstance(v, int) for v in (it.start, it.stop, it.step)):
+            ints = [q + k for k, v in enumerate((it.start, it.stop, it.step)) if v is not None]
+            one = isinstance(it.start, int) and isinstance(it.stop, int) and it.stop - it.start == 1 and \
+                it.step in (None, 1)
+            if not ints:
+                continue
+        else:
+            return None, None, False
+        if found is not None or not one or sorted(v.index_position for v in xs) != ints[:len(xs)] or \
+                len(ints) - (1 if isinstance(it, slice) and it.step is not None else 0) != len(xs):
+            return None, None, False
+        found = (i, isinstance(it, slice))
+        q += len(ints)
+    if found is None:
+        return None, None, False
+    return base, found[0], found[1]
 
 
 def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[LoopRecipe, dict[fx.Node, int]]:
@@ -160,12 +186,9 @@ def _unrolled_batched(gm: fx.GraphModule, r: Recurrence, em: Emitter, recipe: Lo
     if form.kind != "linear":
         raise _Unproven(f"the template step is not linear in the carry ({form.reason})")
     inside = set(template)
-    slots = {}
+    slots: dict[fx.Node, list[PerStepSlice]] = {}
     for x in recipe.xs:
-        n = x.node
-        if n in slots:
-            raise _Unproven(f"slice {n.name} varies in more than one index")
-        slots[n] = x
+        slots.setdefault(x.node, []).append(x)
     first = 1 if matched else 2
     b = Batcher(em, T, {}, inside.__contains__, lambda v: pos.get(v, len(pos)) < loop_start and v not in slots)
     b.lazy = {n: (lambda n=n, x=x: _slice_seq(b, n, x, first)) for n, x in slots.items()}
