@@ -52,11 +52,15 @@ def _rev_cumprod(x: Tensor, d: int) -> Tensor:
 
 
 def truncated_scan_backward(g: Tensor, nu: Tensor, a: Tensor, h: Tensor, h0: Tensor | None, dim: int,
-                            window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(∂a, ∂b, ν') of one shard's forward scan ``h = linear_scan(a, b, h0, dim)`` with cotangent ``g`` on h and
-    the carry ``nu`` (ν from the right neighbour, W entries at ``dim``; zeros at the sequence end), window W.
+                            window: int, reverse: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(∂a, ∂b, ν') of one shard's scan ``h = linear_scan(a, b, h0, dim)`` with cotangent ``g`` on h and the
+    carry ``nu`` (ν from the right neighbour, W entries at ``dim``; zeros at the sequence end), window W.
 
-    ν' (W entries) is the carry for the left neighbour; ν'_W is ∂h0 in the sequence's first shard."""
+    ν' (W entries) is the carry for the left neighbour; ν'_W is ∂h0 in the sequence's first shard.  ``reverse``:
+    the mirror image (a reverse scan's steps read right to left; ν_m still counts m steps in the scan's direction)."""
+    if reverse:
+        ga, gb, nu_out = truncated_scan_backward(g.flip(dim), nu, a.flip(dim), h.flip(dim), h0, dim, window)
+        return ga.flip(dim), gb.flip(dim), nu_out
     from ..ops import linear_scan  # NB: the op's node stays one node in traced VJP programs
 
     d, W, L = dim, window, a.shape[dim]
@@ -87,23 +91,24 @@ class _TruncatedScan(torch.autograd.Function):
     gradient of ``nu`` being ν' and none for h0 (the recurrence reaches the boundary state only through ν)."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, h0: Tensor | None, nu: Tensor, dim: int, window: int):
-        h = torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, False, None, None)
+    def forward(ctx, a: Tensor, b: Tensor, h0: Tensor | None, nu: Tensor, dim: int, window: int, reverse: bool):
+        h = torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse, None, None)
         ctx.save_for_backward(a, h, h0)
-        ctx.args = (dim, window, b.dtype)
+        ctx.args = (dim, window, reverse, b.dtype)
         return h, torch.zeros_like(nu)
 
     @staticmethod
     def backward(ctx, g: Tensor, g_nu: Tensor):
         a, h, h0 = ctx.saved_tensors
-        dim, window, b_dtype = ctx.args
-        ga, gb, nu_out = truncated_scan_backward(g, g_nu, a, h, h0, dim, window)
-        return ga, gb.to(b_dtype), None, nu_out, None, None
+        dim, window, reverse, b_dtype = ctx.args
+        ga, gb, nu_out = truncated_scan_backward(g, g_nu, a, h, h0, dim, window, reverse)
+        return ga, gb.to(b_dtype), None, nu_out, None, None, None
 
 
-def truncated_scan(a: Tensor, b: Tensor, h0: Tensor | None, nu: Tensor, dim: int, window: int) -> tuple:
-    """The forward scan of a shard, with the truncated adjoint of window ``window`` (module docstring)."""
-    return _TruncatedScan.apply(a, b, h0, nu, dim, window)
+def truncated_scan(a: Tensor, b: Tensor, h0: Tensor | None, nu: Tensor, dim: int, window: int,
+                   reverse: bool = False) -> tuple:
+    """``(h, ν dummy)``: the scan of a shard, its adjoint truncated to ``window`` steps (module docstring)."""
+    return _TruncatedScan.apply(a, b, h0, nu, dim, window, reverse)
 
 
 def truncate_program(gm: fx.GraphModule, window: int) -> fx.GraphModule:
@@ -122,7 +127,7 @@ def truncate_program(gm: fx.GraphModule, window: int) -> fx.GraphModule:
             sa = scan_args(n)
             h0 = sa["h0"]
             call = g.call_function(truncated_scan, (env[sa["a"]], env[sa["b"]], None if h0 is None else env[h0],
-                                                    nus[scans.index(n)], sa["dim"], window))
+                                                    nus[scans.index(n)], sa["dim"], window, sa["reverse"]))
             env[n] = g.call_function(operator.getitem, (call, 0))
             env[n].meta = dict(n.meta)
             dummies.append(g.call_function(operator.getitem, (call, 1)))
