@@ -182,13 +182,34 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     Runs ``model_or_fn(*example_inputs)`` once under dynamo (so, like ``torch._dynamo.explain``, it resets dynamo's
     caches), then the backend's pipeline up to lowering on copies of the captured graphs; ``report.graphs`` are the
     graphs as captured.
+
+    With ``options={"verify": True}`` it also compiles the model with ``backend="adjoint"`` and runs it once on the
+    inputs, so that each lowered region compares its gradients with exact autograd (:func:`report`); those figures
+    are then in the region's ``details["fidelity"]``.
     """
     opts = validate(options)
     polyfills.install()
     with polyfills.enabled():  # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
         out = torch._dynamo.explain(model_or_fn)(*example_inputs)
     compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
-    return Report.of(compiled, opts, _graph_breaks(out), list(out.graphs))
+    rep = Report.of(compiled, opts, _graph_breaks(out), list(out.graphs))
+    if opts.verify:
+        _verify(rep, model_or_fn, example_inputs, options)
+    return rep
+
+
+def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) -> None:
+    """Run the model once with backend="adjoint" (verify on) and copy each region's figures into ``rep``."""
+    torch._dynamo.reset()
+    fn = torch.compile(model_or_fn, backend="adjoint", options=dict(options))
+    fn(*example_inputs)
+    ran = report(fn)
+    figures = {(ran.graph_index[i], r.name): r.details["fidelity"] for i, r in enumerate(ran.regions)
+               if "fidelity" in r.details}
+    for i, r in enumerate(rep.regions):
+        if (rep.graph_index[i], r.name) in figures:
+            r.details["fidelity"] = dict(figures[rep.graph_index[i], r.name])
+    torch._dynamo.reset()
 
 
 def report(compiled_model: Any) -> Report:
@@ -200,8 +221,9 @@ def report(compiled_model: Any) -> Report:
 
     NB: dynamo keeps its compiled graphs per code object, so for a module this lists the graphs of every compiled
     instance of its class (with parameters as graph inputs, instances of one class share them). With
-    ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``:
-    ``{"max_rel_err", "shard_size", "steps"}`` of the comparison with plain autograd on its first call.
+    ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``: the figures of
+    the comparison with plain autograd on its first call (``runtime.sharded.region_fidelity``: ``max_rel_err``,
+    ``grad_rel_err``, ``grad_cosine``, ``output_max_rel_err``, ``shard_size``, ``steps``, ``window``).
 
     Raises TypeError when ``compiled_model`` is not the result of ``torch.compile``.
     """

@@ -27,7 +27,8 @@ class Options:
 
     #: "exact" (adjoint sharding, same gradients as autograd), "truncated" or "highway".
     mode: str = "exact"
-    #: truncated mode: adjoint window T̄ in steps (>= 1).
+    #: truncated mode: adjoint window T̄ = W in steps (>= 1): each scan's gradient is that of h_t recomputed from
+    #: h_{t-W} detached (runtime/truncated.py); W >= T is exact.
     window: int | None = None
     #: highway mode: number of Highway-BP iterations k (>= 0); k >= chain length is exact.
     iterations: int | None = None

@@ -211,6 +211,8 @@ class Lowered:
     nodes: int = 0
     shard_size: int | None = None
     steps: int | None = None
+    #: the truncated adjoint's window W (rewrite "truncated"), else None.
+    window: int | None = None
     #: expected activation memory in bytes: {"autograd": ..., "sharded": ...}.
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
     #: the step-mixing ops that bound the region, as (node name, why).

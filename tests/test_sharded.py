@@ -363,7 +363,10 @@ def test_verify_region_reports_a_small_error():
     with pytest.warns(AdjointVerifyReport, match=r"sharded region \(shard_size=4 of T=9\)"):
         f(*region_inputs(case))
     assert f.last_verify_error is not None and f.last_verify_error <= 1e-11
-    assert f.last_verify == {"max_rel_err": f.last_verify_error, "shard_size": 4, "steps": 9}
+    fid = f.last_verify
+    assert {k: fid[k] for k in ("max_rel_err", "shard_size", "steps", "window")} == {
+        "max_rel_err": f.last_verify_error, "shard_size": 4, "steps": 9, "window": None}
+    assert fid["grad_rel_err"] <= 1e-11 and abs(fid["grad_cosine"] - 1) <= 1e-11 and fid["output_max_rel_err"] <= 1e-11
 
 
 def test_default_shard_size_keeps_enough_work_per_shard():

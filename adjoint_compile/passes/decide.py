@@ -42,13 +42,21 @@ TABLE: dict[tuple[str, str], Plan] = {
                                                 "adjoint-sharded rewrite yet; it keeps ordinary autograd"),
     ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
                                               "is Highway-BP (mode='highway', not implemented yet)"),
-    **{(mode, kind): Plan("none", _NOT_YET) for mode in ("truncated", "highway")
+    ("truncated", "linear_recurrence"): Plan("truncated"),
+    ("truncated", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
+                                                    "truncated-adjoint rewrite: the windowed adjoint needs a_t "
+                                                    "independent of h; it keeps ordinary autograd (exact gradients)"),
+    ("truncated", "residual_chain"): Plan("none", "mode='truncated' truncates recurrences along time; a residual "
+                                                  "chain runs along layers and keeps ordinary autograd (exact "
+                                                  "gradients); its own rewrite is Highway-BP (mode='highway', not "
+                                                  "implemented yet)"),
+    **{("highway", kind): Plan("none", _NOT_YET)
        for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
 }
 
 #: modes whose rewrites recompute parts of the forward in the backward: capture makes their dropout masks
 #: reproducible (passes/seeded_dropout.py).
-RECOMPUTING_MODES = frozenset({"exact"})
+RECOMPUTING_MODES = frozenset({"exact", "truncated"})
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
@@ -98,7 +106,12 @@ def declines(memory: dict[str, int], shards: int) -> str:
 
 def _lowered_reason(r: Region, out: Lowered) -> str:
     mem = out.memory
-    why = (f"sharded exact adjoint: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
+    if out.rewrite == "truncated":
+        exact = " >= T: exact gradients" if out.window >= out.steps else ""
+        how = f"sharded truncated adjoint (window={out.window}{exact})"
+    else:
+        how = "sharded exact adjoint"
+    why = (f"{how}: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
     if mem.get("kept_outside"):
         why += f" + {mib(mem['kept_outside'])} kept by per-step ops outside"
@@ -130,19 +143,23 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
             r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
                               "expected_memory_bytes": dict(out.memory)})
+            if out.window is not None:
+                r.details["window"] = out.window
             continue
         r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
         if isinstance(out, NotLowered) and out.memory:
             r.details["expected_memory_bytes"] = dict(out.memory)
         if r.kind == "residual_chain" and calls and r.nodes:
-            _chain_inside(r, inside, calls)
+            _chain_inside(r, inside, calls, any(isinstance(o, Lowered) and o.rewrite == "truncated" for o in outcomes))
 
 
-def _chain_inside(r: Region, inside: set[str], calls: list[str]) -> None:
+def _chain_inside(r: Region, inside: set[str], calls: list[str], truncated: bool) -> None:
     n = sum(1 for x in r.nodes if x.name in inside)
     where = ", ".join(calls)
     if n == len(r.nodes):
-        r.reason = (f"all of its nodes run inside the sharded region ({where}), whose exact adjoint already carries "
+        # NB: truncated mode truncates along time only: the joins between layers are differentiated exactly
+        exact = "adjoint (truncated along time only)" if truncated else "exact adjoint"
+        r.reason = (f"all of its nodes run inside the sharded region ({where}), whose {exact} already carries "
                     f"∂L/∂Y_k-1 through every layer; mode='highway' (not implemented yet) would rewrite the chain "
                     f"itself")
     elif n:

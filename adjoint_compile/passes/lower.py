@@ -37,6 +37,8 @@ Lowering = Callable[[fx.GraphModule, list, Options], "list[Lowered | NotLowered]
 #: rewrite name -> the lowering that applies it to the regions planned for it.
 LOWERINGS: dict[str, Lowering] = {
     "adjoint": lower_recurrences,
+    # NB: the same lowering: the regions, shards and saved tensors are exact mode's; it reads opts.window
+    "truncated": lower_recurrences,
 }
 
 

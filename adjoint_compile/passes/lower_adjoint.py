@@ -1,4 +1,6 @@
-"""Exact mode lowering: replace a time-local region around linear scans by one call of the sharded runtime.
+"""Exact and truncated mode lowering: replace a time-local region around linear scans by one call of the sharded
+runtime (rewrite "adjoint" in mode "exact", "truncated" in mode "truncated": the same regions, shards and saved
+tensors; the truncated one's backward keeps each scan's adjoint paths of at most ``options.window`` steps).
 
 ``lower_region`` outlines the region's nodes into a sub-GraphModule, wraps it in
 :class:`~adjoint_compile.runtime.sharded.ShardedRegion` (forward shard by shard, saving only the region's inputs
@@ -106,7 +108,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
-    mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner)
+    rewrite, window = _rewrite(opts)
+    mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window)
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
     memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)
@@ -117,8 +120,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
     mod.label = name
     gm.add_submodule(name, mod)
-    prov = {"rewrite": "adjoint", "scans": [s.name for s in scans], "nodes": len(nodes), "shard_size": S,
-            "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
+    prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
+            "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "memory": memory}
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
@@ -128,7 +131,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     for i, o in enumerate(outputs):
         with gm.graph.inserting_after(prev):
             gi = gm.graph.call_function(operator.getitem, (call, i))
-        gi.meta = {"example_value": _ev(o), PROVENANCE: {"rewrite": "adjoint", "region": name, "output": o.name}}
+        gi.meta = {"example_value": _ev(o), PROVENANCE: {"rewrite": rewrite, "region": name, "output": o.name}}
         info.step_dim[gi] = out_dims[i]
         members = set(nodes)
         o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in members)
@@ -142,6 +145,11 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     log.info("adjoint-compile: lowered a region of %d nodes with %d scan(s) over T=%d steps, shard_size=%d",
              len(nodes), len(scans), T, S)
     return call
+
+
+def _rewrite(opts: Options) -> tuple[str, int | None]:
+    """The rewrite a lowered region gets in ``opts.mode`` and its window: ("adjoint", None) or ("truncated", W)."""
+    return ("truncated", opts.window) if opts.mode == "truncated" else ("adjoint", None)
 
 
 def _nbytes(v: Any) -> int:
@@ -197,7 +205,8 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
 
 
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
-    """Lower every ``linear_scan`` recurrence in exact mode; one outcome per record, in order.
+    """Lower every ``linear_scan`` recurrence (exact mode, or truncated mode with ``opts.window``); one outcome per
+    record, in order.
 
     Scans joined by time-local ops form one region (one call, one carry per scan). Records without a linear_scan
     node (a loop capture could not re-roll) get :class:`NotLowered` with the reason; nothing is written on the
@@ -208,7 +217,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
     for i, r in enumerate(recurrences):
         cands = [n for n in list(r.outputs) + list(r.nodes) if isinstance(n, fx.Node) and is_linear_scan(n)]
         if not cands:
-            out[i] = NotLowered(f"exact mode lowers linear_scan recurrences; source {r.source!r} is not one yet")
+            out[i] = NotLowered(f"{opts.mode} mode lowers linear_scan recurrences; source {r.source!r} is not one "
+                                f"yet")
             continue
         scan_of[i] = cands[0]
     if not scan_of:
@@ -244,8 +254,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         else:
             p = call.meta[PROVENANCE]
             p["bounds"] = bounds
-            result = Lowered(rewrite="adjoint", call=call.name, members=members, scans=len(p["scans"]),
-                             nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"],
+            result = Lowered(rewrite=p["rewrite"], call=call.name, members=members, scans=len(p["scans"]),
+                             nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
                              memory=dict(p["memory"]), bounds=list(bounds))
         for x in group:
             done[x] = result

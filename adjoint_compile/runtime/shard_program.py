@@ -47,6 +47,7 @@ from ..analysis.time_local import TimeLocalInfo, analyze
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
+from .truncated import nu_shape, truncate_program
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ def _devices(args: Sequence[Any]) -> tuple:
     return tuple(a.device for a in args if isinstance(a, torch.Tensor))
 
 
-#: the device types whose autocast settings a shard program depends on
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+_AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types whose autocast settings a shard program depends on
 
 
 def autocast_state() -> tuple:
@@ -144,6 +144,8 @@ class ShardProgram:
         out_step_dims: per output, the dim of its step axis (checked against the analysis), or None to infer.
         inner: the compiler for the shard programs (:func:`~adjoint_compile.inner.compile_inner`'s names);
             "eager" runs the forward as FX code.
+        window: None for the exact adjoint; W: the VJPs truncate each scan's adjoint to W steps
+            (:mod:`.truncated`) when W < T, carrying ν (:meth:`nu_zeros`) between shards.
 
     Call :meth:`prepare` with the full-length inputs (real or fake) first; it sets ``T``, ``shard_size``,
     ``out_step_dims``, ``scan_dims`` and ``carry_shapes``.  Then, for a shard [s, s+L): :meth:`shard_inputs`
@@ -152,9 +154,11 @@ class ShardProgram:
     """
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
-                 out_step_dims: Sequence[int | None] | None = None, inner: str = "eager") -> None:
+                 out_step_dims: Sequence[int | None] | None = None, inner: str = "eager",
+                 window: int | None = None) -> None:
         self.region_gm = region_gm
         self.inner = inner
+        self.window = window
         #: compiled forwards, keyed by (L, devices, grad mode, per-argument requires_grad); see :meth:`_callable`
         self.compiled: dict[tuple, Any] = {}
         #: recompute + VJP programs, keyed by (L, devices, call pattern); see :meth:`vjp`
@@ -420,7 +424,7 @@ class ShardProgram:
 
     def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
             gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool],
-            t0: int = 0, autocast: tuple | None = None) -> tuple[list[Any], list[Any]]:
+            t0: int = 0, autocast: tuple | None = None, nus: Sequence[Any] | None = None) -> tuple[list[Any], ...]:
         """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
         and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs ``xs`` (those
         with ``needs_x``) and the carries (those with ``needs_c``).
@@ -428,6 +432,8 @@ class ShardProgram:
         ``autocast``: the forward's autocast settings (:func:`autocast_state`; None: those in effect now): the
         recomputation runs under them, its VJP under those in effect now, as eager autograd would.
 
+        ``nus`` (only when :attr:`truncating`): per scan, the ν carry from the right neighbour (:mod:`.truncated`);
+        the result then has a third list, per scan the ν' carry for the left neighbour.
         Returns (per input: its grad or None, per scan: the grad of its carry or None). The program is traced once
         per call pattern (make_fx over recompute + ``autograd.grad``: forward and backward ops in one aten graph)
         and compiled by the inner compiler, so a shard costs one call instead of a compiled forward, a compiled
@@ -439,10 +445,13 @@ class ShardProgram:
         has_a = tuple(a is not None for a in adjs)
         has_c = tuple(c is not None for c in carries)
         gx, gc = [None] * len(xs), [None] * len(carries)
-        if not (wrt_x or wrt_c) or not (any(has_g) or any(has_a)):
+        trunc = self.truncating
+        if trunc != (nus is not None):
+            raise ValueError(f"vjp: nus must be given exactly when truncating (window={self.window}, T={self.T})")
+        if not trunc and (not (wrt_x or wrt_c) or not (any(has_g) or any(has_a))):
             return gx, gc
         args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
-                *(a for a in adjs if a is not None), *self._offset(t0)]
+                *(a for a in adjs if a is not None), *(nus or []), *self._offset(t0)]
         # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
         fwd = autocast_state() if autocast is None else autocast
         key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
@@ -455,13 +464,22 @@ class ShardProgram:
         got = fn(*args)
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
-        for j, g in zip(wrt_c, got[len(wrt_x):]):
+        for j, g in zip(wrt_c, got[len(wrt_x): len(wrt_x) + len(wrt_c)]):
             gc[j] = g
-        return gx, gc
+        return (gx, gc, list(got[len(wrt_x) + len(wrt_c):])) if trunc else (gx, gc)
+
+    truncating = property(lambda self: self.window is not None and self.window < self.T,
+                          doc="Whether the VJPs truncate the adjoint: a window W < the prepared T (W >= T is exact).")
+
+    def nu_zeros(self, device: torch.device) -> list[torch.Tensor]:
+        """Per scan, the ν carry at the sequence's end (zeros): its state shape with W at its step dim."""
+        return [torch.zeros(nu_shape(c, d, self.window), dtype=_ev(s).dtype, device=device)
+                for s, c, d in zip(self.scans, self.carry_shapes, self.scan_dims)]
 
     def _build_vjp(self, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[int], has_g: tuple,
                    has_a: tuple, has_c: tuple, example: list[Any], fwd_autocast: tuple) -> Any:
-        prog = self.program(L)
+        trunc = self.truncating
+        prog = truncate_program(self.program(L), self.window) if trunc else self.program(L)
         n_x = len(self.placeholders)
         n_c = sum(has_c)
         offset = [None] if self.random else []
@@ -471,21 +489,22 @@ class ShardProgram:
             it = iter(flat[n_x + n_c: len(flat) - len(offset)])
             gos = [next(it) if h else None for h in has_g]
             adjs = [next(it) if h else None for h in has_a]
+            nus = list(it)  # truncated: the ν carries from the right (cotangents of the scans' ν outputs)
             with torch.enable_grad():
+                nu_in = [torch.zeros_like(n).requires_grad_() for n in nus]
                 xs = [x.detach().requires_grad_(i in wrt_x) for i, x in enumerate(flat[:n_x])]
                 ci = iter(flat[n_x: n_x + n_c])
                 cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
                 prevs = [None if first_shard else cs[k] for k in self.shift_scans]
                 with autocast_as(fwd_autocast):
-                    res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):])
+                    res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):], *nu_in)
                 outs, cots = [], []
-                for y, g in zip(res, [*gos, *adjs]):
+                for y, g in zip(res, [*gos, *adjs, *nus]):
                     if g is not None and y.requires_grad:
                         outs.append(y)
                         cots.append(g)
-                wrt = [xs[i] for i in wrt_x] + [cs[j] for j in wrt_c]
-                got = (torch.autograd.grad(outs, wrt, cots, allow_unused=True) if outs
-                       else [None] * len(wrt))
+                wrt = [xs[i] for i in wrt_x] + [cs[j] for j in wrt_c] + nu_in
+                got = torch.autograd.grad(outs, wrt, cots, allow_unused=True) if outs else [None] * len(wrt)
             # NB: zeros for inputs the outputs do not depend on (the compiled program returns tensors only); the
             # caller gets None for them, as from autograd
             unused[:] = [g is None for g in got]

@@ -14,6 +14,11 @@ the shard's share of ∂L/∂θ and ∂L/∂h^k_{s-1} — the next adjoint carry
 μ_t = g_t + a_{t+1} ⊙ μ_{t+1} cut at shard boundaries, so the gradients are exact and the peak memory is that of
 one shard's recomputation.  Regions the shard programs cannot be proven for raise
 :class:`~adjoint_compile.errors.UnsupportedRegion`.
+
+Truncated mode (``window=W`` < T, DESIGN.md §3): the same sweeps over the same saved tensors; each shard's VJP
+truncates every scan's adjoint to W steps and the carry between shards is, per scan, ν (the right side's partial
+adjoint sums over its first 1..W steps, :mod:`.truncated`) instead of μ; ∂h0 = ν_W at the sequence start.  Only the
+scans are truncated: every other op, and the joins between stacked layers, are differentiated exactly.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, autocast_state, def
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_SHARD_ELEMENTS", "default_shard_size", "make_sharded", "ShardedRegion", "verify_region"]
+__all__ = ["MIN_SHARD_ELEMENTS", "default_shard_size", "make_sharded", "ShardedRegion", "verify_region",
+           "region_fidelity"]
 
 
 class _ShardedFn(torch.autograd.Function):
@@ -80,6 +86,8 @@ class _ShardedFn(torch.autograd.Function):
         free = [i for i, d in enumerate(prog.in_step_dims) if d is None and needs[i]]
         acc: dict[int, torch.Tensor] = {}
         adj: list[Any] = [None] * K
+        trunc = prog.truncating
+        nus = prog.nu_zeros(inputs[0].device) if trunc else None
         for k in range(len(ctx.bounds) - 1, -1, -1):
             s, e = ctx.bounds[k]
             L = e - s
@@ -88,7 +96,8 @@ class _ShardedFn(torch.autograd.Function):
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
             gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, prog.out_step_dims)]
             needs_c = [c is not None and (k > 0 or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
-            gx, adj = prog.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s, autocast=ctx.autocast)
+            res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s, autocast=ctx.autocast, nus=nus)
+            gx, adj, nus = res if trunc else (*res, None)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:
                     grads[i].narrow(d, s, L).copy_(g)
@@ -100,10 +109,12 @@ class _ShardedFn(torch.autograd.Function):
                     acc[i] = gx[i].clone()
         for i, g in acc.items():
             grads[i] = g
-        # the first shard's carry grads are the h0 grads
+        # the first shard's carry grads are the h0 grads (truncated: ν_W, + direct uses of the carry)
+        if trunc:
+            adj = [nu.select(d, -1) if a is None else a + nu.select(d, -1) for a, nu, d in zip(adj, nus, prog.scan_dims)]
         for j, i in enumerate(prog.h0_input):
             if i is not None and needs[i] and adj[j] is not None:
-                g = adj[j]
+                g = adj[j].to(inputs[i].dtype)
                 if g.shape != inputs[i].shape:  # h0 broadcast against the state
                     g = g.sum_to_size(inputs[i].shape)
                 grads[i] = g if grads[i] is None else grads[i] + g
@@ -111,31 +122,33 @@ class _ShardedFn(torch.autograd.Function):
 
 
 class ShardedRegion(torch.nn.Module):
-    """A time-local region run shard by shard with exact gradients (see the module docstring).
+    """A time-local region run shard by shard (see the module docstring): exact gradients, or with ``window=W``
+    the truncated adjoint of every scan (W >= T: exact).
 
     ``forward(*inputs)`` takes the region's inputs in placeholder order and returns its outputs (a tensor when the
     region graph returns one, else a tuple).  ``shard_size=None`` picks :func:`default_shard_size` of T per call.
-    With ``verify=True`` the first call also runs :func:`verify_region`, keeps its figures in ``last_verify``
-    (``{"max_rel_err", "shard_size", "steps"}``) and warns them as an
-    :class:`~adjoint_compile.errors.AdjointVerifyReport`.
+    With ``verify=True`` the first call also runs :func:`region_fidelity`, keeps its figures in ``last_verify``
+    (``{"max_rel_err", "grad_rel_err", "grad_cosine", "output_max_rel_err", "shard_size", "steps", "window"}``)
+    and warns them as an :class:`~adjoint_compile.errors.AdjointVerifyReport`.
     ``inner`` ("eager", "aot_eager", "inductor") compiles each shard program, forward and recompute+VJP, on first
     use; "eager" runs them as FX code.
     """
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, shard_size: int | None = None,
-                 verify: bool = False, inner: str = "eager") -> None:
+                 verify: bool = False, inner: str = "eager", window: int | None = None) -> None:
         super().__init__()
-        if shard_size is not None and (not isinstance(shard_size, int) or isinstance(shard_size, bool)
-                                       or shard_size < 1):
-            raise ValueError(f"shard_size={shard_size!r}: expected an int >= 1 or None")
+        for key, v in (("shard_size", shard_size), ("window", window)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{key}={v!r}: expected an int >= 1 or None")
         self.region_gm = region_gm
         self.in_step_dims = list(in_step_dims)
         self.out_step_dims = None if out_step_dims is None else list(out_step_dims)
         self.shard_size = shard_size
+        self.window = window
         self.verify = verify
         #: the shard programs (named _plan for the tests and tools that look into a region)
-        self._plan = ShardProgram(region_gm, self.in_step_dims, self.out_step_dims, inner)
+        self._plan = ShardProgram(region_gm, self.in_step_dims, self.out_step_dims, inner, window)
         self.last_verify_error: float | None = None
         self.last_verify: dict[str, Any] | None = None
         #: how the warnings name the region (the lowering sets the name of its call)
@@ -152,21 +165,30 @@ class ShardedRegion(torch.nn.Module):
         S = self.prepare(inputs)
         if self.verify:
             self.verify = False
-            err = verify_region(self.region_gm, self.in_step_dims, self.out_step_dims, S,
-                                [x.detach() for x in inputs])
-            self.last_verify_error = err
-            self.last_verify = {"max_rel_err": err, "shard_size": S, "steps": self._plan.T}
-            warnings.warn(AdjointVerifyReport(
-                f"adjoint-compile verify: {self.label} (shard_size={S} of T={self.last_verify['steps']}) against "
-                f"plain autograd: max relative error {err:.3g} over outputs and gradients"), stacklevel=2)
+            fid = region_fidelity(self.region_gm, self.in_step_dims, self.out_step_dims, S,
+                                  [x.detach() for x in inputs], window=self.window)
+            self.last_verify_error, self.last_verify = fid["max_rel_err"], fid
+            log.info("adjoint-compile verify: %s: %s", self.label, fid)
+            warnings.warn(AdjointVerifyReport(f"adjoint-compile verify: {self.label} {_describe(fid)}"), stacklevel=2)
         outs = _ShardedFn.apply(self._plan, *inputs)
         return outs[0] if self._plan.single_output else tuple(outs)
 
 
+def _describe(fid: dict[str, Any]) -> str:
+    where = f"shard_size={fid['shard_size']} of T={fid['steps']}"
+    if fid.get("window") is not None:
+        return (f"(truncated, window={fid['window']}, {where}) against exact autograd: gradient relative error "
+                f"{fid['grad_rel_err']:.3g}, cosine {fid['grad_cosine']:.6f}; outputs: max relative error "
+                f"{fid['output_max_rel_err']:.3g}")
+    return (f"({where}) against plain autograd: max relative error {fid['max_rel_err']:.3g} over outputs and "
+            f"gradients; gradient cosine {fid['grad_cosine']:.6f}")
+
+
 def make_sharded(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None, shard_size: int | None,
-                 verify: bool = False) -> ShardedRegion:
-    """A callable running ``region_gm`` shard by shard with exact gradients.
+                 verify: bool = False, window: int | None = None) -> ShardedRegion:
+    """A callable running ``region_gm`` shard by shard with exact gradients (``window=None``) or every scan's
+    adjoint truncated to ``window`` steps (module docstring of :mod:`.truncated`).
 
     Args:
         region_gm: a graph whose placeholders are the region's inputs and whose output is a tensor or a tuple of
@@ -175,11 +197,12 @@ def make_sharded(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
             h0) that every shard uses whole.
         out_step_dims: per output, the dim of its step axis (checked against the analysis), or None to infer.
         shard_size: steps per shard (>= 1); None: :func:`default_shard_size`.
+        window: None (exact) or the truncated adjoint's window W >= 1 (W >= T: exact).
     Returns ``callable(*inputs) -> outputs`` (a :class:`ShardedRegion`).  The region is analysed and its shard
     programs checked on the first call; :class:`~adjoint_compile.errors.UnsupportedRegion` says why when it
     cannot be sharded.
     """
-    return ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size, verify)
+    return ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size, verify, window=window)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -191,11 +214,22 @@ def verify_region(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                   out_step_dims: Sequence[int | None] | None, shard_size: int | None,
                   inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor] | None = None,
                   seed: int = 0) -> float:
-    """Compare the sharded region with plain autograd of ``region_gm`` on ``inputs``; log and return the max
-    relative error over the outputs and the gradients of every floating-point input.
+    """The max relative error of the exactly sharded region against plain autograd (:func:`region_fidelity`)."""
+    return region_fidelity(region_gm, in_step_dims, out_step_dims, shard_size, inputs, grad_outputs,
+                           seed)["max_rel_err"]
 
-    ``grad_outputs`` default to random cotangents (a fixed seed).  Relative error: max|Δ| / max|reference| per
-    tensor, the max over tensors.
+
+def region_fidelity(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
+                    out_step_dims: Sequence[int | None] | None, shard_size: int | None,
+                    inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor] | None = None,
+                    seed: int = 0, window: int | None = None) -> dict[str, Any]:
+    """Compare the sharded region (exact, or truncated to ``window``) with plain autograd of ``region_gm`` on
+    ``inputs``, for the gradients of every floating-point input; log and return the figures:
+
+    ``max_rel_err`` (max|Δ| / max|reference| per tensor, the max over outputs and gradients), ``grad_rel_err``
+    (‖Δ‖ / ‖reference‖ over all gradients as one vector), ``grad_cosine`` (their cosine similarity),
+    ``output_max_rel_err`` (outputs only), ``shard_size``, ``steps`` and ``window`` (None: exact).
+    ``grad_outputs`` default to random cotangents (a fixed seed).
     """
     def leaves() -> list[torch.Tensor]:
         return [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
@@ -209,15 +243,25 @@ def verify_region(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
     wrt = [x for x in ref_in if x.requires_grad]
     ref_g = torch.autograd.grad(ref, wrt, grad_outputs, allow_unused=True)
     sh_in = leaves()
-    out = ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size)(*sh_in)
+    region = ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size, window=window)
+    out = region(*sh_in)
     out = [out] if isinstance(out, torch.Tensor) else list(out)
     sh_g = torch.autograd.grad(out, [x for x in sh_in if x.requires_grad], grad_outputs, allow_unused=True)
-    err = max((_rel_err(o, r) for o, r in zip(out, ref)), default=0.0)
+    out_err = max((_rel_err(o, r) for o, r in zip(out, ref)), default=0.0)
+    err, got, want = out_err, [], []
     for a, b in zip(sh_g, ref_g):
         if (a is None) != (b is None):
             err = max(err, float("inf"))
         elif a is not None:
             err = max(err, _rel_err(a, b))
-    log.info("adjoint-compile verify: sharded region (shard_size=%s) vs autograd: max relative error %.3g",
-             shard_size, err)
-    return err
+            got.append(a.detach().double().flatten())
+            want.append(b.detach().double().flatten())
+    g, r = (torch.cat(v) if v else torch.zeros(1, dtype=torch.double) for v in (got, want))
+    rn = float(r.norm())
+    fid = {"max_rel_err": err, "grad_rel_err": float((g - r).norm()) / max(rn, 1e-30),
+           "grad_cosine": float(torch.dot(g, r)) / max(float(g.norm()) * rn, 1e-30) if rn or g.norm() else 1.0,
+           "output_max_rel_err": out_err, "shard_size": region._plan.shard_size, "steps": region._plan.T,
+           "window": window}
+    log.info("adjoint-compile verify: sharded region (shard_size=%s, window=%s) vs autograd: %s", shard_size, window,
+             fid)
+    return fid
