@@ -60,6 +60,10 @@ class Report:
     graph_index: list[int] = dataclasses.field(default_factory=list)
     #: the pipeline's record of each graph, in the order of ``graphs``.
     compiled: list[CompiledGraph] = dataclasses.field(default_factory=list, repr=False)
+    #: ``explain(..., options={"verify": True})`` only: the whole model's gradients (every parameter and float input)
+    #: against eager autograd: ``grad_rel_err`` (‖g − g_eager‖ / ‖g_eager‖ over all of them), ``grad_cosine``,
+    #: ``worst`` (the tensor with the largest relative error) and its ``worst_rel_err``.
+    fidelity: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, compiled: list[CompiledGraph], options: Options, graph_breaks: list[GraphBreak] | None = None,
@@ -85,6 +89,7 @@ class Report:
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
             "regions": regions,
             "rejections": [j.to_dict() for j in self.rejections],
+            **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -151,6 +156,10 @@ class Report:
             lines.append("graph breaks:")
             lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")
                       for i, b in enumerate(self.graph_breaks)]
+        if self.fidelity is not None:
+            f = self.fidelity
+            lines.append(f"fidelity (all gradients against eager autograd): relative error {f['grad_rel_err']:.3g}, "
+                         f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -185,7 +194,8 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
 
     With ``options={"verify": True}`` it also compiles the model with ``backend="adjoint"`` and runs it once on the
     inputs, so that each lowered region compares its gradients with exact autograd (:func:`report`); those figures
-    are then in the region's ``details["fidelity"]``.
+    are then in the region's ``details["fidelity"]``, and ``report.fidelity`` compares all the gradients of one
+    backend run with one eager run (the same cotangents).
     """
     opts = validate(options)
     polyfills.install()
@@ -199,10 +209,11 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
 
 
 def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) -> None:
-    """Run the model once with backend="adjoint" (verify on) and copy each region's figures into ``rep``."""
+    """Run the model once with backend="adjoint" (verify on) and once eagerly, with the same loss; copy each region's
+    figures into ``rep`` and put the whole model's into ``rep.fidelity``."""
     torch._dynamo.reset()
     fn = torch.compile(model_or_fn, backend="adjoint", options=dict(options))
-    fn(*example_inputs)
+    got = _all_grads(fn, model_or_fn, example_inputs)
     ran = report(fn)
     figures = {(ran.graph_index[i], r.name): r.details["fidelity"] for i, r in enumerate(ran.regions)
                if "fidelity" in r.details}
@@ -210,6 +221,39 @@ def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) 
         if (rep.graph_index[i], r.name) in figures:
             r.details["fidelity"] = dict(figures[rep.graph_index[i], r.name])
     torch._dynamo.reset()
+    rep.fidelity = _compare(got, _all_grads(model_or_fn, model_or_fn, example_inputs))
+    log.info("adjoint-compile verify: all gradients against eager autograd: %s", rep.fidelity)
+
+
+def _all_grads(run: Callable[..., Any], model_or_fn: Any, example_inputs: tuple) -> dict[str, torch.Tensor]:
+    """Gradients of Σ ⟨output, fixed random cotangent⟩ (one RNG state for every run) w.r.t. every parameter of
+    ``model_or_fn`` (when it is a module) and every floating-point input."""
+    params = dict(model_or_fn.named_parameters()) if isinstance(model_or_fn, torch.nn.Module) else {}
+    xs = [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+          for x in example_inputs]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        out = run(*xs)
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    gen = torch.Generator().manual_seed(1)
+    cots = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
+    wrt = {**{f"input {i}": x for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad},
+           **{n: p for n, p in params.items() if p.requires_grad}}
+    grads = torch.autograd.grad(outs, list(wrt.values()), cots, allow_unused=True) if outs else []
+    return {n: g.detach() for n, g in zip(wrt, grads) if g is not None}
+
+
+def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
+    names = [n for n in want if n in got]
+    a = torch.cat([got[n].double().flatten() for n in names]) if names else torch.zeros(1, dtype=torch.float64)
+    b = torch.cat([want[n].double().flatten() for n in names]) if names else torch.zeros(1, dtype=torch.float64)
+    rel = {n: float((got[n].double() - want[n].double()).norm() / want[n].double().norm().clamp_min(1e-30))
+           for n in names}
+    worst = max(rel, key=rel.get, default="")
+    return {"grad_rel_err": float((a - b).norm() / b.norm().clamp_min(1e-30)),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+            "worst": worst, "worst_rel_err": rel.get(worst, 0.0), "tensors": len(names),
+            "missing": sorted(set(want) ^ set(got))}
 
 
 def report(compiled_model: Any) -> Report:

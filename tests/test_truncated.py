@@ -334,3 +334,33 @@ def test_verify_reports_fidelity_in_truncated_mode():
         rep = ac.explain(m, x, options=exact)
     fid = rep.regions[0].details["fidelity"]
     assert fid["grad_rel_err"] < 1e-10 and fid["grad_cosine"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_explain_verify_reports_the_whole_models_fidelity_against_the_oracle():
+    """``report.fidelity``: all gradients (parameters and the input) of the truncated model against eager autograd,
+    for the cotangent explain uses (fp32 randn from torch.Generator().manual_seed(1)). Expected: the oracle model's
+    distance from eager autograd, computed here."""
+    W, T = 3, 13
+    m, oracle = _models(W)
+    x = torch.randn(B, T, D, dtype=torch.double)
+    g = torch.randn((B, T, D), generator=torch.Generator().manual_seed(1)).double()
+
+    def flat(model):
+        xi = x.clone().requires_grad_()
+        model.zero_grad()
+        model(xi).backward(g)
+        return torch.cat([xi.grad.flatten(), *(p.grad.flatten() for p in model.parameters())])
+
+    want_rel = float((flat(oracle) - flat(m)).norm() / flat(m).norm())
+    opts = {"mode": "truncated", "window": W, "shard_size": 5, "inner": "eager", "verify": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AdjointVerifyReport)
+        rep = ac.explain(m, x, options=opts)
+    assert rep.fidelity["tensors"] == 1 + len(list(m.parameters())) and not rep.fidelity["missing"]
+    assert want_rel > 1e-4 and rep.fidelity["grad_rel_err"] == pytest.approx(want_rel, rel=1e-9)
+    assert rep.fidelity["grad_cosine"] < 1 - 1e-8
+    assert "fidelity (all gradients against eager autograd)" in str(rep) and "fidelity" in rep.to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AdjointVerifyReport)
+        rep = ac.explain(m, x, options=dict(opts, mode="exact", window=None))
+    assert rep.fidelity["grad_rel_err"] < 1e-12
