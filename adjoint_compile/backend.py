@@ -29,7 +29,7 @@ from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_b
 
 from . import options as _options
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
-from .errors import AdjointCompileWarning
+from .errors import AdjointCompileWarning, AdjointVerifyReport
 from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
 from .passes import decide
@@ -39,6 +39,7 @@ from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
 from .regions import Region, Rejection
+from .runtime.verify import copy_graph_module, graph_fidelity
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +65,36 @@ class CompiledGraph:
     specializations: list["CompiledGraph"] = dataclasses.field(default_factory=list)
     #: order of creation in this process (reports list graphs oldest first).
     seq: int = dataclasses.field(default_factory=lambda: next(_sequence))
+    #: ``verify=True``: the whole graph's gradients against plain autograd of the captured graph, from its first
+    #: call (runtime/verify.py); None before it, or when nothing was rewritten.
+    fidelity: dict[str, Any] | None = None
 
 
 class CompiledGraphFn:
     """The callable handed back to dynamo: runs the compiled graph and carries its :class:`CompiledGraph` (dynamo
     keeps it in the compiled frame's globals, where ``adjoint_compile.report`` finds it)."""
 
-    def __init__(self, result: CompiledGraph) -> None:
+    def __init__(self, result: CompiledGraph, original: fx.GraphModule | None = None) -> None:
         self.result = result
         self._fn = result.fn
+        #: ``verify=True``: the graph as captured, compared with the rewritten one on the first call, then dropped
+        self._original = original
 
     def __call__(self, *args: Any) -> Any:
+        if self._original is not None:
+            original, self._original = self._original, None
+            self._verify(original, args)
         return self._fn(*args)
+
+    def _verify(self, original: fx.GraphModule, args: tuple) -> None:
+        fid = graph_fidelity(original, self._fn, args)
+        self.result.fidelity = fid
+        log.info("adjoint-compile verify: the whole graph's gradients against plain autograd: %s", fid)
+        warnings.warn(AdjointVerifyReport(
+            f"adjoint-compile verify: whole graph ({len(self.result.lowered)} rewritten region call(s), mode="
+            f"{self.result.options.mode if self.result.options else '?'}) against plain autograd: gradient relative "
+            f"error {fid['grad_rel_err']:.3g}, cosine {fid['grad_cosine']:.6g} over {fid['tensors']} tensor(s); "
+            f"worst {fid['worst']} ({fid['worst_rel_err']:.3g})"), stacklevel=3)
 
 
 def recognize(captured: Captured, opts: Options) -> tuple[list[Region], list[Rejection]]:
@@ -179,7 +198,11 @@ def adjoint_backend(
     if mode not in (None, "default"):
         warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
                       f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
-    return CompiledGraphFn(run_pipeline(gm, example_inputs, opts))
+    original = copy_graph_module(gm) if opts.verify else None
+    result = run_pipeline(gm, example_inputs, opts)
+    # NB: graphs with symbolic sizes are verified per specialization by their regions only
+    keep = original is not None and bool(result.lowered) and not isinstance(result.fn, _Specializing)
+    return CompiledGraphFn(result, original if keep else None)
 
 
 #: polyfills.active() looks for this mark on the compiler dynamo traces for

@@ -27,6 +27,7 @@ from . import polyfills
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
 from .regions import Region, Rejection
+from .runtime.verify import compare_grads, copy_graph_module, grads_of
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,11 @@ class Report:
     graph_index: list[int] = dataclasses.field(default_factory=list)
     #: the pipeline's record of each graph, in the order of ``graphs``.
     compiled: list[CompiledGraph] = dataclasses.field(default_factory=list, repr=False)
-    #: ``explain(..., options={"verify": True})`` only: the whole model's gradients (every parameter and float input)
-    #: against eager autograd: ``grad_rel_err`` (‖g − g_eager‖ / ‖g_eager‖ over all of them), ``grad_cosine``,
-    #: ``worst`` (the tensor with the largest relative error) and its ``worst_rel_err``.
+    #: with ``verify=True``: all gradients against plain autograd (runtime/verify.py's ``compare_grads``:
+    #: ``grad_rel_err`` = ‖g − g_exact‖ / ‖g_exact‖ over all of them, ``grad_cosine``, ``worst`` and its
+    #: ``worst_rel_err``). ``explain``: the whole model (every parameter and float input) against eager;
+    #: ``report``: the graph's first call against its captured graph, when exactly one graph has these figures
+    #: (else see ``compiled[i].fidelity``).
     fidelity: dict[str, Any] | None = None
 
     @classmethod
@@ -71,9 +74,10 @@ class Report:
         """The report of these pipeline records (``graphs``: what to show as each one's graph)."""
         regions = [r for c in compiled for r in c.regions]
         index = [i for i, c in enumerate(compiled) for _ in c.regions]
+        figures = [c.fidelity for c in compiled if c.fidelity is not None]
         return cls(regions, [j for c in compiled for j in c.rejections],
                    graphs if graphs is not None else [c.captured.gm for c in compiled], list(graph_breaks or []),
-                   options, index, list(compiled))
+                   options, index, list(compiled), figures[0] if len(figures) == 1 else None)
 
     def to_dict(self) -> dict[str, Any]:
         regions = []
@@ -84,7 +88,9 @@ class Report:
         return {
             "options": self.options.to_dict(),
             "graphs": [{"index": i, "nodes": len(g.graph.nodes),
-                        "normalized": self.compiled[i].captured.normalized if i < len(self.compiled) else {}}
+                        "normalized": self.compiled[i].captured.normalized if i < len(self.compiled) else {},
+                        **({"fidelity": self.compiled[i].fidelity}
+                           if i < len(self.compiled) and self.compiled[i].fidelity is not None else {})}
                        for i, g in enumerate(self.graphs)],
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
             "regions": regions,
@@ -158,19 +164,11 @@ class Report:
                       for i, b in enumerate(self.graph_breaks)]
         if self.fidelity is not None:
             f = self.fidelity
-            lines.append(f"fidelity (all gradients against eager autograd): relative error {f['grad_rel_err']:.3g}, "
+            lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
                          f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})")
         return "\n".join(lines)
 
     __repr__ = __str__
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with its own graph (node meta copied shallowly), for the pipeline to rewrite."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 def _graph_breaks(explain_output: Any) -> list[GraphBreak]:
@@ -213,7 +211,8 @@ def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) 
     figures into ``rep`` and put the whole model's into ``rep.fidelity``."""
     torch._dynamo.reset()
     fn = torch.compile(model_or_fn, backend="adjoint", options=dict(options))
-    got = _all_grads(fn, model_or_fn, example_inputs)
+    params = dict(model_or_fn.named_parameters()) if isinstance(model_or_fn, torch.nn.Module) else {}
+    got = _all_grads(fn, params, example_inputs)
     ran = report(fn)
     figures = {(ran.graph_index[i], r.name): r.details["fidelity"] for i, r in enumerate(ran.regions)
                if "fidelity" in r.details}
@@ -221,39 +220,17 @@ def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) 
         if (rep.graph_index[i], r.name) in figures:
             r.details["fidelity"] = dict(figures[rep.graph_index[i], r.name])
     torch._dynamo.reset()
-    rep.fidelity = _compare(got, _all_grads(model_or_fn, model_or_fn, example_inputs))
+    rep.fidelity = compare_grads(got, _all_grads(model_or_fn, params, example_inputs))
     log.info("adjoint-compile verify: all gradients against eager autograd: %s", rep.fidelity)
 
 
-def _all_grads(run: Callable[..., Any], model_or_fn: Any, example_inputs: tuple) -> dict[str, torch.Tensor]:
-    """Gradients of Σ ⟨output, fixed random cotangent⟩ (one RNG state for every run) w.r.t. every parameter of
-    ``model_or_fn`` (when it is a module) and every floating-point input."""
-    params = dict(model_or_fn.named_parameters()) if isinstance(model_or_fn, torch.nn.Module) else {}
+def _all_grads(run: Callable[..., Any], params: dict[str, torch.Tensor], example_inputs: tuple) -> dict[str, Any]:
+    """Gradients w.r.t. every parameter and floating-point input (runtime.verify.grads_of's cotangents)."""
     xs = [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
           for x in example_inputs]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        out = run(*xs)
-    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-    gen = torch.Generator().manual_seed(1)
-    cots = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
-    wrt = {**{f"input {i}": x for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad},
-           **{n: p for n, p in params.items() if p.requires_grad}}
-    grads = torch.autograd.grad(outs, list(wrt.values()), cots, allow_unused=True) if outs else []
-    return {n: g.detach() for n, g in zip(wrt, grads) if g is not None}
-
-
-def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
-    names = [n for n in want if n in got]
-    a = torch.cat([got[n].double().flatten() for n in names]) if names else torch.zeros(1, dtype=torch.float64)
-    b = torch.cat([want[n].double().flatten() for n in names]) if names else torch.zeros(1, dtype=torch.float64)
-    rel = {n: float((got[n].double() - want[n].double()).norm() / want[n].double().norm().clamp_min(1e-30))
-           for n in names}
-    worst = max(rel, key=rel.get, default="")
-    return {"grad_rel_err": float((a - b).norm() / b.norm().clamp_min(1e-30)),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
-            "worst": worst, "worst_rel_err": rel.get(worst, 0.0), "tensors": len(names),
-            "missing": sorted(set(want) ^ set(got))}
+    named = {**{f"input {i}": x for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad},
+             **{n: p for n, p in params.items() if p.requires_grad}}
+    return grads_of(run, xs, named)
 
 
 def report(compiled_model: Any) -> Report:
