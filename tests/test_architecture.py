@@ -28,7 +28,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                  "passes.noop_ops", "passes.buffer_writes", "passes.reroll_readouts")),
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
-    ("lower", ("passes.lower", "passes.lower_adjoint")),
+    ("lower", ("passes.lower", "passes.lower_adjoint", "passes.lower_highway")),
     ("stitch", ("passes.partition",)),
     ("backend", ("backend",)),
     ("user", ("", "explain", "cli", "demo", "measure")),

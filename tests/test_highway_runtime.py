@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from highway_oracle import levels_oracle
+
 from adjoint_compile.runtime.highway import HighwayStats, StepChain, cumsumprod, highway_scan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -33,21 +35,6 @@ def gru_g(h, x_t, W):
     z = torch.sigmoid(z_x + z_h)
     n = torch.tanh(n_x + r * n_h)
     return z, (1 - z) * n
-
-
-def levels_oracle(g, r, h0, xs, k):
-    """States of level k of the chain h_t = r(h_{t-1}, g(h_{t-1}, x_t)) (module docstring)."""
-    with torch.no_grad():
-        prev = [h0]
-        for t in range(len(xs)):
-            prev.append(r(prev[-1], g(prev[-1], xs[t])))
-    prev = [p.detach() for p in prev]  # level -1
-    for _ in range(k + 1):
-        cur = [h0]
-        for t in range(len(xs)):
-            cur.append(r(cur[-1], g(prev[t], xs[t])))
-        prev = cur
-    return torch.stack(prev[1:])
 
 
 def _gru_problem(T=7, B=3, H=4, seed=0):

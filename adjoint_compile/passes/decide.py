@@ -44,11 +44,14 @@ TABLE: dict[tuple[str, str], Plan] = {
                                               "is Highway-BP (mode='highway', not implemented yet)"),
     **{(mode, kind): Plan("none", _NOT_YET) for mode in ("truncated", "highway")
        for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
+    # NB: a linear recurrence's J is zero (its coefficient does not depend on h): Highway-BP is its exact adjoint
+    ("highway", "linear_recurrence"): Plan("adjoint"),
+    ("highway", "gated_recurrence"): Plan("highway"),
 }
 
 #: modes whose rewrites recompute parts of the forward in the backward: capture makes their dropout masks
 #: reproducible (passes/seeded_dropout.py).
-RECOMPUTING_MODES = frozenset({"exact"})
+RECOMPUTING_MODES = frozenset({"exact", "highway"})
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
@@ -97,6 +100,8 @@ def declines(memory: dict[str, int], shards: int) -> str:
 
 
 def _lowered_reason(r: Region, out: Lowered) -> str:
+    if out.note:
+        return out.note
     mem = out.memory
     why = (f"sharded exact adjoint: {out.scans} scan(s), {out.nodes} nodes, shard_size={out.shard_size} of "
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
@@ -129,7 +134,7 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
             # NB: the lowering's grouping replaces recognition's neighbourhood groups for what was lowered
             r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
-                              "expected_memory_bytes": dict(out.memory)})
+                              "expected_memory_bytes": dict(out.memory), **out.details})
             continue
         r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
         if isinstance(out, NotLowered) and out.memory:

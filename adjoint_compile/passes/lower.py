@@ -27,6 +27,7 @@ from ..regions import Lowered, NotLowered, Region
 from .capture import Captured
 from .decide import Plan
 from .lower_adjoint import lower_recurrences
+from .lower_highway import lower_highway
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ Lowering = Callable[[fx.GraphModule, list, Options], "list[Lowered | NotLowered]
 #: rewrite name -> the lowering that applies it to the regions planned for it.
 LOWERINGS: dict[str, Lowering] = {
     "adjoint": lower_recurrences,
+    "highway": lower_highway,
 }
 
 

@@ -235,3 +235,23 @@ def highway_scan(chain: StepChain, init: Sequence[Tensor], xs: Sequence[Tensor],
     """Run the recurrence over dim 0 of ``xs``: returns (final carries..., ys stacked on dim 0...), like torch's
     ``scan``; its backward is Highway-BP with ``chain.iterations``."""
     return _ScanFn.apply(chain, len(init), len(xs), *init, *xs, *extra)
+
+
+class HighwayScan(torch.nn.Module):
+    """A graph's ``scan`` call replaced by Highway-BP: called with (init..., xs..., extra...) like the scan op, it
+    returns the op's list (final carries..., ys...).  ``step_module`` is the scan's step sub-graph (kept for
+    reports); ``chain`` holds the split (passes/lower_highway.py)."""
+
+    def __init__(self, chain: StepChain, n_carries: int, n_xs: int, step_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.chain, self.n = chain, (n_carries, n_xs)
+        self.step_module = step_module
+        self.label = ""
+
+    @property
+    def stats(self) -> HighwayStats:
+        return self.chain.stats
+
+    def forward(self, *args: Any) -> list[Tensor]:
+        n_c, n_x = self.n
+        return list(highway_scan(self.chain, args[:n_c], args[n_c:n_c + n_x], args[n_c + n_x:]))

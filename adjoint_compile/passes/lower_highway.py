@@ -1,0 +1,203 @@
+"""Highway mode lowering: a gated recurrence written as torch's ``scan`` becomes one call of the Highway-BP runtime.
+
+Before::
+
+    scan = torch.ops.higher_order.scan(scan_combine_fn_0, [h0], [xs], [W, b])
+    out = scan[1]
+
+After::
+
+    highway_region_0 = HighwayScan(...)          # runtime/highway.py
+    scan = self.highway_region_0(h0, xs, W, b)   # same results; its backward is Highway-BP with k iterations
+    out = scan[1]
+
+The split f(h) = r(h, g(h)) of each carry is read from the step sub-graph (Highway-BP Table 1): a gated carry
+h' = z1 ⊙ h + z2 (z depending on the state) has g = [z1, z2], r = z1 ⊙ h + z2 and K = diag(z1); a carry that is not
+affine in itself (an LSTM's h beside its cell c) has g = its new value and r = z (K = 0), as Table 1's LSTM.  Every
+per-step output must be a new state (the usual ``return h, h.clone()``); anything else, or a random op in the step
+(its recomputation in the backward would draw new numbers), keeps ordinary autograd with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..analysis.affine import Const, Expr, UpdateForm, classify_update
+from ..analysis.fx import example_value as _ev
+from ..analysis.fx import reachable
+from ..analysis.optable import fn_name, op_name
+from ..options import Options
+from ..regions import PROVENANCE, Lowered, NotLowered, Region
+from ..runtime.highway import HighwayScan, StepChain
+from .find_recurrences import is_scan_hop
+
+log = logging.getLogger(__name__)
+
+__all__ = ["lower_highway", "PATHS"]
+
+#: what k means, for reports (README "Highway-BP").
+PATHS = "gradient = the sum over all backward paths through at most {k} Jacobian(s) of the blocks g"
+
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson")
+
+
+class _Refused(Exception):
+    pass
+
+
+def _sub(gm: fx.GraphModule, ref: Any) -> fx.GraphModule:
+    if isinstance(ref, fx.Node) and ref.op == "get_attr":
+        m = gm
+        for part in str(ref.target).split("."):
+            m = getattr(m, part, None)
+        if isinstance(m, fx.GraphModule):
+            return m
+    raise _Refused("the scan's step function is not a readable sub-graph")
+
+
+def _slot(e: Expr | None) -> tuple[str, Any]:
+    if e is None:
+        return ("zero", None)
+    if isinstance(e, Const):
+        return ("const", e.value)
+    return ("slot", e)
+
+
+def _y_of(ys: list[Any], news: list[Any]) -> list[int]:
+    out = []
+    for j, y in enumerate(ys):
+        base = y.args[0] if isinstance(y, fx.Node) and op_name(y) in ("clone", "contiguous") else y
+        if not any(base is n for n in news):
+            raise _Refused(f"per-step output {j} of the scan is not a new state (Highway-BP treats per-step losses "
+                           f"on the states only)")
+        out.append(next(c for c, n in enumerate(news) if base is n))
+    return out
+
+
+def _chain(sub: fx.GraphModule, n_c: int, forms: list[UpdateForm], news: list[fx.Node], y_of: list[int],
+           opts: Options) -> StepChain:
+    plans = [None if f.kind == "general" else (_slot(f.coef), _slot(f.offset)) for f in forms]
+
+    def step(h: list, x: list, ex: list) -> tuple[list, list]:
+        out = sub(*h, *x, *ex)
+        return list(out[:n_c]), list(out[n_c:])
+
+    def g(h: list, x: list, ex: list) -> list:
+        it = fx.Interpreter(sub, garbage_collect_values=False)
+        it.run(*h, *x, *ex)
+        env = it.env.__getitem__
+        Z = []
+        for c, p in enumerate(plans):
+            if p is None:
+                Z.append(env(news[c]))
+                continue
+            Z += [e.evaluate(env) for kind, e in p if kind == "slot"]
+        return Z
+
+    def r(h: list, Z: list) -> list:
+        it = iter(Z)
+        out = []
+        for c, p in enumerate(plans):
+            if p is None:
+                out.append(next(it))
+                continue
+            (ck, cv), (ok, ov) = p
+            coef = next(it) if ck == "slot" else cv
+            new = coef * h[c] if ck != "zero" else torch.zeros_like(h[c])
+            if ok != "zero":
+                new = new + (next(it) if ok == "slot" else ov)
+            out.append(new)
+        return out
+
+    return StepChain(step, g, r, y_of, opts.iterations or 0)
+
+
+def describe(forms: list[UpdateForm]) -> list[dict[str, str]]:
+    """Per carry: its form, r and K, for ``explain()``."""
+    out = []
+    for f in forms:
+        if f.kind == "general":
+            out.append({"form": "state (z)", "r": "z", "K": "0"})
+        else:
+            a, b = str(f.coef), "0" if f.offset is None else str(f.offset)
+            out.append({"form": f.kind, "r": f"z1 ⊙ h + z2 (z1 = {a}, z2 = {b})", "K": f"diag({a})"})
+    return out
+
+
+def lower_scan(gm: fx.GraphModule, scan: fx.Node, opts: Options) -> Lowered:
+    """Replace one ``scan`` node by a :class:`~adjoint_compile.runtime.highway.HighwayScan` call (raises
+    :class:`_Refused` with the reason, the graph untouched)."""
+    sub = _sub(gm, scan.args[0])
+    init, xs = list(scan.args[1]), list(scan.args[2])
+    extra = list(scan.args[3]) if len(scan.args) > 3 else list(scan.kwargs.get("additional_inputs", []))
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    results = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    n_c = len(init)
+    if not xs or len(phs) != n_c + len(xs) + len(extra) or len(results) < n_c:
+        raise _Refused("the scan's step sub-graph does not match its arguments")
+    for n in sub.graph.nodes:
+        if n.op in ("call_function", "call_method") and any(w in (op_name(n) or fn_name(n)) for w in _RANDOM):
+            raise _Refused(f"the step draws random numbers ({op_name(n) or fn_name(n)} at node {n.name}); Highway-BP recomputes "
+                           f"the step in the backward")
+    carries, news = phs[:n_c], results[:n_c]
+    depends = reachable(list(carries)).__contains__
+    forms = [classify_update(new, c, depends) if isinstance(new, fx.Node) else UpdateForm("general")
+             for new, c in zip(news, carries)]
+    if all(f.kind == "general" for f in forms):
+        raise _Refused("no carry of the scan is of the form z1 ⊙ h + z2 (K would be 0: no highway)")
+    y_of = _y_of(results[n_c:], news)
+    mod = HighwayScan(_chain(sub, n_c, forms, news, y_of, opts), n_c, len(xs), sub)
+    name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
+    mod.label = name
+    gm.add_submodule(name, mod)
+    with gm.graph.inserting_before(scan):
+        call = gm.graph.call_module(name, tuple(init + xs + extra))
+    call.meta = dict(scan.meta)
+    shape = getattr(_ev(xs[0]), "shape", None)
+    parts = describe(forms)
+    call.meta[PROVENANCE] = {"rewrite": "highway", "scan": scan.name, "iterations": opts.iterations,
+                             "carries": parts}
+    scan.replace_all_uses_with(call)
+    ref = scan.args[0]
+    gm.graph.erase_node(scan)
+    if isinstance(ref, fx.Node) and not ref.users:
+        gm.graph.erase_node(ref)
+    steps = int(shape[0]) if shape is not None else None
+    return Lowered(rewrite="highway", call=call.name, members=frozenset({scan.name}), steps=steps,
+                   nodes=sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output")),
+                   note=_note(opts, parts, steps), details={"iterations": opts.iterations, "highway_carries": parts})
+
+
+def _note(opts: Options, parts: list[dict[str, str]], length: int | None) -> str:
+    k = opts.iterations or 0
+    forms = "; ".join(f"{p['form']}: r = {p['r']}, K = {p['K']}" for p in parts)
+    exact = " (exact: k >= length)" if length is not None and k >= length else ""
+    return f"Highway-BP k={k}{exact}: {forms}; {PATHS.format(k=k)}"
+
+
+def lower_highway(gm: fx.GraphModule, regions: list[Region], opts: Options) -> list[Lowered | NotLowered]:
+    """One outcome per region planned "highway" (passes/decide.py), in order."""
+    out: list[Lowered | NotLowered] = []
+    done: dict[fx.Node, Lowered | NotLowered] = {}
+    for r in regions:
+        scan = next((n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)), None)
+        if r.kind != "gated_recurrence" or scan is None:
+            out.append(NotLowered(f"highway mode rewrites gated recurrences written as torch's scan so far; a "
+                                  f"{r.kind} from source {r.source!r} keeps ordinary autograd"))
+            continue
+        if scan not in done:
+            try:
+                done[scan] = lower_scan(gm, scan, opts)
+            except _Refused as e:
+                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", scan.name, e)
+                done[scan] = NotLowered(str(e))
+        out.append(done[scan])
+    if any(isinstance(o, Lowered) for o in out):
+        gm.graph.lint()
+        gm.recompile()
+    return out

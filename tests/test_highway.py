@@ -1,0 +1,185 @@
+"""mode="highway" end to end (issue 12): torch.compile(..., backend="adjoint", options={"mode": "highway",
+"iterations": k}) against the levels oracle (tests/highway_oracle.py), every parameter gradient by name."""
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from highway_oracle import levels_oracle
+from torch._higher_order_ops.scan import scan
+
+import adjoint_compile as ac
+from adjoint_compile.runtime.highway import HighwayScan
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
+
+
+def _grads(model, x, loss_fn):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    loss_fn(model(x)).backward()
+    out = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+    out["<input>"] = x.grad.clone()
+    return out
+
+
+def _compiled_grads(model, x, loss_fn, k, **extra):
+    torch._dynamo.reset()
+    c = torch.compile(model, backend="adjoint", options={"mode": "highway", "iterations": k, "inner": "eager",
+                                                         **extra})
+    return _grads(c, x, loss_fn), c
+
+
+def _assert_same(got, want, what):
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=f"{what}: {n}")
+
+
+def _gru_scan_oracle(m, x, k):
+    """GRUScan (examples/gru_scan.py) through the levels oracle: g = [z, (1 - z) ⊙ n], r = z1 ⊙ h + z2."""
+    H = m.d_hidden
+
+    def g(h, gx_t):
+        r_x, z_x, n_x = gx_t.chunk(3, -1)
+        r_h, z_h, n_h = m.hh(h).chunk(3, -1)
+        r = torch.sigmoid(r_x + r_h)
+        z = torch.sigmoid(z_x + z_h)
+        n = torch.tanh(n_x + r * n_h)
+        return z, (1 - z) * n
+
+    gx = m.ih(x).transpose(0, 1)
+    hs = levels_oracle(g, lambda h, z: z[0] * h + z[1], x.new_zeros(x.shape[0], H), list(gx), k)
+    return hs.transpose(0, 1)
+
+
+def _gru_loop(m, x, _):
+    """GRUScan's forward as a plain Python loop (torch's scan in eager mode would itself call torch.compile)."""
+    gx, h, out = m.ih(x), x.new_zeros(x.shape[0], m.d_hidden), []
+    for t in range(x.shape[1]):
+        r_x, z_x, n_x = gx[:, t].chunk(3, -1)
+        r_h, z_h, n_h = m.hh(h).chunk(3, -1)
+        r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+        h = (1 - z) * torch.tanh(n_x + r * n_h) + z * h
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+class _Oracle(nn.Module):
+    def __init__(self, m, k, fn):
+        super().__init__()
+        self.m, self.k, self.fn = m, k, fn
+
+    def forward(self, x):
+        return self.fn(self.m, x, self.k)
+
+
+def _named(oracle_grads):
+    return {n.removeprefix("m."): v for n, v in oracle_grads.items()}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 12])
+def test_gru_scan_matches_the_levels_oracle(k):
+    torch.manual_seed(0)
+    ex = _example("gru_scan")
+    m, x = ex["make"](), torch.randn(3, 12, 8)
+    proj = torch.randn(3, 12, 16)
+    loss = lambda y: (y * proj).sum() + y[:, -1].pow(2).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, k)
+    want = _named(_grads(_Oracle(m, k, _gru_scan_oracle), x, loss))
+    _assert_same(got, want, f"k={k}")
+    rep = ac.report(c)
+    (r,) = rep.regions
+    assert (r.kind, r.source, r.rewrite) == ("gated_recurrence", "scan", "highway")
+    assert f"k={k}" in r.reason and "K = diag(z)" in r.reason and f"at most {k} Jacobian" in r.reason
+    assert r.details["iterations"] == k
+
+
+def test_gru_scan_k_at_least_the_length_is_ordinary_autograd():
+    torch.manual_seed(1)
+    ex = _example("gru_scan")
+    m, x = ex["make"](), torch.randn(2, 12, 8)
+    loss = lambda y: y.sin().sum()  # noqa: E731
+    got, _ = _compiled_grads(m, x, loss, 12)
+    _assert_same(got, _named(_grads(_Oracle(m, None, _gru_loop), x, loss)), "k=T vs autograd")
+    few, _ = _compiled_grads(m, x, loss, 1)
+    assert not torch.allclose(few["hh.weight"], got["hh.weight"], rtol=1e-3, atol=1e-5)
+
+
+class _TanhRNN(nn.Module):
+    """A negative twin: h' = tanh(W h + x) is not of the form z1 ⊙ h + z2 (no highway)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hh = nn.Linear(16, 16)
+
+    def forward(self, x):
+        def step(h, x_t):
+            h = torch.tanh(self.hh(h) + x_t)
+            return h, h.clone()
+        return scan(step, x.new_zeros(x.shape[0], 16), x, dim=1)[1]
+
+
+def test_a_tanh_rnn_keeps_ordinary_autograd():
+    torch.manual_seed(2)
+    m, x = _TanhRNN(), torch.randn(2, 6, 16)
+    loss = lambda y: y.sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, 0)
+    _assert_same(got, _grads(m, x, loss), "tanh RNN")
+    assert not ac.report(c).regions or all(r.rewrite == "none" for r in ac.report(c).regions)
+
+
+class _LinearScan(nn.Module):
+    """A linear recurrence written as torch's scan: in highway mode it keeps the exact adjoint (J = 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+
+        def step(h, ab):
+            h = ab[0] * h + ab[1]
+            return h, h.clone()
+        return scan(step, x.new_zeros(x.shape[0], 8), (a, b), dim=1)[1]
+
+
+def test_a_linear_recurrence_keeps_the_exact_adjoint_in_highway_mode():
+    torch.manual_seed(3)
+    m, x = _LinearScan(), torch.randn(2, 10, 8)
+    loss = lambda y: y.pow(2).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, 0)
+    _assert_same(got, _grads(m, x, loss), "linear recurrence, k=0")
+    (r,) = ac.report(c).regions
+    assert (r.kind, r.rewrite) == ("linear_recurrence", "adjoint")
+
+
+def test_explain_reports_highway_k_form_and_K():
+    torch.manual_seed(0)
+    ex = _example("gru_scan")
+    rep = ac.explain(ex["make"](), *ex["example_inputs"](), options={"mode": "highway", "iterations": 3})
+    (r,) = rep.regions
+    assert r.rewrite == "highway"
+    assert r.details["highway_carries"] == [{"form": "gated", "r": "z1 ⊙ h + z2 (z1 = z, z2 = mul_1)",
+                                             "K": "diag(z)"}]
+    assert "Highway-BP k=3" in str(rep)
+
+
+def test_the_runtime_module_is_in_the_compiled_graph():
+    torch.manual_seed(0)
+    ex = _example("gru_scan")
+    m, x = ex["make"](), torch.randn(2, 12, 8)
+    _, c = _compiled_grads(m, x, lambda y: y.sum(), 2)
+    (rec,) = ac.report(c).compiled
+    mods = [mm for mm in rec.captured.gm.modules() if isinstance(mm, HighwayScan)]
+    assert len(mods) == 1 and mods[0].stats.iterations == 2 and mods[0].stats.calls == 1
