@@ -183,3 +183,30 @@ def test_the_runtime_module_is_in_the_compiled_graph():
     (rec,) = ac.report(c).compiled
     mods = [mm for mm in rec.captured.gm.modules() if isinstance(mm, HighwayScan)]
     assert len(mods) == 1 and mods[0].stats.iterations == 2 and mods[0].stats.calls == 1
+
+
+class GRULoop(nn.Module):
+    """The same GRU as a Python loop that dynamo unrolls."""
+
+    def __init__(self, d_in=8, H=16):
+        super().__init__()
+        self.d_hidden = H
+        self.ih, self.hh = nn.Linear(d_in, 3 * H), nn.Linear(H, 3 * H)
+
+    def forward(self, x):
+        return _gru_loop(self, x, None)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 7])
+def test_gru_unrolled_loop_matches_the_levels_oracle(k):
+    torch.manual_seed(4)
+    m, x = GRULoop(), torch.randn(3, 7, 8)
+    proj = torch.randn(3, 7, 16)
+    loss = lambda y: (y * proj).sum() + y[:, 3].pow(2).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, k)
+    want = _named(_grads(_Oracle(m, k, _gru_scan_oracle), x, loss))
+    _assert_same(got, want, f"loop k={k}")
+    (r,) = ac.report(c).regions
+    assert (r.kind, r.source, r.rewrite) == ("gated_recurrence", "unrolled_loop", "highway")
+    if k >= 7:
+        _assert_same(got, _named(_grads(_Oracle(m, None, _gru_loop), x, loss)), "loop k=T vs autograd")

@@ -28,10 +28,11 @@ import torch.fx as fx
 
 from ..analysis.affine import Const, Expr, UpdateForm, classify_update
 from ..analysis.fx import example_value as _ev
-from ..analysis.fx import reachable
+from ..analysis.fx import hinted_shape, reachable
+from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.optable import fn_name, op_name
 from ..options import Options
-from ..regions import PROVENANCE, Lowered, NotLowered, Region
+from ..regions import PROVENANCE, Lowered, NotLowered, PerStepSlice, Recurrence, Region
 from ..runtime.highway import HighwayScan, StepChain
 from .find_recurrences import is_scan_hop
 
@@ -180,12 +181,135 @@ def _note(opts: Options, parts: list[dict[str, str]], length: int | None) -> str
     return f"Highway-BP k={k}{exact}: {forms}; {PATHS.format(k=k)}"
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# a loop dynamo unrolled: the template step (passes/unrolled.py's recipe) becomes the step function
+
+
+def _seq(gm: fx.GraphModule, x: PerStepSlice, n_slots: int, T: int) -> fx.Node:
+    """The whole sequence [T, ...] that the per-step slice ``x.node`` reads (``x[:, t]``, ``select``, an unbind
+    item), emitted before ``x.node``'s source is used (the caller re-sorts the graph)."""
+    slot = x.node
+    if n_slots != 1 or x.first_step != 1 or x.stride not in (1, -1) or not isinstance(x.start, int):
+        raise _Refused(f"the per-step slice {slot.name} is not one index stepping by 1 from the first step")
+    src, dim = None, None
+    if slot.target is operator.getitem and len(slot.args) == 2:
+        base, idx = slot.args
+        if isinstance(base, fx.Node) and (fn_name(base) == "unbind") and isinstance(idx, int):
+            src, dim = base.args[0], base.args[1] if len(base.args) > 1 else base.kwargs.get("dim", 0)
+        else:
+            idx = idx if isinstance(idx, tuple) else (idx,)
+            ints = [i for i, v in enumerate(idx) if isinstance(v, int)]
+            if len(ints) == 1 and all(v == slice(None) for i, v in enumerate(idx) if i != ints[0]):
+                src, dim = base, ints[0]
+    elif fn_name(slot) == "select" and len(slot.args) == 3:
+        src, dim = slot.args[0], slot.args[1]
+    shape = hinted_shape(src) if isinstance(src, fx.Node) else None
+    if shape is None or not isinstance(dim, int):
+        raise _Refused(f"the per-step slice {slot.name} is not x[:, t], select or an unbind item")
+    dim %= len(shape)
+    start = x.start + shape[dim] if x.start < 0 else x.start
+    lo = start if x.stride == 1 else start - T + 1
+    if not 0 <= lo <= shape[dim] - T:
+        raise _Refused(f"the per-step slice {slot.name} reads steps {lo}..{lo + T - 1} of {shape[dim]}")
+    with gm.graph.inserting_after(src):
+        seq = gm.graph.call_function(torch.movedim, (src, dim, 0))
+    with gm.graph.inserting_after(seq):
+        seq = gm.graph.call_function(torch.narrow, (seq, 0, lo, T))
+    if x.stride == -1:
+        with gm.graph.inserting_after(seq):
+            seq = gm.graph.call_function(torch.flip, (seq, [0]))
+    return seq
+
+
+def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
+    """Replace an unrolled loop (a gated recurrence with a re-roll recipe) by one HighwayScan call."""
+    rec = r.reroll
+    if rec is None or rec.h0 is None or not rec.first_step_matched or len(rec.states) < 2:
+        raise _Refused("the loop's steps are not all the same (its first step differs) or it has no initial state")
+    if rec.rotated or len(rec.carried) != 1 or rec.carried[0][0] is not rec.states[0]:
+        raise _Refused("the loop carries more than its one state (e.g. an LSTM's h and c): not supported yet")
+    states, T = rec.states, len(rec.states)
+    prev, new = rec.states[0], rec.states[1]
+    slots = [x.node for x in rec.xs]
+    outer = [rec.h0, *rec.shared, *(x.source for x in rec.xs if x.source is not None)]
+    pre = reachable(outer, forward=False)
+    loop = {n for n in reachable(states[-1], forward=False) - pre if n.op not in ("placeholder", "get_attr")}
+    for n in loop:
+        if n not in states and any(u not in loop for u in n.users):
+            raise _Refused(f"the loop's value {n.name} is used after the loop (only its states may be)")
+    # the step function: the template step with its state, slices and shared values as placeholders
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {prev: g.placeholder("h")}
+    env.update({s: g.placeholder(f"x{j}") for j, s in enumerate(slots)})
+    env.update({s: g.placeholder(f"w{j}") for j, s in enumerate(rec.shared)})
+    inside = set(rec.template_step)
+    for n in rec.template_step:
+        if n in env:
+            continue
+        for a in n.all_input_nodes:
+            if a not in env:
+                raise _Refused(f"the template step reads {a.name}, which is neither its state, a slice nor shared")
+        env[n] = g.node_copy(n, env.__getitem__)
+    if new not in inside:
+        raise _Refused("the template step does not end in the loop's state")
+    g.output([env[new], env[new]])
+    sub = fx.GraphModule(gm, g)
+    carry = env[prev]
+    form = classify_update(env[new], carry, reachable([carry]).__contains__)
+    if form.kind == "general":
+        raise _Refused(f"the step is not of the form z1 ⊙ h + z2: {form.reason}")
+    seqs = [_seq(gm, x, sum(1 for y in rec.xs if y.node is x.node), T) for x in rec.xs]
+    mod = HighwayScan(_chain(sub, 1, [form], [env[new]], [0], opts), 1, len(seqs), sub)
+    name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
+    mod.label = name
+    gm.add_submodule(name, mod)
+    G = gm.graph
+    with G.inserting_after(states[-1]):
+        call = G.call_function(operator.getitem, (None, 0))  # placeholder node, replaced below
+    with G.inserting_before(call):
+        region = G.call_module(name, (rec.h0, *seqs, *rec.shared))
+    call.args = (region, 1)
+    ys = call
+    stack = rec.stacked_by
+    for t, st in enumerate(states):
+        for u in list(st.users):
+            if u in loop:
+                continue
+            if stack and u.name == stack["node"] and stack["op"] == "stack" and list(u.args[0]) == states:
+                with G.inserting_before(u):
+                    whole = G.call_function(torch.movedim, (ys, 0, stack["dim"]))
+                whole.meta = dict(u.meta)
+                u.replace_all_uses_with(whole)
+                G.erase_node(u)
+                continue
+            with G.inserting_before(u):
+                sel = G.call_function(torch.select, (ys, 0, t))
+            sel.meta = dict(st.meta)
+            u.replace_input_with(st, sel)
+    for n in reversed(list(G.nodes)):
+        if n in loop and not n.users:
+            G.erase_node(n)
+    _toposort(G)
+    parts = describe([form])
+    region.meta[PROVENANCE] = {"rewrite": "highway", "loop": r.name, "iterations": opts.iterations}
+    return Lowered(rewrite="highway", call=region.name, members=frozenset(n.name for n in r.nodes), steps=T,
+                   nodes=len(g.nodes) - 2 - len(slots) - len(rec.shared), note=_note(opts, parts, T),
+                   details={"iterations": opts.iterations, "highway_carries": parts})
+
+
 def lower_highway(gm: fx.GraphModule, regions: list[Region], opts: Options) -> list[Lowered | NotLowered]:
     """One outcome per region planned "highway" (passes/decide.py), in order."""
     out: list[Lowered | NotLowered] = []
     done: dict[fx.Node, Lowered | NotLowered] = {}
     for r in regions:
         scan = next((n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)), None)
+        if r.kind == "gated_recurrence" and r.source == "unrolled_loop" and getattr(r, "reroll", None) is not None:
+            try:
+                out.append(lower_loop(gm, r, opts))
+            except _Refused as e:
+                log.info("adjoint-compile: loop %s keeps ordinary autograd: %s", r.name, e)
+                out.append(NotLowered(str(e)))
+            continue
         if r.kind != "gated_recurrence" or scan is None:
             out.append(NotLowered(f"highway mode rewrites gated recurrences written as torch's scan so far; a "
                                   f"{r.kind} from source {r.source!r} keeps ordinary autograd"))
