@@ -25,7 +25,8 @@ from torch import Tensor
 
 from ..ops import linear_scan
 
-__all__ = ["cumsumprod", "solve", "HighwayStats", "StepChain", "highway_scan", "LayerChain", "highway_layers"]
+__all__ = ["cumsumprod", "dense_cumsumprod", "solve", "HighwayStats", "StepChain", "highway_scan", "HighwayScan",
+           "HighwayLayers"]
 
 
 @dataclasses.dataclass
@@ -255,3 +256,98 @@ class HighwayScan(torch.nn.Module):
     def forward(self, *args: Any) -> list[Tensor]:
         n_c, n_x = self.n
         return list(highway_scan(self.chain, args[:n_c], args[n_c:n_c + n_x], args[n_c + n_x:]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a chain of layers (residual chains over depth): each layer its own g and r
+
+
+class _LayersFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, mod: "HighwayLayers", x0: Tensor, *ext: Tensor) -> tuple[Tensor, ...]:
+        states = [x0]
+        for i in range(len(mod.gs)):
+            e = [ext[j] for j in mod.ext_of[i]]
+            z = mod.gs[i](states[-1], *e)
+            states.append(mod.rs[i](states[-1], *_as_list(z), *e))
+        ctx.mod = mod
+        ctx.save_for_backward(*states, *ext)
+        return tuple(s.clone() for s in states[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        mod: HighwayLayers = ctx.mod
+        L = len(mod.gs)
+        saved = ctx.saved_tensors
+        states, ext = saved[:L + 1], saved[L + 1:]
+        need = ctx.needs_input_grad[2:]
+        G = torch.stack([torch.zeros_like(states[i + 1]) if g is None else g for i, g in enumerate(grads)])
+        ext_l = [_leaf(e, need[j]) for j, e in enumerate(ext)]
+        xprev, Z, xr, Zr, R = [], [], [], [], []
+        with torch.enable_grad():
+            for i in range(L):
+                e = [ext_l[j] for j in mod.ext_of[i]]
+                xp = states[i].detach().requires_grad_()
+                z = _as_list(mod.gs[i](xp, *e))
+                xl, zl = xp.detach().requires_grad_(), [_leaf(v, True) for v in z]
+                xprev.append(xp), Z.append(z), xr.append(xl), Zr.append(zl)
+                R.append(mod.rs[i](xl, *zl, *e))
+
+        def dz(i: int, w: Tensor) -> list[Tensor | None]:
+            return _grads([R[i]], Zr[i], [w], retain=True)
+
+        def jT(W: list[Tensor]) -> list[Tensor]:
+            out = []
+            for i in range(L):
+                g = _grads(Z[i], [xprev[i]], dz(i, W[0][i]), retain=True)[0]
+                out.append(torch.zeros_like(xprev[i]) if g is None else g)
+            return [torch.stack(out)]
+
+        def Kt(i: int, w: Tensor) -> Tensor:
+            g = _grads([R[i]], [xr[i]], [w], retain=True)[0]
+            return torch.zeros_like(w) if g is None else g
+
+        if mod.dense:
+            scan = lambda v: dense_cumsumprod(v, lambda i, acc: [Kt(i, acc[0])])  # noqa: E731
+        else:
+            K = torch.stack([Kt(i, torch.ones_like(xr[i])) for i in range(L)])
+            scan = lambda v: cumsumprod(v, [K])  # noqa: E731
+        (w,), P = solve([G], scan, jT, mod.iterations, mod.tolerance, mod.stats)
+        d_x0 = Kt(0, w[0]) + (P[0][0] if P is not None else 0)
+        d_ext: list[Tensor | None] = [None] * len(ext)
+        for i in range(L):
+            idx = mod.ext_of[i]
+            es = [ext_l[j] for j in idx]
+            via_r = _grads([R[i]], es, [w[i]], retain=True)
+            via_g = _grads(Z[i], es, dz(i, w[i]), retain=True)
+            for j, a, b in zip(idx, via_r, via_g):
+                for v in (a, b):
+                    if v is not None:
+                        d_ext[j] = v if d_ext[j] is None else d_ext[j] + v
+        return (None, d_x0, *d_ext)
+
+
+def _as_list(z: Any) -> list[Tensor]:
+    return list(z) if isinstance(z, (list, tuple)) else [z]
+
+
+class HighwayLayers(torch.nn.Module):
+    """A chain of L layers x_i = r_i(x_{i-1}, g_i(x_{i-1}, e), e) with Highway-BP as its backward.
+
+    ``gs[i](x, *e) -> Z`` (a tensor or list), ``rs[i](x, *Z, *e) -> x'``; ``ext_of[i]``: which of the call's
+    extra inputs (weights, other activations) layer i reads. ``dense``: some r mixes features (post-LN: r = LN(x + z)),
+    so K is applied as a VJP in a loop; otherwise r is elementwise in x and K is a diagonal (a reverse linear scan).
+    Called as ``(x0, *extra)``; returns the L states.
+    """
+
+    def __init__(self, gs: Sequence[torch.nn.Module], rs: Sequence[torch.nn.Module], ext_of: Sequence[Sequence[int]],
+                 iterations: int, dense: bool = False, tolerance: float | None = None) -> None:
+        super().__init__()
+        self.gs, self.rs = torch.nn.ModuleList(gs), torch.nn.ModuleList(rs)
+        self.ext_of = [list(e) for e in ext_of]
+        self.iterations, self.dense, self.tolerance = iterations, dense, tolerance
+        self.stats = HighwayStats()
+        self.label = ""
+
+    def forward(self, x0: Tensor, *ext: Tensor) -> tuple[Tensor, ...]:
+        return _LayersFn.apply(self, x0, *ext)
