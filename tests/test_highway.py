@@ -210,3 +210,80 @@ def test_gru_unrolled_loop_matches_the_levels_oracle(k):
     assert (r.kind, r.source, r.rewrite) == ("gated_recurrence", "unrolled_loop", "highway")
     if k >= 7:
         _assert_same(got, _named(_grads(_Oracle(m, None, _gru_loop), x, loss)), "loop k=T vs autograd")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# residual chains over depth
+
+
+def _relu_resnet_oracle(m, x, k):
+    from highway_oracle import chain_levels
+
+    layers = [(lambda v, b=b: b.fc2(torch.relu(b.fc1(v))), lambda v, z: torch.relu(v + z)) for b in m.blocks]
+    return m.head(chain_levels(layers, m.inp(x), k)[-1])
+
+
+def _post_ln_oracle(m, x, k):
+    from highway_oracle import chain_levels
+
+    layers = []
+    for b in m.blocks:
+        layers.append((b.attn, lambda v, z, ln=b.ln1: ln(v + z)))
+        layers.append((b.mlp, lambda v, z, ln=b.ln2: ln(v + z)))
+    return chain_levels(layers, x, k)[-1]
+
+
+def _pre_ln_oracle(m, x, k):
+    from highway_oracle import chain_levels
+
+    layers = []
+    for b in m.blocks:
+        layers.append((lambda v, b=b: b.attn(b.ln1(v)), lambda v, z: v + z))
+        layers.append((lambda v, b=b: b.mlp(b.ln2(v)), lambda v, z: v + z))
+    return m.ln_f(chain_levels(layers, x, k)[-1])
+
+
+CHAINS = {"relu_resnet": (_relu_resnet_oracle, "relu_add"), "post_ln_transformer": (_post_ln_oracle, "post_ln"),
+          "pre_ln_transformer": (_pre_ln_oracle, "pre_ln")}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 6])
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_residual_chain_matches_the_levels_oracle(name, k):
+    torch.manual_seed(5)
+    ex = _example(name)
+    m, (x,) = ex["make"](), ex["example_inputs"]()
+    proj = torch.randn_like(m(x)) if name == "relu_resnet" else None
+    loss = (lambda y: (y * proj).sum()) if proj is not None else (lambda y: y.pow(3).mean() + y[:, 0].sum())
+    oracle, form = CHAINS[name]
+    got, c = _compiled_grads(m, x, loss, k)
+    want = _named(_grads(_Oracle(m, k, oracle), x, loss))
+    _assert_same(got, want, f"{name} k={k}")
+    (r,) = ac.report(c).regions
+    assert (r.kind, r.rewrite) == ("residual_chain", "highway") and f"{form}: r = " in r.reason
+    if k >= r.length:
+        _assert_same(got, _grads(m, x, loss), f"{name} k>=L vs autograd")
+
+
+class _Skip(nn.Module):
+    """A negative twin: every layer also reads the input x (a skip across layers, h' = ReLU(h + f(h) + x)): the
+    layers' blocks are not functions of h alone, recognition rejects them and nothing is rewritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        for f in self.fc:
+            h = torch.relu(h + f(h) * x)
+        return h
+
+
+def test_a_chain_with_a_skip_across_layers_keeps_ordinary_autograd():
+    torch.manual_seed(6)
+    m, x = _Skip(), torch.randn(4, 8)
+    loss = lambda y: y.pow(2).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, 0)
+    _assert_same(got, _grads(m, x, loss), "skip")
+    assert all(r.rewrite != "highway" for r in ac.report(c).regions)

@@ -47,6 +47,7 @@ TABLE: dict[tuple[str, str], Plan] = {
     # NB: a linear recurrence's J is zero (its coefficient does not depend on h): Highway-BP is its exact adjoint
     ("highway", "linear_recurrence"): Plan("adjoint"),
     ("highway", "gated_recurrence"): Plan("highway"),
+    ("highway", "residual_chain"): Plan("highway"),
 }
 
 #: modes whose rewrites recompute parts of the forward in the backward: capture makes their dropout masks

@@ -32,9 +32,10 @@ from ..analysis.fx import hinted_shape, reachable
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.optable import fn_name, op_name
 from ..options import Options
-from ..regions import PROVENANCE, Lowered, NotLowered, PerStepSlice, Recurrence, Region
+from ..regions import PROVENANCE, Lowered, NotLowered, PerStepSlice, Recurrence, Region, ResidualChain
 from ..runtime.highway import HighwayScan, StepChain
 from .find_recurrences import is_scan_hop
+from .lower_highway_chain import ChainRefused, lower_chain
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def lower_scan(gm: fx.GraphModule, scan: fx.Node, opts: Options) -> Lowered:
 
 def _note(opts: Options, parts: list[dict[str, str]], length: int | None) -> str:
     k = opts.iterations or 0
-    forms = "; ".join(f"{p['form']}: r = {p['r']}, K = {p['K']}" for p in parts)
+    forms = "; ".join(f"{p['form']}: r = {p['r']}, K = {p['K']}" for p in parts) or ""
     exact = " (exact: k >= length)" if length is not None and k >= length else ""
     return f"Highway-BP k={k}{exact}: {forms}; {PATHS.format(k=k)}"
 
@@ -302,6 +303,17 @@ def lower_highway(gm: fx.GraphModule, regions: list[Region], opts: Options) -> l
     out: list[Lowered | NotLowered] = []
     done: dict[fx.Node, Lowered | NotLowered] = {}
     for r in regions:
+        if isinstance(r, ResidualChain):
+            name = f"highway_chain_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_chain_'))}"
+            try:
+                low, split = lower_chain(gm, r, opts, name)
+            except ChainRefused as e:
+                log.info("adjoint-compile: residual chain %s keeps ordinary autograd: %s", r.name, e)
+                out.append(NotLowered(str(e)))
+                continue
+            low.note = _note(opts, [], r.length).replace(": ;", f": {split};")
+            out.append(low)
+            continue
         scan = next((n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)), None)
         if r.kind == "gated_recurrence" and r.source == "unrolled_loop" and getattr(r, "reroll", None) is not None:
             try:
