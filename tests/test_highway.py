@@ -287,3 +287,38 @@ def test_a_chain_with_a_skip_across_layers_keeps_ordinary_autograd():
     got, c = _compiled_grads(m, x, loss, 0)
     _assert_same(got, _grads(m, x, loss), "skip")
     assert all(r.rewrite != "highway" for r in ac.report(c).regions)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# options
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"mode": "highway"}, ["iterations", "required"]),
+    ({"mode": "highway", "iterations": -1}, ["iterations", "-1", ">= 0"]),
+    ({"mode": "highway", "iterations": True}, ["iterations", "True"]),
+    ({"mode": "highway", "iterations": 2.0}, ["iterations", "2.0"]),
+    ({"mode": "highway", "iterations": 2, "tolerance": 0}, ["tolerance", "0", "> 0"]),
+    ({"mode": "highway", "iterations": 2, "tolerance": True}, ["tolerance", "True"]),
+    ({"mode": "exact", "tolerance": 1e-3}, ["tolerance", "highway"]),
+])
+def test_highway_options_are_validated(options, words):
+    with pytest.raises(ac.OptionsError) as info:
+        ac.options.validate(options)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_tolerance_stops_early_and_the_report_says_how_many_iterations_ran():
+    torch.manual_seed(7)
+    ex = _example("gru_scan")
+    m, x = ex["make"](), torch.randn(2, 12, 8)
+    loss = lambda y: y.sin().sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, 12, tolerance=1e-9)
+    _assert_same(got, _named(_grads(_Oracle(m, None, _gru_loop), x, loss)), "tolerance 1e-9")
+    (r,) = ac.report(c).regions
+    assert 1 <= r.details["highway_iterations_used"] <= 12
+    assert r.details["highway_last_update"] < 1e-9
+    _, c = _compiled_grads(m, x, loss, 12, tolerance=0.5)
+    (r,) = ac.report(c).regions
+    assert r.details["highway_iterations_used"] < 12

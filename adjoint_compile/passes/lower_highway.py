@@ -115,7 +115,7 @@ def _chain(sub: fx.GraphModule, n_c: int, forms: list[UpdateForm], news: list[fx
             out.append(new)
         return out
 
-    return StepChain(step, g, r, y_of, opts.iterations or 0)
+    return StepChain(step, g, r, y_of, opts.iterations or 0, opts.tolerance)
 
 
 def describe(forms: list[UpdateForm]) -> list[dict[str, str]]:

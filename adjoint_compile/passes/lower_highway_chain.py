@@ -107,7 +107,7 @@ def lower_chain(gm: fx.GraphModule, r: ResidualChain, opts: Options, name: str) 
         if a in all_nodes:
             raise ChainRefused(f"{a.name} is read across layers")
     dense = "post_ln" in forms
-    mod = HighwayLayers(gs, rs, ext_of, opts.iterations or 0, dense=dense)
+    mod = HighwayLayers(gs, rs, ext_of, opts.iterations or 0, dense=dense, tolerance=opts.tolerance)
     mod.label = name
     gm.add_submodule(name, mod)
     last = max((layer.out for layer in r.layers), key=pos.__getitem__)
