@@ -39,9 +39,10 @@ _NOT_YET = "mode={mode!r} is not implemented yet; the region keeps ordinary auto
 TABLE: dict[tuple[str, str], Plan] = {
     ("exact", "linear_recurrence"): Plan("adjoint"),
     ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
-                                                "adjoint-sharded rewrite yet; it keeps ordinary autograd"),
+                                                "adjoint-sharded rewrite; it keeps ordinary autograd "
+                                                "(mode='highway' rewrites it)"),
     ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
-                                              "is Highway-BP (mode='highway', not implemented yet)"),
+                                              "is Highway-BP (mode='highway')"),
     **{(mode, kind): Plan("none", _NOT_YET) for mode in ("truncated", "highway")
        for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
     # NB: a linear recurrence's J is zero (its coefficient does not depend on h): Highway-BP is its exact adjoint
@@ -149,8 +150,7 @@ def _chain_inside(r: Region, inside: set[str], calls: list[str]) -> None:
     where = ", ".join(calls)
     if n == len(r.nodes):
         r.reason = (f"all of its nodes run inside the sharded region ({where}), whose exact adjoint already carries "
-                    f"∂L/∂Y_k-1 through every layer; mode='highway' (not implemented yet) would rewrite the chain "
-                    f"itself")
+                    f"∂L/∂Y_k-1 through every layer (exactly, in every mode)")
     elif n:
         r.reason += f"; {n} of its {len(r.nodes)} nodes run inside sharded regions ({where})"
     r.details["nodes_in_sharded_regions"] = n
