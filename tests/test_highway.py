@@ -322,3 +322,68 @@ def test_tolerance_stops_early_and_the_report_says_how_many_iterations_ran():
     _, c = _compiled_grads(m, x, loss, 12, tolerance=0.5)
     (r,) = ac.report(c).regions
     assert r.details["highway_iterations_used"] < 12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an LSTM written with torch's scan: carries (h, c); c' = f ⊙ c + i ⊙ g is gated (K = diag(f)), h' = o ⊙ tanh(c')
+# is not affine in h (r = z, K = 0): Highway-BP Table 1's LSTM [a ⊙ c + b, z3]
+
+
+class LSTMScan(nn.Module):
+    def __init__(self, d_in=6, H=8):
+        super().__init__()
+        self.H = H
+        self.ih, self.hh = nn.Linear(d_in, 4 * H), nn.Linear(H, 4 * H)
+
+    def gates(self, h, gx_t):
+        i, f, g, o = (gx_t + self.hh(h)).chunk(4, -1)
+        return torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+
+    def forward(self, x):
+        gx = self.ih(x)
+        z = x.new_zeros(x.shape[0], self.H)
+
+        def step(h, c, gx_t):
+            i, f, g, o = self.gates(h, gx_t)
+            c_new = f * c + i * g
+            h_new = o * torch.tanh(c_new)
+            return (h_new, c_new), h_new.clone()
+
+        def combine(carry, gx_t):
+            (h, c), y = step(*carry, gx_t)
+            return (h, c), y
+
+        return scan(combine, (z, z), gx, dim=1)[1]
+
+
+def _lstm_oracle(m, x, k):
+    """The state is [h, c] concatenated: g = [h', f, i ⊙ g] (h' computed from the old state), r = [z_h, f ⊙ c + z_b]."""
+    H = m.H
+
+    def g(s, gx_t):
+        h, c = s[..., :H], s[..., H:]
+        i, f, gg, o = m.gates(h, gx_t)
+        return o * torch.tanh(f * c + i * gg), f, i * gg
+
+    def r(s, z):
+        return torch.cat([z[0], z[1] * s[..., H:] + z[2]], -1)
+
+    gx = m.ih(x).transpose(0, 1)
+    s = levels_oracle(g, r, x.new_zeros(x.shape[0], 2 * H), list(gx), k)
+    return s[..., :H].transpose(0, 1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 6])
+def test_lstm_scan_matches_the_levels_oracle(k):
+    torch.manual_seed(8)
+    m, x = LSTMScan(), torch.randn(3, 6, 6)
+    proj = torch.randn(3, 6, 8)
+    loss = lambda y: (y * proj).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, k)
+    _assert_same(got, _named(_grads(_Oracle(m, k, _lstm_oracle), x, loss)), f"LSTM k={k}")
+    regions = ac.report(c).regions
+    assert [r.rewrite for r in regions] == ["highway"]
+    forms = regions[0].details["highway_carries"]
+    assert forms[0]["K"] == "0" and forms[1]["K"].startswith("diag(")
+    if k >= 6:
+        _assert_same(got, _grads(m, x, loss), "LSTM k=T vs autograd")
