@@ -261,6 +261,8 @@ def test_residual_chain_matches_the_levels_oracle(name, k):
     _assert_same(got, want, f"{name} k={k}")
     (r,) = ac.report(c).regions
     assert (r.kind, r.rewrite) == ("residual_chain", "highway") and f"{form}: r = " in r.reason
+    # the ResNet's blocks are isomorphic: one vmap over the layers; the transformers alternate attention and MLP
+    assert r.details["batched_layers"] == (name == "relu_resnet")
     if k >= r.length:
         _assert_same(got, _grads(m, x, loss), f"{name} k>=L vs autograd")
 

@@ -155,9 +155,10 @@ class _PostLN(torch.nn.Module):
         return torch.nn.functional.layer_norm(x + z, x.shape[-1:])
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("k", [0, 1, 2, 5])
 @pytest.mark.parametrize("r_mod,dense", [(_ReluAdd, False), (_PostLN, True)])
-def test_layer_chain_matches_the_levels_oracle(k, r_mod, dense):
+def test_layer_chain_matches_the_levels_oracle(k, r_mod, dense, batched):
     from highway_oracle import chain_levels
 
     from adjoint_compile.runtime.highway import HighwayLayers
@@ -166,7 +167,8 @@ def test_layer_chain_matches_the_levels_oracle(k, r_mod, dense):
     L = len(Ws)
     proj = torch.randn(4, 6)
     r = r_mod()
-    mod = HighwayLayers([_G() for _ in Ws], [r_mod() for _ in Ws], [[i] for i in range(L)], k, dense=dense)
+    mod = HighwayLayers([_G() for _ in Ws], [r_mod() for _ in Ws], [[i] for i in range(L)], k, dense=dense,
+                        batched=batched)
 
     def via_runtime():
         outs = mod(x0, *Ws)
@@ -178,5 +180,6 @@ def test_layer_chain_matches_the_levels_oracle(k, r_mod, dense):
         return (outs[-1] * proj).sum() + outs[1].pow(2).sum()
 
     got, want = _grads_of(via_runtime, [*Ws, x0]), _grads_of(via_oracle, [*Ws, x0])
+    assert mod.stats.batched == batched
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"leaf {i} (k={k})")

@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..analysis.fx import example_value as _ev
 from ..analysis.fx import reachable
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.optable import fn_name, op_name
@@ -52,6 +53,22 @@ def _module(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node], out
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(env[outputs[0]] if len(outputs) == 1 else [env[o] for o in outputs])
     return fx.GraphModule(gm, g)
+
+
+def _signature(m: fx.GraphModule) -> tuple:
+    """The computation of a block, node names left out: equal signatures are the same function of the inputs."""
+    idx: dict[fx.Node, int] = {}
+    out = []
+    for i, n in enumerate(m.graph.nodes):
+        idx[n] = i
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", idx[a]))
+        out.append((n.op, None if n.op == "placeholder" else n.target, repr(args)))
+    return tuple(out)
+
+
+def _same_shapes(ext: list[fx.Node], ext_of: list[list[int]]) -> bool:
+    shapes = [[tuple(getattr(_ev(ext[j]), "shape", ())) for j in e] for e in ext_of]
+    return all(s == shapes[0] for s in shapes)
 
 
 def _layer_nodes(layer) -> set[fx.Node]:
@@ -107,7 +124,8 @@ def lower_chain(gm: fx.GraphModule, r: ResidualChain, opts: Options, name: str) 
         if a in all_nodes:
             raise ChainRefused(f"{a.name} is read across layers")
     dense = "post_ln" in forms
-    mod = HighwayLayers(gs, rs, ext_of, opts.iterations or 0, dense=dense, tolerance=opts.tolerance)
+    iso = len({_signature(m) for m in gs}) == 1 and len({len(e) for e in ext_of}) == 1 and _same_shapes(ext, ext_of)
+    mod = HighwayLayers(gs, rs, ext_of, opts.iterations or 0, dense=dense, tolerance=opts.tolerance, batched=iso)
     mod.label = name
     gm.add_submodule(name, mod)
     last = max((layer.out for layer in r.layers), key=pos.__getitem__)
@@ -129,5 +147,5 @@ def lower_chain(gm: fx.GraphModule, r: ResidualChain, opts: Options, name: str) 
     parts = [{"form": f, "r": R_OF[f][0], "K": R_OF[f][1]} for f in forms]
     out = Lowered(rewrite="highway", call=call.name, members=frozenset(n.name for n in r.nodes), steps=len(forms),
                   nodes=len(all_nodes), details={"iterations": opts.iterations, "highway_layers": parts,
-                                                 "K_dense": dense})
+                                                 "K_dense": dense, "batched_layers": iso})
     return out, split

@@ -17,6 +17,7 @@ weights (the time steps of a recurrence), one call per layer otherwise — and k
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ import torch
 from torch import Tensor
 
 from ..ops import linear_scan
+
+log = logging.getLogger(__name__)
 
 __all__ = ["cumsumprod", "dense_cumsumprod", "solve", "HighwayStats", "StepChain", "highway_scan", "HighwayScan",
            "HighwayLayers"]
@@ -37,6 +40,8 @@ class HighwayStats:
     iterations: int | None = None
     last_update: float | None = None
     calls: int = 0
+    #: a chain's blocks ran as one vmap over its layers (HighwayLayers with isomorphic layers)
+    batched: bool = False
 
 
 def _zeros_like_step(v: Tensor) -> Tensor:
@@ -284,11 +289,16 @@ class _LayersFn(torch.autograd.Function):
         G = torch.stack([torch.zeros_like(states[i + 1]) if g is None else g for i, g in enumerate(grads)])
         ext_l = [_leaf(e, need[j]) for j, e in enumerate(ext)]
         xprev, Z, xr, Zr, R = [], [], [], [], []
+        batched = _batched_g(mod, states[:L], ext_l) if mod.batched else None
+        mod.stats.batched = batched is not None
         with torch.enable_grad():
             for i in range(L):
                 e = [ext_l[j] for j in mod.ext_of[i]]
-                xp = states[i].detach().requires_grad_()
-                z = _as_list(mod.gs[i](xp, *e))
+                if batched is None:
+                    xp = states[i].detach().requires_grad_()
+                    z = _as_list(mod.gs[i](xp, *e))
+                else:
+                    xp, z = states[i], [v[i] for v in batched[1]]
                 xl, zl = xp.detach().requires_grad_(), [_leaf(v, True) for v in z]
                 xprev.append(xp), Z.append(z), xr.append(xl), Zr.append(zl)
                 R.append(mod.rs[i](xl, *zl, *e))
@@ -296,7 +306,15 @@ class _LayersFn(torch.autograd.Function):
         def dz(i: int, w: Tensor) -> list[Tensor | None]:
             return _grads([R[i]], Zr[i], [w], retain=True)
 
+        def dz_all(W: Tensor) -> list[Tensor]:
+            per = [dz(i, W[i]) for i in range(L)]
+            return [torch.stack([torch.zeros_like(Zr[i][s]) if p[s] is None else p[s] for i, p in enumerate(per)])
+                    for s in range(len(batched[1]))]
+
         def jT(W: list[Tensor]) -> list[Tensor]:
+            if batched is not None:  # one VJP of the vmap-batched blocks
+                g = _grads(batched[1], [batched[0]], dz_all(W[0]), retain=True)[0]
+                return [torch.zeros_like(batched[0]) if g is None else g]
             out = []
             for i in range(L):
                 g = _grads(Z[i], [xprev[i]], dz(i, W[0][i]), retain=True)[0]
@@ -315,16 +333,33 @@ class _LayersFn(torch.autograd.Function):
         (w,), P = solve([G], scan, jT, mod.iterations, mod.tolerance, mod.stats)
         d_x0 = Kt(0, w[0]) + (P[0][0] if P is not None else 0)
         d_ext: list[Tensor | None] = [None] * len(ext)
+        if batched is not None:
+            d_ext = _grads(batched[1], ext_l, dz_all(w), retain=True)
         for i in range(L):
             idx = mod.ext_of[i]
             es = [ext_l[j] for j in idx]
             via_r = _grads([R[i]], es, [w[i]], retain=True)
-            via_g = _grads(Z[i], es, dz(i, w[i]), retain=True)
+            via_g = _grads(Z[i], es, dz(i, w[i]), retain=True) if batched is None else [None] * len(es)
             for j, a, b in zip(idx, via_r, via_g):
                 for v in (a, b):
                     if v is not None:
                         d_ext[j] = v if d_ext[j] is None else d_ext[j] + v
         return (None, d_x0, *d_ext)
+
+
+def _batched_g(mod: "HighwayLayers", xs: Sequence[Tensor], ext_l: Sequence[Any]) -> tuple[Tensor, list[Tensor]] | None:
+    """The blocks of isomorphic layers as one ``vmap`` over the layer dim (their inputs stacked), or None when they
+    cannot be stacked (the layers then run one by one)."""
+    cols = list(zip(*mod.ext_of))
+    try:
+        with torch.enable_grad():
+            xstack = torch.stack([x.detach() for x in xs]).requires_grad_()
+            stacked = [torch.stack([ext_l[j] for j in col]) for col in cols]
+            Z = torch.func.vmap(lambda x, *e: tuple(_as_list(mod.gs[0](x, *e))), randomness="error")(xstack, *stacked)
+    except Exception as e:  # noqa: BLE001 - e.g. an op without a batching rule: run the layers one by one
+        log.info("adjoint-compile highway: the layers' blocks could not be batched (%s: %s)", type(e).__name__, e)
+        return None
+    return xstack, list(Z)
 
 
 def _as_list(z: Any) -> list[Tensor]:
@@ -337,12 +372,16 @@ class HighwayLayers(torch.nn.Module):
     ``gs[i](x, *e) -> Z`` (a tensor or list), ``rs[i](x, *Z, *e) -> x'``; ``ext_of[i]``: which of the call's
     extra inputs (weights, other activations) layer i reads. ``dense``: some r mixes features (post-LN: r = LN(x + z)),
     so K is applied as a VJP in a loop; otherwise r is elementwise in x and K is a diagonal (a reverse linear scan).
+    ``batched``: the blocks are isomorphic (``gs[0]`` computes every one of them given its layer's inputs): their
+    recomputation and VJPs run as one ``vmap`` over stacked inputs.
     Called as ``(x0, *extra)``; returns the L states.
     """
 
     def __init__(self, gs: Sequence[torch.nn.Module], rs: Sequence[torch.nn.Module], ext_of: Sequence[Sequence[int]],
-                 iterations: int, dense: bool = False, tolerance: float | None = None) -> None:
+                 iterations: int, dense: bool = False, tolerance: float | None = None, batched: bool = False) -> None:
         super().__init__()
+        #: the blocks are the same computation (isomorphic layers): recompute and differentiate them as one vmap
+        self.batched = batched
         self.gs, self.rs = torch.nn.ModuleList(gs), torch.nn.ModuleList(rs)
         self.ext_of = [list(e) for e in ext_of]
         self.iterations, self.dense, self.tolerance = iterations, dense, tolerance
