@@ -259,7 +259,13 @@ def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
     form = classify_update(env[new], carry, reachable([carry]).__contains__)
     if form.kind == "general":
         raise _Refused(f"the step is not of the form z1 ⊙ h + z2: {form.reason}")
-    seqs = [_seq(gm, x, sum(1 for y in rec.xs if y.node is x.node), T) for x in rec.xs]
+    before = set(gm.graph.nodes)
+    try:
+        seqs = [_seq(gm, x, sum(1 for y in rec.xs if y.node is x.node), T) for x in rec.xs]
+    except _Refused:
+        for n in reversed([n for n in gm.graph.nodes if n not in before]):  # NB: leave the graph as it was
+            gm.graph.erase_node(n)
+        raise
     mod = HighwayScan(_chain(sub, 1, [form], [env[new]], [0], opts), 1, len(seqs), sub)
     name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
     mod.label = name
