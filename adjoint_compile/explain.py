@@ -268,6 +268,10 @@ def _fidelity(c: CompiledGraph) -> None:
             continue
         if figures:
             r.details["fidelity"] = dict(figures)
+        stats = getattr(c.captured.gm.get_submodule(call), "stats", None) if call else None
+        if getattr(stats, "calls", 0):  # NB: Highway-BP regions: the iterations the last backward ran (tolerance)
+            r.details["highway_iterations_used"] = stats.iterations
+            r.details["highway_last_update"] = stats.last_update
 
 
 def _wrapped_functions(fn: Any) -> list[Any]:

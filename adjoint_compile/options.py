@@ -42,6 +42,8 @@ class Options:
     inner: str = "inductor"
     #: compare the rewritten gradients with autograd on the first call and log the error.
     verify: bool = False
+    #: highway mode: stop iterating once an update's relative norm is below it (None: exactly k iterations).
+    tolerance: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -166,4 +168,12 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if not isinstance(verify, bool):
         raise _bad("verify", verify, "expected True or False")
     kw["verify"] = verify
+
+    tolerance = options.get("tolerance")
+    if tolerance is not None:
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
+            raise _bad("tolerance", tolerance, "expected a number > 0 (a relative norm)")
+        if mode != "highway":
+            raise _bad("tolerance", tolerance, f"it applies to mode='highway' only (mode={mode!r})")
+        kw["tolerance"] = float(tolerance)
     return Options(**kw)

@@ -217,6 +217,10 @@ class Lowered:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
     #: the step-mixing ops that bound the region, as (node name, why).
     bounds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: for rewrites other than "adjoint": the report's reason, as the lowering words it (e.g. Highway-BP's k, form, K).
+    note: str = ""
+    #: JSON-able figures for the region's report details (e.g. {"iterations": k}).
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -33,30 +33,31 @@ class Plan:
     reason: str = ""
 
 
-_NOT_YET = "mode={mode!r} is not implemented yet; the region keeps ordinary autograd"
-
 #: (mode, region kind) -> the rewrite to try, or the reason there is none (``{mode!r}`` is filled in).
 TABLE: dict[tuple[str, str], Plan] = {
     ("exact", "linear_recurrence"): Plan("adjoint"),
     ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
-                                                "adjoint-sharded rewrite yet; it keeps ordinary autograd"),
+                                                "adjoint-sharded rewrite; it keeps ordinary autograd "
+                                                "(mode='highway' rewrites it)"),
     ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
-                                              "is Highway-BP (mode='highway', not implemented yet)"),
+                                              "is Highway-BP (mode='highway')"),
     ("truncated", "linear_recurrence"): Plan("truncated"),
     ("truncated", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
                                                     "truncated-adjoint rewrite: the windowed adjoint needs a_t "
-                                                    "independent of h; it keeps ordinary autograd (exact gradients)"),
+                                                    "independent of h; it keeps ordinary autograd (exact gradients; "
+                                                    "mode='highway' rewrites it)"),
     ("truncated", "residual_chain"): Plan("none", "mode='truncated' truncates recurrences along time; a residual "
                                                   "chain runs along layers and keeps ordinary autograd (exact "
-                                                  "gradients); its own rewrite is Highway-BP (mode='highway', not "
-                                                  "implemented yet)"),
-    **{("highway", kind): Plan("none", _NOT_YET)
-       for kind in ("linear_recurrence", "gated_recurrence", "residual_chain")},
+                                                  "gradients); its own rewrite is Highway-BP (mode='highway')"),
+    # NB: a linear recurrence's J is zero (its coefficient does not depend on h): Highway-BP is its exact adjoint
+    ("highway", "linear_recurrence"): Plan("adjoint"),
+    ("highway", "gated_recurrence"): Plan("highway"),
+    ("highway", "residual_chain"): Plan("highway"),
 }
 
 #: modes whose rewrites recompute parts of the forward in the backward: capture makes their dropout masks
 #: reproducible (passes/seeded_dropout.py).
-RECOMPUTING_MODES = frozenset({"exact", "truncated"})
+RECOMPUTING_MODES = frozenset({"exact", "truncated", "highway"})
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
@@ -105,6 +106,8 @@ def declines(memory: dict[str, int], shards: int) -> str:
 
 
 def _lowered_reason(r: Region, out: Lowered) -> str:
+    if out.note:
+        return out.note
     mem = out.memory
     if out.rewrite == "truncated":
         exact = " >= T: exact gradients" if out.window >= out.steps else ""
@@ -142,7 +145,7 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
             # NB: the lowering's grouping replaces recognition's neighbourhood groups for what was lowered
             r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
-                              "expected_memory_bytes": dict(out.memory)})
+                              "expected_memory_bytes": dict(out.memory), **out.details})
             if out.window is not None:
                 r.details["window"] = out.window
             continue
@@ -160,8 +163,7 @@ def _chain_inside(r: Region, inside: set[str], calls: list[str], truncated: bool
         # NB: truncated mode truncates along time only: the joins between layers are differentiated exactly
         exact = "adjoint (truncated along time only)" if truncated else "exact adjoint"
         r.reason = (f"all of its nodes run inside the sharded region ({where}), whose {exact} already carries "
-                    f"∂L/∂Y_k-1 through every layer; mode='highway' (not implemented yet) would rewrite the chain "
-                    f"itself")
+                    f"∂L/∂Y_k-1 through every layer (exactly, in every mode)")
     elif n:
         r.reason += f"; {n} of its {len(r.nodes)} nodes run inside sharded regions ({where})"
     r.details["nodes_in_sharded_regions"] = n

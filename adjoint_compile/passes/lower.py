@@ -27,6 +27,7 @@ from ..regions import Lowered, NotLowered, Region
 from .capture import Captured
 from .decide import Plan
 from .lower_adjoint import lower_recurrences
+from .lower_highway import lower_highway
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ LOWERINGS: dict[str, Lowering] = {
     "adjoint": lower_recurrences,
     # NB: the same lowering: the regions, shards and saved tensors are exact mode's; it reads opts.window
     "truncated": lower_recurrences,
+    "highway": lower_highway,
 }
 
 
