@@ -234,6 +234,40 @@ def test_gla_step_is_sharded_at_a_saving():
     assert mem["kept_outside"] == 0 and mem["sharded"] < mem["autograd"] / 4
 
 
+def _saved_bytes(run, xs: dict) -> int:
+    """Bytes autograd saves for backward in one call, besides the inputs themselves (saved-tensor hooks)."""
+    own = {x.untyped_storage().data_ptr() for x in xs.values()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run(**xs)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    return sum(seen.values())
+
+
+def test_gla_readout_of_an_input_runs_inside_the_region_and_saves_less_than_aot_eager():
+    """fla's naive GLA takes q as an input of its own: the readout (q_t[..., None] * S_t).sum(-2) broadcasts q
+    against the states, so q is sliced per shard with them (analysis/grow.py, readout operands) and no full-length
+    state is handed out of the region to be saved (before: the whole [T, B, H, K, V] state sequence was)."""
+    fn, make = CASES["gla"]
+    xs = {k: v.requires_grad_() for k, v in make(64).items()}
+    f = torch.compile(fn, backend="adjoint", options={"inner": "eager", "shard_size": 16})
+    f(**xs)
+    gm = ac.report(f).compiled[0].captured.gm
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert "l_q_" in [a.name for a in call.args]
+    state = 2 * 2 * 64 * 16 * 16 * 4  # B H T K V fp32: the state sequence
+    got = _saved_bytes(f, xs)
+    torch._dynamo.reset()
+    want = _saved_bytes(torch.compile(fn, backend="aot_eager"), xs)
+    assert got < state / 8 and got <= want, (got, want)
+
+
 def residual_loop(x, W):
     outs = []
     for _ in range(6):

@@ -13,7 +13,8 @@ import torch.fx as fx
 
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
-from .time_local import TimeLocalInfo, rule_for
+from .optable import POINTWISE, op_name
+from .time_local import TimeLocalInfo, analyze, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +126,10 @@ def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
     return best[0][1]
 
 
-def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
-    ``a`` and ``b`` along the step axis.
-
-    Walks back from every scan's a and b through ops whose rule can be inverted exactly (broadcasting aligns a
-    per-step operand with the step axis; Linear passes it to its input, never to its weight; views map it by the
-    row-major rule).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
-    seed itself: its output is a step-carrying input of any region after it.  The forward :func:`analyze` then checks
-    everything; a node asked for at two different dims keeps the first and is logged.
-    """
+def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
+                    extra: dict[fx.Node, int] | None = None) -> dict[fx.Node, int]:
+    """The scans (at their ``dim``) and the sources of their ``a`` and ``b`` (and of ``extra``: node -> step dim)
+    along the step axis, by the walk :func:`infer_seeds` describes."""
     seeds: dict[fx.Node, int] = {}
     T = None
     want: dict[fx.Node, int] = {}
@@ -160,6 +155,9 @@ def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, 
                 log.debug("infer_seeds: %s wanted at dims %d and %d", v.name, want[v], d)
             else:
                 work.append(v)
+    for v, d in (extra or {}).items():
+        if want.setdefault(v, d) == d:
+            work.append(v)
     done: set[fx.Node] = set()
     while work:
         n = work.pop()
@@ -176,4 +174,47 @@ def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, 
                 log.debug("infer_seeds: %s wanted at dims %d and %d", a.name, want[a], k)
             elif a not in done:
                 work.append(a)
+    return seeds
+
+
+def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, int]:
+    """Step-free operands of elementwise ops on step-carrying values whose broadcast lines their dim of length T up
+    with the step axis, e.g. ``q`` in ``(q[..., None] * states).sum(-2)`` when ``q`` is an input of its own: step t
+    reads element t of them, so they carry the step axis at that dim (nothing is guessed: the alignment is the
+    broadcast's)."""
+    found: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        d = info.step_dim.get(n)
+        if d is None or n.op not in ("call_function", "call_method") or op_name(n) not in POINTWISE:
+            continue
+        out = step_shape(n)
+        for a in n.all_input_nodes:
+            shp = step_shape(a)
+            if a in found or info.step_dim.get(a) is not None or shp is None or out is None:
+                continue
+            k = d - (len(out) - len(shp))
+            if 0 <= k < len(shp) and shp[k] == info.length and shp[k] > 1:
+                found[a] = k
+    return found
+
+
+def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
+    ``a`` and ``b`` along the step axis (:func:`_backward_seeds`), then the sources of the step-free operands that
+    readouts broadcast against the steps (:func:`_readout_operands`), until none is left (at most 4 rounds).
+
+    Walks back from every scan's a and b through ops whose rule can be inverted exactly (broadcasting aligns a
+    per-step operand with the step axis; Linear passes it to its input, never to its weight; views map it by the
+    row-major rule).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
+    seed itself: its output is a step-carrying input of any region after it.  The forward :func:`analyze` then checks
+    everything; a node asked for at two different dims keeps the first and is logged.
+    """
+    extra: dict[fx.Node, int] = {}
+    seeds = _backward_seeds(gm, scan_nodes)
+    for _ in range(4):
+        more = {a: k for a, k in _readout_operands(gm, analyze(gm, seeds)).items() if a not in extra}
+        if not more:
+            break
+        extra.update(more)
+        seeds = _backward_seeds(gm, scan_nodes, extra)
     return seeds
