@@ -16,8 +16,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _weights(m, layer):
-    w = [getattr(m, f"{n}_l{layer}") for n in ("weight_ih", "weight_hh")]
-    b = [getattr(m, f"{n}_l{layer}") for n in ("bias_ih", "bias_hh")] if m.bias else [None, None]
+    sfx = "" if layer is None else f"_l{layer}"  # NB: None: a cell (nn.GRUCell / nn.LSTMCell)
+    w = [getattr(m, f"{n}{sfx}") for n in ("weight_ih", "weight_hh")]
+    b = [getattr(m, f"{n}{sfx}") for n in ("bias_ih", "bias_hh")] if m.bias else [None, None]
     return w[0], w[1], b[0], b[1]
 
 
@@ -85,7 +86,7 @@ def _grads(run, m, x, hx, proj):
                                   else hx.detach().requires_grad_())
     outs = _flat(run(x, hx))
     sum((o * p).sum() + o.pow(2).sum() for o, p in zip(outs, proj)).backward()
-    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     got["<input>"] = x.grad.clone()
     for i, h in enumerate(hx if isinstance(hx, tuple) else () if hx is None else (hx,)):
         got[f"<h0 {i}>"] = h.grad.clone()
@@ -221,3 +222,79 @@ def test_other_backends_are_unchanged():
     torch.compile(m, backend=backend)(x)
     targets = {getattr(n.target, "__name__", str(n.target)) for gm in seen for n in gm.graph.nodes}
     assert "gru" not in targets and "scan" not in " ".join(targets)
+
+
+def test_unbatched_input_k_at_least_T_is_the_module_s_own_autograd():
+    torch.manual_seed(16)
+    m, x = nn.LSTM(5, 6, num_layers=2), torch.randn(5, 5)  # [T, d]: the module adds and drops the batch dim itself
+    proj = [torch.randn(5, 6), torch.randn(2, 6), torch.randn(2, 6)]
+    c = _compiled(m, 5)
+    got, outs = _grads(lambda x, h: c(x, h), m, x, None, proj)
+    want, native_outs = _grads(lambda x, h: m(x, h), m, x, None, proj)
+    _assert_same(got, want, "unbatched")
+    for a, b in zip(outs, native_outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [r.rewrite for r in ac.report(c).regions] == ["highway", "highway"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loops over nn.GRUCell / nn.LSTMCell: one opaque cell call per step, the chain lowered as one HighwayScan
+
+
+class CellLoop(nn.Module):
+    def __init__(self, lstm, feed=False):
+        super().__init__()
+        self.lstm, self.feed = lstm, feed
+        self.cell = nn.LSTMCell(5, 6) if lstm else nn.GRUCell(5, 6)
+        self.back = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 6)
+        c, out = h, []
+        for t in range(x.shape[1]):
+            x_t = x[:, t] + self.back(h) if self.feed else x[:, t]  # feed: input feeding, not a scan over inputs
+            if self.lstm:
+                h, c = self.cell(x_t, (h, c))
+            else:
+                h = self.cell(x_t, h)
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def _cell_oracle(m, x, k):
+    seq, z = x.transpose(0, 1), x.new_zeros(x.shape[0], 6)
+    if m.lstm:
+        return _lstm_layer(m.cell, None, seq, (z, z), k)[..., :6].transpose(0, 1)
+    return _gru_layer(m.cell, None, seq, z, k).transpose(0, 1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+@pytest.mark.parametrize("lstm", [False, True])
+def test_cell_loop_matches_the_levels_oracle(lstm, k):
+    torch.manual_seed(17)
+    m, x = CellLoop(lstm), torch.randn(3, 5, 5)
+    proj = [torch.randn(3, 5, 6)]
+    c = _compiled(m, k)
+    got, _ = _grads(lambda x, h: (c(x), ()), m, x, None, proj)
+    want, _ = _grads(lambda x, h: (_cell_oracle(m, x, k), ()), m, x, None, proj)
+    _assert_same(got, want, f"cells k={k}")
+    native, _ = _grads(lambda x, h: (m(x), ()), m, x, None, proj)
+    if k >= 5:
+        _assert_same(got, native, "cells k>=T vs autograd")
+    else:
+        assert not torch.allclose(got["cell.weight_hh"], native["cell.weight_hh"], rtol=1e-3, atol=1e-5)
+    (r,) = ac.report(c).regions
+    assert (r.kind, r.source, r.rewrite, r.length) == ("gated_recurrence", "unrolled_loop", "highway", 5)
+    assert ("K = diag(f)" if lstm else "K = diag(z)") in r.reason
+
+
+def test_a_cell_loop_with_input_feeding_keeps_ordinary_autograd():
+    """The negative twin: x_t reads h_{t-1}, so the steps' inputs are not known before the loop."""
+    torch.manual_seed(18)
+    m, x = CellLoop(False, feed=True), torch.randn(3, 5, 5)
+    proj = [torch.randn(3, 5, 6)]
+    c = _compiled(m, 0)
+    got, _ = _grads(lambda x, h: (c(x), ()), m, x, None, proj)
+    _assert_same(got, _grads(lambda x, h: (m(x), ()), m, x, None, proj)[0], "input feeding")
+    (r,) = ac.report(c).regions
+    assert r.rewrite == "none" and "input feeding" in r.reason
