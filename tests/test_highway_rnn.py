@@ -298,3 +298,25 @@ def test_a_cell_loop_with_input_feeding_keeps_ordinary_autograd():
     _assert_same(got, _grads(lambda x, h: (m(x), ()), m, x, None, proj)[0], "input feeding")
     (r,) = ac.report(c).regions
     assert r.rewrite == "none" and "input feeding" in r.reason
+
+
+class _Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 6, batch_first=True)
+
+    def forward(self, x):
+        packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 2]), batch_first=True)
+        return self.rnn(packed)[1].sum()
+
+
+def test_a_packed_sequence_runs_natively():
+    torch.manual_seed(19)
+    m, x = _Packed(), torch.randn(2, 4, 5)
+    c = _compiled(m, 0)
+    c(x).backward()
+    got = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in c.named_parameters()}
+    m.zero_grad()
+    m(x).backward()
+    _assert_same(got, {n: p.grad for n, p in m.named_parameters()}, "packed")
+    assert all(r.rewrite != "highway" for r in ac.report(c).regions)
