@@ -21,7 +21,6 @@ cell result used other than as the states, keeps ordinary autograd with the reas
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -131,7 +130,7 @@ def lower_cells(gm: fx.GraphModule, r: Recurrence, opts: Options, name: str) -> 
         for c, st in enumerate(per):
             if st is None:
                 continue
-            users = [u for u in st.users if u not in inside and u is not stack]
+            users = [u for u in st.users if u not in inside]
             if not users:
                 continue
             with G.inserting_after(ys[c]):
