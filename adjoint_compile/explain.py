@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
 from . import polyfills
+from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
 from .regions import Region, Rejection
@@ -197,10 +198,12 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     """
     opts = validate(options)
     polyfills.install()
-    with polyfills.enabled():  # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
+    rnn_notes()  # NB: only this trace's
+    with polyfills.enabled(opts.mode):  # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
         out = torch._dynamo.explain(model_or_fn)(*example_inputs)
     compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
-    rep = Report.of(compiled, opts, _graph_breaks(out), list(out.graphs))
+    breaks = _graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()]
+    rep = Report.of(compiled, opts, breaks, list(out.graphs))
     if opts.verify:
         _verify(rep, model_or_fn, example_inputs, options)
     return rep

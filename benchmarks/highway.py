@@ -4,12 +4,23 @@
    aot_eager and with inductor, nn.GRU itself (eager, the fused op), and backend="adjoint" in highway mode with
    k = 0, 1, 5, 10; for each, the median time of a forward + backward step and the cosine between its gradient
    (all parameters, flattened) and the exact one (nn.GRU with the same weights).
+   nn.GRU itself also runs in highway mode (its fused op decomposed into the cell equations: k = 0 and 5).
 2. A deep post-LN residual MLP (depth 32, x <- LN(x + MLP(x))): the gradient's cosine with the exact one per k.
+3. A short training run: a character-level GRU language model (Embedding -> nn.GRU -> Linear) on text built into
+   Python (the Zen of Python and the docstrings of a few standard-library modules), the same initial weights and
+   batches for each method: exact gradients (nn.GRU natively) and backend="adjoint" highway k = 0 and 5. The loss
+   curves go in the JSON and the plot.
 
-    python benchmarks/highway.py [--quick]           # writes benchmarks/results/highway.{json,png}
+    python benchmarks/highway.py [--quick] [--parts gru,post_ln,train] [--threads 1] [--train-steps 400]
+                                                      # writes benchmarks/results/highway.{json,png}
+
+One thread by default: on the shared 2-core machine (load 4-6), two intra-op threads contend with the other jobs and
+nn.GRU's per-step kernels slowed by 10-50x (measured: 0.44 s a step with one thread, 4-12 s with two).
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import statistics
 import sys
@@ -29,6 +40,7 @@ from adjoint_compile.measure import start_timing  # noqa: E402
 
 T, B, H = 1024, 8, 64
 GRU_KS = (0, 1, 5, 10)
+NATIVE_KS = (0, 5)
 DEPTH, WIDTH, ROWS = 32, 64, 32
 MLP_KS = (0, 1, 2, 4, 8, 16, 32)
 REPEATS = 5
@@ -40,6 +52,10 @@ def _flat_grad(model: nn.Module) -> torch.Tensor:
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def _first(run):
+    return lambda v: run(v)[0]
 
 
 def _step(run, model, x, proj) -> float:
@@ -75,6 +91,8 @@ def gru(quick: bool) -> list[dict]:
                ("nn.GRU (native, eager)", lambda: (lambda v: native(v)[0]), native)]
     methods += [(f"highway k={k}", (lambda k=k: torch.compile(model, backend="adjoint", options={
         "mode": "highway", "iterations": k, "inner": "aot_eager"})), model) for k in GRU_KS]
+    methods += [(f"nn.GRU, highway k={k}", (lambda k=k: _first(torch.compile(native, backend="adjoint", options={
+        "mode": "highway", "iterations": k, "inner": "aot_eager"}))), native) for k in NATIVE_KS]
     for name, make, owner in methods:
         torch._dynamo.reset()
         try:
@@ -122,38 +140,162 @@ def post_ln() -> list[dict]:
     return rows
 
 
+TEXT_MODULES = ("argparse", "difflib", "unittest", "collections", "json", "heapq", "bisect", "doctest", "logging",
+                "pickle", "pydoc", "textwrap", "functools", "itertools", "statistics", "string", "random", "shutil",
+                "tarfile", "zipfile", "subprocess", "threading", "email", "http.client", "urllib.parse", "csv",
+                "datetime", "decimal", "fractions", "pathlib")
+
+
+def corpus() -> str:
+    """Real text that every Python install has (~160 KB on 3.11): the Zen of Python and the docstrings of a few
+    standard-library modules and of their public functions and classes."""
+    import codecs
+    import contextlib
+    import importlib
+    import inspect
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # NB: importing it prints the Zen; its text is rot13 in this.s
+        import this  # noqa: F401
+    docs = [codecs.decode(sys.modules["this"].s, "rot13")]
+    for name in TEXT_MODULES:
+        mod = importlib.import_module(name)
+        docs.append(mod.__doc__ or "")
+        for n, o in sorted(vars(mod).items()):
+            if not n.startswith("_") and getattr(o, "__module__", None) == mod.__name__ and (
+                    inspect.isfunction(o) or inspect.isclass(o)):
+                docs.append(inspect.getdoc(o) or "")
+    return "\n\n".join(d for d in docs if d)
+
+
+class CharGRU(nn.Module):
+    def __init__(self, vocab: int, d: int = 32, hidden: int = 128) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(vocab, d), nn.GRU(d, hidden, batch_first=True), nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(idx))[0])
+
+
+VAL_EVERY = 50
+
+
+def _val_loss(model: nn.Module, xy: tuple[torch.Tensor, torch.Tensor], loss_fn: nn.Module, vocab: int) -> float:
+    """Held-out loss with the model's own (eager, exact) forward: every method's forward computes the same values."""
+    with torch.no_grad():
+        return float(loss_fn(model(xy[0]).reshape(-1, vocab), xy[1].reshape(-1)))
+
+
+def train(steps: int, seq: int = 128, batch: int = 16, lr: float = 3e-3) -> dict:
+    """Next-character prediction, the same initial weights and batches for every method."""
+    text = corpus()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    split = int(0.9 * len(data))
+    train_d, val_d = data[:split], data[split:]
+    torch.manual_seed(2)
+    base = CharGRU(len(chars))
+    g = torch.Generator().manual_seed(3)
+    starts = [torch.randint(0, len(train_d) - seq - 1, (batch,), generator=g) for _ in range(steps)]
+    val_starts = torch.arange(0, len(val_d) - seq - 1, seq)[:64]
+    loss_fn = nn.CrossEntropyLoss()
+
+    def batch_of(d, st):
+        idx = torch.stack([d[s:s + seq + 1] for s in st.tolist()])
+        return idx[:, :-1], idx[:, 1:]
+
+    out = {"text_chars": len(text), "vocab": len(chars), "seq": seq, "batch": batch, "steps": steps, "lr": lr,
+           "hidden": 128, "runs": []}
+    methods = [("exact (nn.GRU, eager)", None), ("highway k=0", 0), ("highway k=5", 5)]
+    for name, k in methods:
+        model = copy.deepcopy(base)
+        torch._dynamo.reset()
+        run = model if k is None else torch.compile(model, backend="adjoint", options={
+            "mode": "highway", "iterations": k, "inner": "aot_eager"})
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        losses, times, vals = [], [], []
+        for step, st in enumerate(starts):
+            if step % VAL_EVERY == 0:
+                vals.append((step, _val_loss(model, batch_of(val_d, val_starts), loss_fn, len(chars))))
+            x, y = batch_of(train_d, st)
+            t0 = time.perf_counter()
+            loss = loss_fn(run(x).reshape(-1, len(chars)), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        val = _val_loss(model, batch_of(val_d, val_starts), loss_fn, len(chars))
+        vals.append((steps, val))
+        out["runs"].append({"method": name, "loss": [round(v, 4) for v in losses], "val_loss": round(val, 4),
+                            "val_curve": [[s_, round(v, 4)] for s_, v in vals],
+                            "first_step_s": round(times[0], 3), "step_s": round(statistics.median(times[1:]), 4),
+                            "total_s": round(sum(times), 2)})
+        r = out["runs"][-1]
+        print({k2: v for k2, v in r.items() if k2 != "loss"}, "last loss", losses[-1], flush=True)
+    return out
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    g = [r for r in res["gru"] if r["method"].startswith("highway") and "grad_cosine" in r]
-    axes[0].plot([int(r["method"].split("=")[1]) for r in g], [r["grad_cosine"] for r in g], "o-")
-    axes[0].set(title=f"GRU (scan), T={g[0]['T'] if g else T}: gradient cosine vs exact", xlabel="k (iterations)",
-                ylabel="cosine")
-    p = [r for r in res["post_ln"] if r["method"].startswith("highway")]
-    axes[1].plot([int(r["method"].split("=")[1]) for r in p], [r["grad_cosine"] for r in p], "o-")
-    axes[1].set(title=f"post-LN residual MLP, depth {DEPTH}", xlabel="k (iterations)", ylabel="cosine")
-    for ax in axes:
+    panels = [p for p in ("gru", "post_ln", "train") if res.get(p)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    if "gru" in axes:
+        g = [r for r in res["gru"] if r["method"].startswith("highway") and "grad_cosine" in r]
+        axes["gru"].plot([int(r["method"].split("=")[1]) for r in g], [r["grad_cosine"] for r in g], "o-")
+        axes["gru"].set(title=f"GRU (scan), T={g[0]['T'] if g else T}: gradient cosine vs exact",
+                        xlabel="k (iterations)", ylabel="cosine")
+    if "post_ln" in axes:
+        p = [r for r in res["post_ln"] if r["method"].startswith("highway")]
+        axes["post_ln"].plot([int(r["method"].split("=")[1]) for r in p], [r["grad_cosine"] for r in p], "o-")
+        axes["post_ln"].set(title=f"post-LN residual MLP, depth {DEPTH}", xlabel="k (iterations)", ylabel="cosine")
+    if "train" in axes:
+        tr = res["train"]
+        for r in tr["runs"]:
+            loss = torch.tensor(r["loss"])
+            w = min(10, len(loss))
+            smooth = loss.unfold(0, w, 1).mean(1) if len(loss) >= w else loss
+            line, = axes["train"].plot(range(w, w + len(smooth)), smooth.tolist(),
+                                       label=f"{r['method']} ({r['step_s']:.3f} s/step)")
+            vc = r.get("val_curve", [])
+            axes["train"].plot([v[0] for v in vc], [v[1] for v in vc], "o--", color=line.get_color(), markersize=3)
+        axes["train"].set(title=f"char-level nn.GRU, T={tr['seq']}, B={tr['batch']}: loss",
+                          xlabel="step", ylabel="cross-entropy (train: mean of 10 steps; o--: held out)")
+        axes["train"].legend(fontsize=7)
+    for ax in axes.values():
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="GRU at T=128 (and results under highway_quick.*)")
+    ap.add_argument("--parts", default="gru,post_ln,train", help="comma-separated: gru, post_ln, train")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-steps", type=int, default=400)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
     start_timing()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    res = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "repeats": REPEATS,
-           "gru": gru(quick), "post_ln": post_ln()}
+    torch.set_num_threads(args.threads)
+    res = {"device": "cpu", "threads": torch.get_num_threads(), "B": B, "H": H, "repeats": REPEATS}
+    if "gru" in parts:
+        res["gru"] = gru(args.quick)
+    if "post_ln" in parts:
+        res["post_ln"] = post_ln()
+    if "train" in parts:
+        res["train"] = train(args.train_steps)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    name = "highway_quick" if quick else "highway"
+    name = "highway_quick" if args.quick else "highway"
     (out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
     plot(res, out / f"{name}.png")
-    for r in res["gru"] + res["post_ln"]:
+    for r in res.get("gru", []) + res.get("post_ln", []):
         print(r)
 
 

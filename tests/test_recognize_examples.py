@@ -77,7 +77,7 @@ def test_gru_on_scan():
 
 
 @pytest.mark.parametrize("name,form,K", [("pre_ln_transformer", "pre_ln", "identity"),
-                                         ("post_ln_transformer", "post_ln", "diagonal"),
+                                         ("post_ln_transformer", "post_ln", "dense"),
                                          ("relu_resnet", "relu_add", "diagonal")])
 def test_depth_chains(name, form, K):
     report = _explain(name)

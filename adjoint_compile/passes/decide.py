@@ -107,7 +107,8 @@ def declines(memory: dict[str, int], shards: int) -> str:
 
 def _lowered_reason(r: Region, out: Lowered) -> str:
     if out.note:
-        return out.note
+        captured = r.details.get("captured_by")
+        return f"{out.note} (captured by {captured})" if captured else out.note
     mem = out.memory
     if out.rewrite == "truncated":
         exact = " >= T: exact gradients" if out.window >= out.steps else ""

@@ -5,7 +5,7 @@ Dynamo records a cell call as one opaque node, ``torch.gru_cell(x_t, h, w_ih, w_
 DESIGN.md §3: GRU ``h' = (1 - z) ⊙ n + z ⊙ h`` and the LSTM cell state ``c' = f ⊙ c + i ⊙ g``, with the gates
 z, n, f, i, g computed from h. A chain of such calls, each reading the previous one's state with the same weights,
 is one ``gated_recurrence`` (source ``unrolled_loop``); nothing is re-rolled (exact mode has no rewrite for a gated
-recurrence: passes/decide.py says so). A chain whose calls read different weights is a stack of layers, not a loop
+recurrence: passes/decide.py says so; highway mode lowers the chain with passes/lower_highway_cells.py). A chain whose calls read different weights is a stack of layers, not a loop
 over time, and is not reported.
 """
 from __future__ import annotations

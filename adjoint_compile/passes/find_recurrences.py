@@ -184,6 +184,8 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
             "scan_dim": 0,
         })
         r.carry_index = i
+        if origin := polyfill_origin(node):  # NB: nn.GRU / nn.LSTM: the fused op never reached the graph
+            r.details["captured_by"] = origin
         regions.append(r)
     return regions, rejections
 

@@ -9,7 +9,7 @@ form       r_i(x, z)                           K_i = ∂r/∂x
 add        x + z  (or c·x + z, c a scalar)     identity (scalar)
 pre_ln     x + Block(LN(x))                    identity
 relu_add   ReLU(x + z)                         diagonal
-post_ln    LN(x + Block(x)) = x ⊙ a(x) + b(x)  diagonal
+post_ln    LN(x + Block(x)) = x ⊙ a(x) + b(x)  dense (∂LN/∂x mixes the features)
 gated      a(x) ⊙ x + b(x)                     diagonal
 lstm       [a ⊙ c + b, h = o ⊙ tanh(c)]        diagonal
 =========  ==================================  =========
@@ -183,7 +183,7 @@ def _match_layer(s: fx.Node, inner: list[fx.Node], atoms: list[fx.Node], xs: lis
     elif not pre_norm and len(users) == 1 and _name(users[0]) in ("layer_norm", "rms_norm") and users[0].args \
             and users[0].args[0] is s:
         # NB: after a pre-normed block a LayerNorm is the model's final norm, not part of the layer
-        out, form, K = users[0], "post_ln", "diagonal"
+        out, form, K = users[0], "post_ln", "dense"
         r_nodes.append(out)
     r_set = set(r_nodes)
     inside = block | r_set

@@ -48,8 +48,16 @@ def lower(captured: Captured, regions: Sequence[Region], plans: Sequence[Plan],
           opts: Options) -> list[Lowered | NotLowered | None]:
     """Rewrite ``captured.gm`` in place; per region its outcome, or None when its plan is "none"."""
     outcomes: list[Lowered | NotLowered | None] = [None] * len(regions)
-    for rewrite, lowering in LOWERINGS.items():
+    order = list(LOWERINGS.items())
+    if opts.mode == "highway":
+        # NB: the issue's split: a chain over depth gets Highway-BP even where its blocks hold linear scans (a
+        # pre-LN SSM stack), rather than being absorbed by the scans' sharded exact region; those scans then run
+        # inside the chain's blocks, differentiated by linear_scan's own exact adjoint
+        order.sort(key=lambda kv: kv[0] != "highway")
+    for rewrite, lowering in order:
         idx = [i for i, p in enumerate(plans) if p.rewrite == rewrite]
+        if rewrite != "highway":
+            idx = [i for i in idx if not _taken(captured.gm, regions[i], outcomes, i)]
         if not idx:
             continue
         for i, out in zip(idx, lowering(captured.gm, [regions[i] for i in idx], opts)):
@@ -61,6 +69,18 @@ def lower(captured: Captured, regions: Sequence[Region], plans: Sequence[Plan],
             if p.rewrite in missing:
                 outcomes[i] = NotLowered(f"the {p.rewrite!r} lowering is not available")
     return outcomes
+
+
+def _taken(gm: fx.GraphModule, r: Region, outcomes: list[Lowered | NotLowered | None], i: int) -> bool:
+    """True (and its outcome set) when a Highway-BP chain lowered first took region ``r``'s nodes into its blocks."""
+    present = set(gm.graph.nodes)
+    if all(n in present for n in r.nodes if isinstance(n, fx.Node)):
+        return False
+    chains = [o.call for o in outcomes if isinstance(o, Lowered) and o.rewrite == "highway"]
+    where = f"the Highway-BP chain {', '.join(chains)}" if chains else "a Highway-BP region"
+    outcomes[i] = NotLowered(f"runs inside the blocks of {where}: differentiated there by linear_scan's own exact "
+                             f"adjoint (a reverse scan over all steps, not sharded; J = 0, so exact in highway mode)")
+    return True
 
 
 def lowered_calls(outcomes: Sequence[Lowered | NotLowered | None]) -> list[str]:

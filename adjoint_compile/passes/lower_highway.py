@@ -35,6 +35,7 @@ from ..options import Options
 from ..regions import PROVENANCE, Lowered, NotLowered, PerStepSlice, Recurrence, Region, ResidualChain
 from ..runtime.highway import HighwayScan, StepChain
 from .find_recurrences import is_scan_hop
+from .lower_highway_cells import CellsRefused, lower_cells
 from .lower_highway_chain import ChainRefused, lower_chain
 
 log = logging.getLogger(__name__)
@@ -321,6 +322,17 @@ def lower_highway(gm: fx.GraphModule, regions: list[Region], opts: Options) -> l
             out.append(low)
             continue
         scan = next((n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)), None)
+        if r.kind == "gated_recurrence" and r.details.get("cell"):  # a loop over nn.GRUCell / nn.LSTMCell
+            name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
+            try:
+                low, parts = lower_cells(gm, r, opts, name)
+            except CellsRefused as e:
+                log.info("adjoint-compile: cell loop %s keeps ordinary autograd: %s", r.name, e)
+                out.append(NotLowered(str(e)))
+                continue
+            low.note = _note(opts, parts, low.steps)
+            out.append(low)
+            continue
         if r.kind == "gated_recurrence" and r.source == "unrolled_loop" and getattr(r, "reroll", None) is not None:
             try:
                 out.append(lower_loop(gm, r, opts))

@@ -15,8 +15,9 @@ their stack trace; :func:`polyfill_origin` reads it back, and ``explain()`` says
 
 Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's torch path:
 its per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU) and ``mamba2_chunk_scan``
-(Mamba2ForCausalLM's chunked SSD torch path), and mambapy's ``MambaBlock.selective_scan_seq`` (its ``pscan=False``
-loop). A module is tried once per process; :func:`installed` says what
+(Mamba2ForCausalLM's chunked SSD torch path), mambapy's ``MambaBlock.selective_scan_seq`` (its ``pscan=False``
+loop), and torch's own ``nn.GRU`` / ``nn.LSTM`` in highway mode (:mod:`.torch_rnn`: dynamo leaves them out of its
+graph otherwise). A module is tried once per process; :func:`installed` says what
 happened. NB: the registration is process-wide, but the polyfill only takes over while :func:`active` is true.
 """
 from __future__ import annotations
@@ -35,12 +36,12 @@ import torch.fx as fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active"]
+__all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active", "traced_mode"]
 
 #: library module -> the submodule of this package that knows how to polyfill it.
 KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
                          "transformers.models.mamba2.modeling_mamba2": "hf_mamba2",
-                         "mambapy.mamba": "mambapy_seq"}
+                         "mambapy.mamba": "mambapy_seq", "torch.nn.modules.rnn": "torch_rnn"}
 
 _LOCK = threading.Lock()
 #: library module -> description of what was registered (or why not), once tried.
@@ -77,6 +78,9 @@ def install() -> dict[str, str]:
 
 def _on_compile_start(*_: Any) -> None:
     install()
+    rnn = sys.modules.get(f"{__name__}.torch_rnn")
+    if rnn is not None:
+        rnn.refresh()
 
 
 class _Loader(importlib.abc.Loader):
@@ -123,14 +127,15 @@ def _register_start_callback() -> None:
 
 
 @contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """Use the polyfills while dynamo traces in this thread, whatever the backend (``explain()`` runs under it)."""
-    prev = getattr(_FORCE, "on", False)
-    _FORCE.on = True
+def enabled(mode: str = "exact") -> Iterator[None]:
+    """Use the polyfills while dynamo traces in this thread, whatever the backend (``explain()`` runs under it), as
+    for ``options={"mode": mode}``."""
+    prev = getattr(_FORCE, "on", False), getattr(_FORCE, "mode", None)
+    _FORCE.on, _FORCE.mode = True, mode
     try:
         yield
     finally:
-        _FORCE.on = prev
+        _FORCE.on, _FORCE.mode = prev
 
 
 def _compiler_chain(fn: Any) -> Iterator[Any]:
@@ -153,6 +158,28 @@ def active() -> bool:
         return False
     fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
     return any(getattr(f, "_adjoint_compile_backend", False) for f in _compiler_chain(fn))
+
+
+def traced_mode() -> str | None:
+    """The ``mode`` option of the ``backend="adjoint"`` trace under way in this thread (:func:`enabled`'s when
+    forced), or None when dynamo is not tracing for it. Read from ``torch.compile``'s wrapper of the backend, which
+    keeps the ``options`` dict it was given (mode "exact" when absent)."""
+    if getattr(_FORCE, "on", False):
+        return getattr(_FORCE, "mode", None) or "exact"
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - not tracing
+        return None
+    options: Any = None
+    for f in _compiler_chain(getattr(getattr(tx, "output", None), "compiler_fn", None)):
+        kw = getattr(f, "kwargs", None)
+        if isinstance(kw, dict) and isinstance(kw.get("options"), dict):
+            options = kw["options"]
+        if getattr(f, "_adjoint_compile_backend", False):
+            mode = (options or {}).get("mode", "exact")
+            return mode if isinstance(mode, str) else None
+    return None
 
 
 def polyfill_origin(node: fx.Node) -> str | None:
