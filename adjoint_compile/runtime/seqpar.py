@@ -304,7 +304,9 @@ class SeqParCall:
 
     def header(self) -> None:
         st = self.state
-        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length], dtype=torch.int64)
+        # NB: NCCL moves CUDA tensors only
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(st.group) == "nccl" else "cpu"
+        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length], dtype=torch.int64, device=dev)
         allh = _gather(mine, st.group).tolist()
         if any(r[1] for r in allh):
             whys = [None] * st.world
