@@ -143,8 +143,10 @@ def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options) -
     parts: list[Any] = [opts.mode, opts.window, opts.reduce_grads]
     for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples):
         if isinstance(ex, torch.Tensor):
-            parts.append(("in", str(ex.dtype), ex.dim(), bool(ex.requires_grad),
-                          tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else None))
+            # NB: the whole shape of a parameter; of an activation all but dim 1, the rank's own number of steps
+            shape = tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else tuple(
+                -1 if j == 1 else int(v) for j, v in enumerate(ex.shape))
+            parts.append(("in", str(ex.dtype), bool(ex.requires_grad), shape))
         else:
             parts.append(("in", type(ex).__name__))
     # NB: op names only, not arguments: a static graph's arguments hold the rank's own slice length
@@ -203,8 +205,14 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     state = SeqParState(resolve_group(opts.sequence_parallel))
     params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
     fp = fingerprint(_fingerprint_parts(gm, examples, opts))
+    attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
     try:
         T, convs, scans, refusal = _check(gm, examples, set(params))
+        if attrs and refusal is None:
+            # NB: their gradients would not be reduced over the group (only the graph's inputs are)
+            refusal = (f"sequence_parallel: parameters held by the graph as attributes ({', '.join(attrs[:3])}) "
+                       f"cannot have their gradients summed over the group; keep torch._dynamo.config."
+                       f"inline_inbuilt_nn_modules=True (the default), which makes them graph inputs")
     except Exception as e:  # noqa: BLE001 - an analysis that cannot read the graph must refuse, not guess
         log.debug("sequence_parallel: analysis raised", exc_info=True)
         T, convs, scans, refusal = None, {}, [], f"sequence_parallel: the graph could not be analyzed ({e})"
