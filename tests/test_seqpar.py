@@ -95,6 +95,9 @@ def _worker(rank, world, port, lengths, cases, out_dir):
         res = {}
         for name, mode in cases:
             res[(name, mode)] = _run_case(name, mode, x[:, sl], w[:, sl])
+        rep = ac.explain(_model("mamba_conv"), x[:, sl], options={"sequence_parallel": True, "inner": "eager"})
+        res["explain"] = ([r.reason for r in rep.regions if r.kind == "linear_recurrence"],
+                          [j.reason for j in rep.rejections])
         torch._dynamo.reset()
         f = torch.compile(_TimeMean(), backend="adjoint", options={"sequence_parallel": True, "inner": "eager"})
         try:
@@ -204,6 +207,10 @@ def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, m
         msg = g["mixing"]
         assert "mean" in msg and "test_seqpar.py" in msg and "y.mean(dim=1, keepdim=True)" in msg, msg
         assert "disagree on the model" in g["disagree"], g["disagree"]
+        reasons, rejected = g["explain"]  # explain() says what the ranks run, and refuses nothing here
+        assert reasons and all(r.startswith("sequence_parallel: each scan runs as the distributed scan") for r in
+                               reasons), reasons
+        assert not any("sequence_parallel" in j for j in rejected), rejected
 
 
 def _dies_worker(rank, world, port, out_dir):

@@ -203,6 +203,9 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
 def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True) -> SeqParPlan:
     """Check ``gm`` for sequence parallelism and (``rewrite``) put the distributed ops in (module docstring)."""
     state = SeqParState(resolve_group(opts.sequence_parallel))
+    # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
     params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
     fp = fingerprint(_fingerprint_parts(gm, examples, opts))
     attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
