@@ -35,10 +35,12 @@ from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.lower import lower, lowered_calls
+from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
 from .regions import Region, Rejection
+from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .runtime.verify import copy_graph_module, graph_fidelity
 
 log = logging.getLogger(__name__)
@@ -162,12 +164,45 @@ class _Specializing:
         return fn(*args)
 
 
+def _refuse_unspecialized(*args: Any) -> Any:
+    raise SequenceParallelError(f"sequence_parallel: a graph with symbolic sizes could not be specialized to this "
+                                f"call's sizes (or more than {SPECIALIZE_LIMIT} sizes were seen); compile with "
+                                f"dynamic=False")
+
+
+def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:
+    """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): recognized regions are reported but not
+    sharded; every scan and causal conv along time exchanges its carry / halo with the other ranks."""
+    captured = capture(gm, example_inputs, seed_dropout=False)
+    regions, rejections = recognize(captured, opts)
+    plans = decide.plan(regions, opts)
+    decide.settle(regions, plans, [None] * len(regions))
+    result = CompiledGraph(captured, regions, rejections, [], None, opts)
+    if captured.symbolic:
+        if compile:
+            result.fn = _Specializing(result, opts)
+    else:
+        sp = lower_seqpar(captured.gm, list(example_inputs), opts)
+        result.lowered = list(sp.calls)
+        if sp.refusal is not None:
+            result.rejections.append(Rejection("sequence_parallel", "<graph>", sp.refusal))
+        if compile:
+            fn = stitch(captured, sp.calls, opts) if sp.refusal is None else None
+            reduce = ReduceGrads(sp.state.group, sp.params) if opts.reduce_grads else None
+            result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce)
+    captured.example_inputs = []
+    _log_decisions(result, opts)
+    return result
+
+
 def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, *,
                  compile: bool = True) -> CompiledGraph:
     """capture -> recognize -> decide -> lower -> stitch on ``gm`` (modified in place).
 
     ``compile=False`` stops before stitch (``explain()``: decisions and lowering only, nothing compiled).
     """
+    if opts.sequence_parallel is not None:
+        return _run_seqpar(gm, example_inputs, opts, compile)
     captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
     regions, rejections = recognize(captured, opts)
     plans = decide.plan(regions, opts)
@@ -201,7 +236,9 @@ def adjoint_backend(
     original = copy_graph_module(gm) if opts.verify else None
     result = run_pipeline(gm, example_inputs, opts)
     # NB: graphs with symbolic sizes are verified per specialization by their regions only
-    keep = original is not None and bool(result.lowered) and not isinstance(result.fn, _Specializing)
+    # NB: and not under sequence_parallel, where plain autograd of one rank's graph is not the reference
+    keep = (original is not None and bool(result.lowered) and not isinstance(result.fn, _Specializing)
+            and opts.sequence_parallel is None)
     return CompiledGraphFn(result, original if keep else None)
 
 

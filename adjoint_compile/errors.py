@@ -37,3 +37,8 @@ class AdjointVerifyReport(AdjointCompileWarning):
 
 class UnsupportedRegion(Exception):
     """Raised inside a pass when a candidate cannot be proven; callers turn it into a soft rejection."""
+
+
+class SequenceParallelError(RuntimeError):
+    """``sequence_parallel``: the graph cannot run split over the ranks (an op that mixes steps across the sequence,
+    ranks that disagree on the model), raised on every rank of the group before any model data is exchanged."""

@@ -36,8 +36,12 @@ class Options:
     shard_size: int | None = None
     #: devices that shards / layers are spread over (one process); None: the inputs' device.
     devices: tuple[torch.device, ...] | None = None
-    #: a torch.distributed process group, True for WORLD, or None (off).
+    #: a torch.distributed process group, True for WORLD, or None (off): each rank runs its own contiguous slice of
+    #: the sequence (runtime/seqpar.py).
     sequence_parallel: Any = None
+    #: with sequence_parallel: sum the parameters' gradients over the group in the backward, as DDP does (False:
+    #: the user reduces them, e.g. together with a data-parallel reduction).
+    reduce_grads: bool = True
     #: compiler for everything that is not rewritten.
     inner: str = "inductor"
     #: compare the rewritten gradients with autograd on the first call and log the error.
@@ -111,8 +115,6 @@ def _check_sequence_parallel(value: Any) -> Any:
                        "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
     elif not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
         raise _bad("sequence_parallel", value, "expected a torch.distributed ProcessGroup, True (WORLD) or False")
-    warnings.warn("adjoint-compile option 'sequence_parallel' is not used yet: each process runs its whole input "
-                  "as one sequence", UserWarning, stacklevel=3)
     return value
 
 
@@ -158,6 +160,11 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if options.get("devices") is not None:
         kw["devices"] = _check_devices(options["devices"])
     kw["sequence_parallel"] = _check_sequence_parallel(options.get("sequence_parallel"))
+
+    reduce_grads = options.get("reduce_grads", True)
+    if not isinstance(reduce_grads, bool):
+        raise _bad("reduce_grads", reduce_grads, "expected True or False")
+    kw["reduce_grads"] = reduce_grads
 
     inner = options.get("inner", "inductor")
     if inner not in INNER_COMPILERS:

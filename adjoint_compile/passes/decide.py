@@ -59,6 +59,11 @@ TABLE: dict[tuple[str, str], Plan] = {
 #: reproducible (passes/seeded_dropout.py).
 RECOMPUTING_MODES = frozenset({"exact", "truncated", "highway"})
 
+#: the reason of a rewritable region under ``sequence_parallel`` (passes/lower_seqpar.py)
+SEQUENCE_PARALLEL = ("sequence_parallel: each scan runs as the distributed scan of runtime/seqpar.py on this rank's "
+                     "slice (carry from the ranks before it), with ordinary autograd around it; not sharded inside "
+                     "the rank")
+
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
             "signatures; see the later compiled graphs)")
@@ -77,6 +82,8 @@ def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | No
         if p.rewrite != "none":
             if getattr(r, "not_rerolled", None):
                 p = Plan("none", r.not_rerolled)
+            elif opts.sequence_parallel is not None:
+                p = Plan("none", SEQUENCE_PARALLEL)
             elif specialize_limit is not None:
                 p = Plan("none", SYMBOLIC.format(limit=specialize_limit))
         plans.append(p)

@@ -1,0 +1,253 @@
+"""Lowering for ``options={"sequence_parallel": group}``: the graph runs on one rank's slice of the sequence.
+
+Before (one rank's graph, ``x`` its slice [B, n_r, D])::
+
+    xc = torch.conv1d(x_t, w, bias, (1,), (3,), (1,), C)        # causal: padded k-1 = 3 steps on both sides
+    xs = xc[(Ellipsis, slice(None, n_r))]                       # ... and the right padding dropped
+    h = torch.ops.adjoint_compile.linear_scan.default(a, b, None, 1, False, None, None)
+
+After::
+
+    seqpar_halo_0 = SeqHalo(state, p=3, dim=-1)                 # runtime/seqpar.py
+    halo = self.seqpar_halo_0(x_t)                              # the 3 steps before this slice, from the ranks before
+    xs = torch.conv1d(torch.cat([halo, x_t], -1), w, bias, (1,), 0, (1,), C)
+    h = self.seqpar_scan_0(a, b, None)                          # SeqScan: carry-in from the ranks before
+
+The module and call nodes are named ``seqpar_*``; the backend stitches them outside the inner compiler (as region
+calls) and wraps the whole graph in :class:`~adjoint_compile.runtime.seqpar.SeqParCall`.
+
+What may be split: every op must act on each step on its own (analysis/time_local.py), except ``linear_scan``
+(forward, no window, along any dim) and causal convolutions along the last dim of their input written as above
+(padding p = dilation·(k-1), stride 1, the output cut back to the input's length).  The step axis of the graph's
+sequence inputs is dim 1 (``[B, T, ...]``).  Anything else that mixes steps (attention, a sum or mean over time,
+a non-causal conv, a shift, a reverse scan) is a refusal naming the op and its source line; the refusal is raised
+on every rank by the call's header exchange, before any model data is exchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..analysis.fx import example_value, is_linear_scan, scan_args
+from ..analysis.rules import op_label, step_shape
+from ..analysis.time_local import analyze
+from ..options import Options
+from ..runtime.seqpar import SeqHalo, SeqParState, SeqScan, fingerprint, resolve_group
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SeqParPlan", "lower_seqpar"]
+
+_CONV1D = (torch.conv1d, F.conv1d)
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+@dataclasses.dataclass
+class SeqParPlan:
+    """What :func:`lower_seqpar` did to one graph, and what its :class:`SeqParCall` needs."""
+
+    state: SeqParState
+    #: the ``seqpar_*`` call nodes (stitched outside the inner compiler).
+    calls: list[str]
+    fingerprint: int
+    #: this rank's steps (-1: no sequence input found)
+    length: int
+    #: why this graph cannot be split (None: it can)
+    refusal: str | None
+    #: positions of the graph's parameters among its inputs
+    params: list[int]
+    scans: int = 0
+    halos: int = 0
+
+
+def _one(v: Any) -> Any:
+    return v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v
+
+
+def _conv_args(node: fx.Node) -> dict[str, Any] | None:
+    if not (node.op == "call_function" and node.target in _CONV1D):
+        return None
+    out = dict(_CONV_DEFAULTS)
+    out.update(zip(_CONV_ARGS, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _keeps_first(sliced: fx.Node, length: int, dim: int) -> bool:
+    """``sliced`` is ``x[..., :length]`` (or ``:-p``) along ``dim`` (the last), full slices elsewhere."""
+    if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
+        return False
+    x, idx = sliced.args
+    s = step_shape(x)
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if s is None or any(not isinstance(i, slice) and i is not Ellipsis for i in items) or items.count(Ellipsis) > 1:
+        return False
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(s) - len(items) + 1) + items[k + 1:]
+    items += [slice(None)] * (len(s) - len(items))
+    if len(items) != len(s):
+        return False
+    for j, i in enumerate(items):
+        if i.start not in (None, 0) or i.step not in (None, 1):
+            return False
+        stop = None if i.stop is None else (i.stop if i.stop >= 0 else s[j] + i.stop)
+        if j == dim % len(s) and stop != length:
+            return False
+        if j != dim % len(s) and stop not in (None, s[j]) and not (i.stop is None):
+            return False
+    return True
+
+
+def _causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the slice after it, halo p) when ``node`` is a causal conv1d along its input's last dim."""
+    a = _conv_args(node)
+    if a is None or not isinstance(a["input"], fx.Node) or len(node.users) != 1:
+        return None
+    xs, ws = step_shape(a["input"]), step_shape(a["weight"]) if isinstance(a["weight"], fx.Node) else None
+    stride, pad, dil = _one(a["stride"]), _one(a["padding"]), _one(a["dilation"])
+    if xs is None or ws is None or len(ws) != 3 or not all(isinstance(v, int) for v in (stride, pad, dil)):
+        return None
+    p = dil * (ws[-1] - 1)
+    if stride != 1 or pad != p or p <= 0:
+        return None
+    (user,) = node.users
+    return (user, p) if _keeps_first(user, xs[-1], -1) else None
+
+
+def _where(node: fx.Node) -> str:
+    """The user's source line of ``node`` (the last frame of its stack trace), or its name."""
+    st = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return f"node {node.name} (no source line recorded)"
+    i = frames[-1]
+    return " ".join(lines[i:i + 2])
+
+
+def _refusal(node: fx.Node, why: str) -> str:
+    return (f"sequence_parallel: {op_label(node)} ({node.name}) cannot be split across ranks: {why}. "
+            f"At {_where(node)}. Only ops that act on each step on its own, linear_scan (forward, no window) and "
+            f"causal convolutions along time can run on a slice of the sequence")
+
+
+def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options) -> list[Any]:
+    parts: list[Any] = [opts.mode, opts.window, opts.reduce_grads]
+    for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples):
+        if isinstance(ex, torch.Tensor):
+            # NB: the whole shape of a parameter; of an activation all but dim 1, the rank's own number of steps
+            shape = tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else tuple(
+                -1 if j == 1 else int(v) for j, v in enumerate(ex.shape))
+            parts.append(("in", str(ex.dtype), bool(ex.requires_grad), shape))
+        else:
+            parts.append(("in", type(ex).__name__))
+    # NB: op names only, not arguments: a static graph's arguments hold the rank's own slice length
+    parts += [(n.op, op_label(n)) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return parts
+
+
+def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
+    """(T, convs, scans, refusal) of the graph: the analysis of the module docstring."""
+    nodes = list(gm.graph.nodes)
+    scans = [n for n in nodes if is_linear_scan(n)]
+    phs = [n for n in nodes if n.op == "placeholder"]
+    seq_in = [(i, n) for i, n in enumerate(phs) if i not in params and i < len(examples)
+              and isinstance(examples[i], torch.Tensor) and examples[i].dim() >= 2]
+    if scans:
+        sa = scan_args(scans[0])
+        v = example_value(sa["a"])
+        T = v.shape[sa["dim"]] if isinstance(v, torch.Tensor) else None
+    else:
+        T = examples[seq_in[0][0]].shape[1] if seq_in else None
+    if T is None:
+        return None, [], scans, None
+    base = {n: 1 for i, n in seq_in if examples[i].shape[1] == T}
+    for s in scans:
+        base[s] = scan_args(s)["dim"]
+    convs: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for _ in range(len(nodes)):
+        seeds = dict(base)
+        for sl, _p in convs.values():
+            seeds.setdefault(sl, len(step_shape(sl)) - 1)
+        info = analyze(gm, seeds)
+        more = {}
+        for n in nodes:
+            if n in convs or (m := _causal_conv(n)) is None:
+                continue
+            x = _conv_args(n)["input"]
+            if info.step_dim.get(x) == len(step_shape(x)) - 1 and step_shape(m[0])[-1] == T:
+                more[n] = m
+        if not more:
+            break
+        convs.update(more)
+    allowed = set(convs) | {sl for sl, _ in convs.values()}
+    for n in nodes:
+        if n in allowed:
+            continue
+        why = info.mixing.get(n)
+        if why is None and is_linear_scan(n) and scan_args(n)["window"] is not None:
+            why = "a windowed linear_scan reads the inputs of the previous window on other ranks"
+        if why is not None:
+            return T, convs, scans, _refusal(n, why)
+    return T, convs, scans, None
+
+
+def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True) -> SeqParPlan:
+    """Check ``gm`` for sequence parallelism and (``rewrite``) put the distributed ops in (module docstring)."""
+    state = SeqParState(resolve_group(opts.sequence_parallel))
+    # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
+    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
+    fp = fingerprint(_fingerprint_parts(gm, examples, opts))
+    attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
+    try:
+        T, convs, scans, refusal = _check(gm, examples, set(params))
+        if attrs and refusal is None:
+            # NB: their gradients would not be reduced over the group (only the graph's inputs are)
+            refusal = (f"sequence_parallel: parameters held by the graph as attributes ({', '.join(attrs[:3])}) "
+                       f"cannot have their gradients summed over the group; keep torch._dynamo.config."
+                       f"inline_inbuilt_nn_modules=True (the default), which makes them graph inputs")
+    except Exception as e:  # noqa: BLE001 - an analysis that cannot read the graph must refuse, not guess
+        log.debug("sequence_parallel: analysis raised", exc_info=True)
+        T, convs, scans, refusal = None, {}, [], f"sequence_parallel: the graph could not be analyzed ({e})"
+    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params)
+    if refusal is not None or not rewrite:
+        return plan
+    window = opts.window if opts.mode == "truncated" else None
+    g = gm.graph
+    for i, (conv, (sliced, p)) in enumerate(convs.items()):
+        name = f"seqpar_halo_{i}"
+        gm.add_submodule(name, SeqHalo(state, p, -1))
+        a = _conv_args(conv)
+        with g.inserting_before(conv):
+            halo = g.call_module(name, (a["input"],))
+            cat = g.call_function(torch.cat, ([halo, a["input"]], -1))
+        conv.args = (cat, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
+        conv.kwargs = {}
+        sliced.replace_all_uses_with(conv)
+        g.erase_node(sliced)
+        plan.calls.append(halo.name)
+    for i, s in enumerate(scans):
+        sa = scan_args(s)
+        name = f"seqpar_scan_{i}"
+        gm.add_submodule(name, SeqScan(state, sa["dim"], window))
+        with g.inserting_before(s):
+            call = g.call_module(name, (sa["a"], sa["b"], sa["h0"]))
+        call.meta = dict(s.meta)
+        s.replace_all_uses_with(call)
+        g.erase_node(s)
+        plan.calls.append(call.name)
+    gm.recompile()
+    plan.scans, plan.halos = len(scans), len(convs)
+    log.info("sequence_parallel: rank %d of %d, %d step(s): %d distributed scan(s), %d conv halo(s)",
+             state.rank, state.world, plan.length, plan.scans, plan.halos)
+    return plan

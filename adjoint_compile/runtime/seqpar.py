@@ -1,0 +1,335 @@
+"""Sequence parallelism across processes (DESIGN.md §6; seed 003's scheme): the distributed ops a graph runs when
+``options={"sequence_parallel": group}`` splits one sequence over the ranks of a ``torch.distributed`` group.
+
+Rank r holds the contiguous steps [o_r, o_r + n_r) of the sequence (n_r >= 1; the slices may differ in length).
+
+* :class:`SeqScan`, ``h = linear_scan(a, b, h0, dim)`` over the whole sequence.  Forward: each rank scans its slice
+  from zero (rank 0 from h0), the ranks all-gather (A_r = Π a, last state s_r), rank r folds its carry-in
+  c_r = A_{r-1} c_{r-1} + s_{r-1} over the ranks before it and rescans its slice from c_r.  Backward (exact), the
+  mirror image: a local reverse scan from zero gives e_r = a_0 ⊙ μ̃_0, the ranks all-gather (A_r, e_r), rank r
+  folds the adjoint carry d_r = e_{r+1} + A_{r+1} d_{r+1} over the ranks after it, adds it to the cotangent of its
+  last state, and one full scan backward gives ∂a = μ ⊙ h_{t-1} (h_{-1} = c_r), ∂b = μ, ∂h0 (rank 0) = a_0 ⊙ μ_0.
+  Truncated (window W): the ranks all-gather the first min(W, n_r) steps of a and of the cotangent; rank r reads
+  the W steps after its slice from them and turns them into the ν carry of :mod:`.truncated` (the same windowed
+  adjoint as one process).  Bytes exchanged per scan: world × state (exact), world × W × state (truncated).
+* :class:`SeqHalo`, the p = dilation·(k-1) steps before a rank's slice that a causal conv along time reads: the
+  ranks all-gather their last min(p, n_r) steps; rank r takes the p steps before o_r (zeros before the sequence
+  start).  Backward: the ranks all-gather the halos' cotangents and each adds the parts that fall in its slice.
+* :class:`ReduceGrads`, identity on the graph's parameters whose backward all-reduces (SUM) their gradients over the
+  group, as DDP's hooks do: p.grad is then the gradient of the sum of every rank's loss.
+* :class:`SeqParCall`, the compiled graph's callable: on every call the ranks first all-gather one small header
+  (graph fingerprint, refusal flag, slice length), so that ranks with different models, dtypes or options, or a
+  graph that was refused on some rank, raise on every rank instead of waiting for each other.
+
+Every collective is issued in the same order on every rank (the same graph, autograd's deterministic order), and
+waits at most the group's timeout (``init_process_group(timeout=...)``): a rank that dies or raises makes the
+others raise then.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..errors import SequenceParallelError
+from .truncated import truncated_scan_backward
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SequenceParallelError", "SeqParState", "SeqScan", "SeqHalo", "ReduceGrads", "SeqParCall",
+           "resolve_group", "fingerprint"]
+
+
+def resolve_group(sp: Any) -> Any:
+    """The process group of ``options["sequence_parallel"]`` (True: the default group)."""
+    return dist.group.WORLD if sp is True else sp
+
+
+def _gather(x: Tensor, group: Any) -> Tensor:
+    """``[world, *x.shape]``: x from every rank of ``group``, in rank order."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    if world == 1:
+        return x.unsqueeze(0)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
+
+
+class SeqParState:
+    """What one compiled graph's distributed ops share: the group, this rank, and the slice lengths of the current
+    call (set by :class:`SeqParCall` from the header exchange)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.lengths: list[int] = []
+
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for n in self.lengths:
+            out.append(o)
+            o += n
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the distributed scan
+
+
+def _scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int) -> Tensor:
+    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, False, None, None)
+
+
+def _scan_bwd(g: Tensor, a: Tensor, h0: Tensor | None, h: Tensor, dim: int, b_dtype: torch.dtype):
+    return torch.ops.adjoint_compile.linear_scan_backward.default(g, a, None, h0, h, dim, False, None, None, b_dtype)
+
+
+class _SeqScanFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, h0: Tensor | None, dim: int, window: int | None, st: SeqParState):
+        first = st.rank == 0
+        h_loc = _scan(a, b, h0 if first else None, dim)
+        cdt = h_loc.dtype
+        A = torch.prod(a.to(cdt), dim)
+        gathered = _gather(torch.stack([A, h_loc.select(dim, -1)]), st.group)  # [world, 2, *state]
+        if first:
+            c, h = (h0.to(cdt) if h0 is not None else None), h_loc
+        else:
+            c = torch.zeros_like(A)
+            for k in range(st.rank):
+                c = gathered[k, 0] * c + gathered[k, 1]
+            h = _scan(a, b, c, dim)  # NB: a rescan, not h̃ + cumprod(a)·c: no [T, state] product, no underflow
+        ctx.save_for_backward(a, h, c, A)
+        ctx.args = (dim, window, st, b.dtype, h0 is not None and first)
+        ctx.h0_meta = None if h0 is None else (h0.shape, h0.dtype)
+        return h
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        a, h, c, A = ctx.saved_tensors
+        dim, window, st, b_dtype, grad_h0 = ctx.args
+        g = g.to(h.dtype)
+        if window is None:
+            ga, gb, gh0 = _exact_backward(g, a, h, c, A, dim, st, b_dtype)
+        else:
+            ga, gb, gh0 = _truncated_backward(g, a, h, c, dim, window, st, b_dtype)
+        if ctx.h0_meta is None:
+            gh0 = None
+        elif not grad_h0:  # NB: only rank 0's h0 starts the sequence; the others' is not read
+            gh0 = torch.zeros(ctx.h0_meta[0], dtype=ctx.h0_meta[1], device=a.device)
+        else:
+            gh0 = gh0.to(ctx.h0_meta[1])
+        return ga, gb, gh0, None, None, None
+
+
+def _exact_backward(g, a, h, c, A, dim, st, b_dtype):
+    last = st.rank == st.world - 1
+    if st.rank > 0:
+        ga, gb, e = _scan_bwd(g, a, c, h, dim, b_dtype)  # e = a_0 ⊙ μ̃_0: what the ranks before need
+    else:
+        e = torch.zeros_like(A)  # NB: no rank before rank 0 reads it; still sent, so that all ranks gather alike
+    gathered = _gather(torch.stack([A, e.to(A.dtype)]), st.group)
+    if last and st.rank > 0:
+        return ga, gb, None
+    d = torch.zeros_like(A)
+    for k in range(st.world - 1, st.rank, -1):
+        d = gathered[k, 1] + gathered[k, 0] * d
+    g = g.clone()
+    g.select(dim, -1).add_(d)
+    return _scan_bwd(g, a, c, h, dim, b_dtype)
+
+
+def _truncated_backward(g, a, h, c, dim, W, st, b_dtype):
+    n = a.shape[dim]
+    m = min(W, n)
+    cdt = h.dtype
+    head_a = torch.ones(_with(h.shape, dim, W), dtype=cdt, device=h.device)
+    head_g = torch.zeros_like(head_a)
+    head_a.narrow(dim, 0, m).copy_(a.narrow(dim, 0, m))
+    head_g.narrow(dim, 0, m).copy_(g.narrow(dim, 0, m))
+    gathered = _gather(torch.stack([head_a, head_g]), st.group)  # [world, 2, ..., W, ...]
+    # the W steps after this slice, rank by rank (ones / zeros past the sequence end: they add nothing)
+    parts_a, parts_g, got = [], [], 0
+    for k in range(st.rank + 1, st.world):
+        take = min(W - got, st.lengths[k])
+        parts_a.append(gathered[k, 0].narrow(dim, 0, take))
+        parts_g.append(gathered[k, 1].narrow(dim, 0, take))
+        got += take
+        if got == W:
+            break
+    if got < W:
+        parts_a.append(torch.ones_like(head_a.narrow(dim, 0, W - got)))
+        parts_g.append(torch.zeros_like(head_a.narrow(dim, 0, W - got)))
+    ra, rg = torch.cat(parts_a, dim).to(cdt), torch.cat(parts_g, dim).to(cdt)
+    nu = torch.cumsum(torch.cumprod(ra, dim) * rg, dim)  # ν_m = Σ_{t<m} (Π_{j<=t} a_j) g_t of the right side
+    ga, gb, nu_out = truncated_scan_backward(g, nu, a, h, c, dim, W)
+    return ga, gb.to(b_dtype), nu_out.select(dim, W - 1)
+
+
+def _with(shape: Sequence[int], dim: int, n: int) -> list[int]:
+    s = list(shape)
+    s[dim] = n
+    return s
+
+
+class SeqScan(torch.nn.Module):
+    """``linear_scan(a, b, h0, dim)`` over the sequence split across the ranks (module docstring); ``window``:
+    truncated mode's adjoint window (None: exact)."""
+
+    def __init__(self, state: SeqParState, dim: int, window: int | None) -> None:
+        super().__init__()
+        self.state, self.dim, self.window = state, dim, window
+
+    def forward(self, a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
+        dim = self.dim % a.dim()
+        return _SeqScanFn.apply(a, b, h0, dim, self.window, self.state)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the causal conv halo
+
+
+class _HaloFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, p: int, dim: int, st: SeqParState):
+        n = x.shape[dim]
+        m = min(p, n)
+        tail = x.new_zeros(_with(x.shape, dim, p))
+        tail.narrow(dim, p - m, m).copy_(x.narrow(dim, n - m, m))
+        gathered = _gather(tail, st.group)  # [world, ..., p, ...]: each rank's last steps, right-aligned
+        parts, got = [], 0
+        for k in range(st.rank - 1, -1, -1):
+            take = min(p - got, st.lengths[k])
+            parts.insert(0, gathered[k].narrow(dim, p - take, take))
+            got += take
+            if got == p:
+                break
+        if got < p:
+            parts.insert(0, x.new_zeros(_with(x.shape, dim, p - got)))
+        ctx.args = (p, dim, st, tuple(x.shape))
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        p, dim, st, shape = ctx.args
+        gathered = _gather(g, st.group)  # every rank's halo cotangent
+        off = st.offsets()
+        lo, hi = off[st.rank], off[st.rank] + shape[dim]
+        gx = g.new_zeros(shape)
+        for q in range(st.rank + 1, st.world):
+            start = off[q] - p  # rank q's halo covers the global steps [off[q] - p, off[q])
+            a, b = max(start, lo), min(off[q], hi)
+            if a < b:
+                gx.narrow(dim, a - lo, b - a).add_(gathered[q].narrow(dim, a - start, b - a))
+        return gx, None, None, None
+
+
+class SeqHalo(torch.nn.Module):
+    """The ``p`` steps along ``dim`` before this rank's slice, from the ranks before it (zeros before step 0)."""
+
+    def __init__(self, state: SeqParState, p: int, dim: int) -> None:
+        super().__init__()
+        self.state, self.p, self.dim = state, p, dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _HaloFn.apply(x, self.p, self.dim % x.dim(), self.state)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parameter gradients, and the per-call header
+
+
+class _ReduceGradsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group: Any, *params: Tensor):
+        ctx.group = group
+        ctx.meta = [(p.shape, p.dtype, p.device) for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (_, dt, _) in enumerate(ctx.meta):
+            by_dtype.setdefault(dt, []).append(i)
+        out: list[Tensor | None] = [None] * len(grads)
+        for dt, idx in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dt, device=ctx.meta[i][2])).reshape(-1)
+                              for i in idx])
+            # NB: one collective per dtype per graph, like a DDP bucket; SUM, since the loss is the ranks' sum
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+            for i, piece in zip(idx, flat.split([ctx.meta[i][0].numel() for i in idx])):
+                out[i] = piece.view(ctx.meta[i][0])
+        return (None, *out)
+
+
+class ReduceGrads:
+    """Identity on the parameters at ``indices`` of a call's arguments; their gradients are summed over ``group``."""
+
+    def __init__(self, group: Any, indices: Sequence[int]) -> None:
+        self.group, self.indices = group, list(indices)
+
+    def __call__(self, args: Sequence[Any]) -> list[Any]:
+        idx = [i for i in self.indices if isinstance(args[i], Tensor) and args[i].requires_grad]
+        if not idx or not torch.is_grad_enabled():
+            return list(args)
+        out = list(args)
+        for i, t in zip(idx, _ReduceGradsFn.apply(self.group, *[args[i] for i in idx])):
+            out[i] = t
+        return out
+
+
+def fingerprint(parts: Sequence[Any]) -> int:
+    """A 62-bit hash of ``parts`` (their reprs), the same on every rank for the same graph and options."""
+    h = hashlib.sha256(repr(list(parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 2
+
+
+class SeqParCall:
+    """The callable of a graph compiled with ``sequence_parallel``: the header exchange, then ``fn`` on this rank's
+    slice with the parameters' gradients reduced (``reduce``) over the group.
+
+    ``refusal``: why this rank cannot run the graph split (raised on every rank after the header, with no model data
+    exchanged); ``length``: this rank's number of steps (-1: the graph exchanges nothing that needs it)."""
+
+    def __init__(self, fn: Callable[..., Any] | None, state: SeqParState, fp: int, length: int,
+                 refusal: str | None, reduce: ReduceGrads | None) -> None:
+        self.fn, self.state, self.fp, self.length, self.refusal, self.reduce = fn, state, fp, length, refusal, reduce
+
+    def header(self) -> None:
+        st = self.state
+        # NB: NCCL moves CUDA tensors only
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(st.group) == "nccl" else "cpu"
+        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length], dtype=torch.int64, device=dev)
+        allh = _gather(mine, st.group).tolist()
+        if any(r[1] for r in allh):
+            whys = [None] * st.world
+            dist.all_gather_object(whys, self.refusal, group=st.group)
+            bad = [(k, w) for k, w in enumerate(whys) if w]
+            if self.refusal is not None:
+                raise SequenceParallelError(self.refusal)
+            k, w = bad[0]
+            raise SequenceParallelError(f"sequence_parallel: rank {k} of the group refused the graph: {w}")
+        fps = [r[0] for r in allh]
+        if len(set(fps)) > 1:
+            raise SequenceParallelError(
+                f"sequence_parallel: the ranks disagree on the model: graph fingerprints {fps} (rank order) differ "
+                f"(different models, parameter shapes, dtypes or adjoint-compile options); every rank must compile "
+                f"the same model with the same options")
+        lengths = [r[2] for r in allh]
+        if self.length >= 0 and min(lengths) < 1:
+            raise SequenceParallelError(f"sequence_parallel: every rank needs at least one step; slice lengths "
+                                        f"(rank order): {lengths}")
+        st.lengths = lengths
+
+    def __call__(self, *args: Any) -> Any:
+        self.header()
+        if self.reduce is not None:
+            args = tuple(self.reduce(args))
+        return self.fn(*args)
