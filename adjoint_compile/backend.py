@@ -29,12 +29,13 @@ from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_b
 
 from . import options as _options
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
-from .errors import AdjointCompileWarning, AdjointVerifyReport
+from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
 from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.lower import lower, lowered_calls
+from .passes.lower_per_sample import PerSampleLowering, lower_per_sample
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
@@ -68,6 +69,9 @@ class CompiledGraph:
     #: ``verify=True``: the whole graph's gradients against plain autograd of the captured graph, from its first
     #: call (runtime/verify.py); None before it, or when nothing was rewritten.
     fidelity: dict[str, Any] | None = None
+    #: ``per_sample_clip``: the parameter uses lowered into per-example book-keeping calls, and the graph's clipper
+    #: (its ``last_norms`` are ``adjoint_compile.per_sample_grad_norms``'s answer)
+    per_sample: PerSampleLowering | None = None
 
 
 class CompiledGraphFn:
@@ -177,8 +181,17 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
+    calls = list(result.lowered)
+    if opts.per_sample_clip is not None:
+        if captured.symbolic:
+            raise PerSampleError("adjoint-compile per_sample_clip: graphs with symbolic sizes (dynamic shapes) are "
+                                 "not supported yet; compile with dynamic=False")
+        # NB: after decide, which keeps every region unsharded under per_sample_clip: the uses it lowers run eagerly
+        # (their own partitions), everything else with the inner compiler
+        result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
+        calls += result.per_sample.calls
     if compile:
-        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, result.lowered, opts)
+        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, calls, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
     captured.example_inputs = []
     _log_decisions(result, opts)

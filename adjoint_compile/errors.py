@@ -37,3 +37,20 @@ class AdjointVerifyReport(AdjointCompileWarning):
 
 class UnsupportedRegion(Exception):
     """Raised inside a pass when a candidate cannot be proven; callers turn it into a soft rejection."""
+
+
+class PerSampleError(ShortenTraceback, ValueError):
+    """``per_sample_clip`` cannot be honoured for this graph: an op mixes examples (batch norm in training mode, a
+    reduction over the batch axis before the loss) or a parameter use cannot be attributed to examples. The message
+    names the op and its source line.
+
+    NB: a ``ShortenTraceback`` for the same reason as :class:`OptionsError`: dynamo re-raises it from the backend
+    unwrapped, so ``except ValueError`` works.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -29,7 +29,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
     ("lower", ("passes.lower", "passes.lower_adjoint", "passes.lower_highway",
-                "passes.lower_highway_chain")),
+                "passes.lower_highway_chain", "passes.lower_per_sample")),
     ("stitch", ("passes.partition",)),
     ("backend", ("backend",)),
     ("user", ("", "explain", "cli", "demo", "measure")),
