@@ -50,6 +50,8 @@ LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __a
                         "__neg__ sum mean float to".split())
 LINEARS = (torch._C._nn.linear, F.linear)
 MATMULS = (operator.matmul, torch.matmul)
+LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+RMS_NORMS = (F.rms_norm, torch.rms_norm)
 ELEMENTWISE = {operator.mul: "mul", torch.mul: "mul", "mul": "mul", operator.add: "add", torch.add: "add",
                "add": "add", operator.sub: "sub", torch.sub: "sub", "sub": "sub"}
 
@@ -266,7 +268,7 @@ class _Lowerer:
             site = self._site(n, "embedding", [args[1]])
             new = self._call(n, PerSampleCall(site, "embedding", padding_idx=_arg(n, 2, "padding_idx")),
                              (act, args[1]), "embedding", [args[1]], form="distinct rows per example")
-        elif n.target in (F.layer_norm, F.rms_norm) and args[0] is act and all(
+        elif n.target in LAYER_NORMS + RMS_NORMS and args[0] is act and all(
                 a is None or _direct_param(a, k) for a in self._affine(n)):
             new = self._norm(n, act)
         elif ELEMENTWISE.get(n.target if n.op == "call_function" else name) and len(args) == 2 and not n.kwargs \
@@ -281,7 +283,7 @@ class _Lowerer:
         self.gm.graph.erase_node(n)
 
     def _affine(self, n: fx.Node) -> list[Any]:
-        return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target is F.layer_norm else [])
+        return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
 
     def _fits(self, n: fx.Node, args: tuple) -> bool:
         """Element-wise with a parameter that stays off the batch axis (it is shared by every example)."""
@@ -312,7 +314,7 @@ class _Lowerer:
         w, *rest = self._affine(n)
         g = self.gm.graph
         with g.inserting_before(n):
-            if n.target is F.layer_norm:
+            if n.target in LAYER_NORMS:
                 plain = g.call_function(F.layer_norm, (x, _arg(n, 1, "normalized_shape"), None, None,
                                                         _arg(n, 4, "eps", 1e-5)))
             else:
