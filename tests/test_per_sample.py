@@ -22,7 +22,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def vmap_norms(model: nn.Module, inputs: tuple, bd: int = 0) -> torch.Tensor:
     """‖g_n‖ over all parameters, from torch.func.vmap(grad) over the examples."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
     def one(p, *xs):
         return _loss(torch.func.functional_call(model, p, tuple(x.unsqueeze(bd) for x in xs)))
@@ -62,7 +62,8 @@ def check(model: nn.Module, *inputs: torch.Tensor, clip: float = 0.7, bd: int = 
     torch.testing.assert_close(got, want_norms, rtol=RTOL, atol=0)
     assert (got > clip).any() or math.isinf(clip) or clip > want_norms.max(), "the test should clip something"
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     return ac.report(compiled)
 
 
@@ -188,6 +189,24 @@ def test_clip_inf_gives_norms_and_the_plain_sum():
     _loss(model(x)).backward()  # the ordinary summed gradient, eager
     for n, p in model.named_parameters():
         torch.testing.assert_close(plain[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_buffers_and_frozen_parameters_are_not_examples_nor_clipped():
+    torch.manual_seed(13)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(7, 3) + 0.5)  # used first, with a leading size that is not B
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.l = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.l(self.frozen(x * self.scale[0]))
+    model = M()
+    check(model, torch.randn(4, 3))
+    assert model.frozen.weight.grad is None
 
 
 def test_generic_fallback_reports_its_memory():

@@ -147,9 +147,12 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             ex = example_inputs[i] if i < len(example_inputs) else None
             i += 1
             v = _val(n)
+            # NB: module state (buffers, frozen parameters) is marked static by dynamo: never the examples
+            static = "_dynamo_static_input_type" in (n.meta.get("tensor_dict") or {}) or isinstance(
+                v, torch.nn.Parameter) or isinstance(ex, torch.nn.Parameter)
             if _is_param(n, gm, ex):
                 kind_of[n] = "P"
-            elif isinstance(v, torch.Tensor) and v.dim() > bd:
+            elif not static and isinstance(v, torch.Tensor) and v.dim() > bd:
                 batch = int(v.shape[bd]) if batch is None else batch
                 kind_of[n] = "A" if int(v.shape[bd]) == batch else "C"
             else:
