@@ -175,11 +175,13 @@ class Report:
 
 
 def _per_sample_lines(uses: list[dict[str, Any]], clip: float) -> list[str]:
+    from .passes.decide import mib
+
     extra = sum(u.get("extra_bytes", 0) for u in uses)
     out = [f"per-example gradients (per_sample_clip={clip:g}): {len(uses)} parameter use(s), one backward; "
-           f"per-example gradient tensors: {extra / 2**20:.2f} MiB"]
+           f"per-example gradient tensors: {mib(extra)}"]
     for u in uses:
-        mem = f", +{u['extra_bytes'] / 2**20:.2f} MiB" if u.get("extra_bytes") else ""
+        mem = f", +{mib(u['extra_bytes'])}" if u.get("extra_bytes") else ""
         shape = f" T={u['steps']} {u['d_in']}->{u['d_out']}" if "steps" in u else ""
         out.append(f"  {u['node']}: {u['kind']} of {', '.join(u['params'])}:{shape} {u.get('form', '')}{mem}")
     return out

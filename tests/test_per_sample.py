@@ -209,6 +209,20 @@ def test_buffers_and_frozen_parameters_are_not_examples_nor_clipped():
     assert model.frozen.weight.grad is None
 
 
+def test_elementwise_uses_with_either_operand_order():
+    torch.manual_seed(14)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.s, self.b = (nn.Parameter(torch.randn(3)) for _ in range(3))
+
+        def forward(self, x):
+            return torch.tanh((self.c - x) * self.s) - self.b
+    rep = check(M(), torch.randn(5, 2, 3))
+    assert [u["kind"] for u in _uses(rep)] == ["elementwise"] * 3
+
+
 def test_generic_fallback_reports_its_memory():
     torch.manual_seed(9)
 
