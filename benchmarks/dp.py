@@ -228,6 +228,8 @@ def main() -> None:
     ssm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ssm)
     cases = [("transformer (vocab 128, d 64, 4 heads, 2 blocks)", Transformer, lambda: torch.randint(0, 128, (16, 32))),
+             ("transformer (vocab 256, d 128, 4 heads, 2 blocks)", lambda: Transformer(256, 128, 4, 2),
+              lambda: torch.randint(0, 256, (32, 64))),
              ("selective SSM (d_model 16, d_state 4, 2 layers)", lambda: ssm.make(16, 4, 2),
               lambda: torch.randn(8, 128, 16))]
     if args.case is not None:
