@@ -298,6 +298,14 @@ def test_refuses_a_nonlinear_loss_of_a_batch_sum():
         f(torch.randn(4, 4))
 
 
+def test_refuses_a_max_over_the_batch():
+    model = nn.Linear(4, 3)
+    f = torch.compile(lambda x: model(x).amax(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match="amax .*not a sum or mean"):
+        f(torch.randn(4, 4))
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1", [1.0], float("-inf")])
 def test_bad_per_sample_clip(bad):
     with pytest.raises(ac.OptionsError, match=r"'per_sample_clip'=.*expected a number C > 0"):

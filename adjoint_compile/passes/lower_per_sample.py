@@ -14,8 +14,9 @@ per-example gradient of the parameter's size), and any other use (the generic fa
 parameter-only nodes that feed it, differentiated per example with ``torch.func.vmap``).
 
 Ops that mix examples are refused with :class:`~adjoint_compile.errors.PerSampleError` naming the op and its source
-line: batch norm in training mode, softmax / cumsum / sort along the batch axis, and a reduction over the batch
-axis whose result meets anything but a linear tail to the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
+line: batch norm in training mode, softmax / cumsum / sort along the batch axis, a reduction over it that is not a
+sum or mean (``out.max()``), and a sum or mean over the batch axis whose result meets anything but a linear tail to
+the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
 """
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PerSampleLowering", "lower_per_sample"]
 
-#: reductions: over the batch axis (or over everything) they make an ``R`` value
-REDUCTIONS = frozenset("sum mean amax amin max min prod std var logsumexp norm nansum nanmean var_mean std_mean "
-                       "median all any count_nonzero".split())
+#: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
+REDUCTIONS = frozenset("sum mean nansum nanmean".split())
+#: reductions that are not linear: over the batch axis the loss is no longer a sum of per-example losses
+NONLINEAR_REDUCTIONS = frozenset("amax amin max min prod std var logsumexp norm var_mean std_mean median all any "
+                                 "count_nonzero".split())
 #: ops along one axis that mix examples when the axis is the batch axis
 ALONG = frozenset("softmax log_softmax cumsum cumprod logcumsumexp sort argsort topk cummax cummin flip roll".split())
 #: in-graph losses: with reduction "mean" or "sum" they reduce over the batch
@@ -129,9 +132,10 @@ def _reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int) -> str | None:
         return "R" if red != "none" else None
     if name == "batch_norm" and bool(_arg(n, 5, "training", False)):
         return "mix"
-    if name in REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
+    if name in REDUCTIONS | NONLINEAR_REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
         dims = _dims(n, ndim)
-        return "R" if dims is None or bd in dims else None
+        over_batch = dims is None or bd in dims
+        return None if not over_batch else "R" if name in REDUCTIONS else "mix"
     if name in ALONG:
         dims = _dims(n, ndim)
         return "mix" if dims is not None and bd in dims else None
@@ -172,8 +176,9 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             continue
         red = _reduction(n, kind_of, bd)
         if red == "mix":
-            raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, or an op along the "
-                             f"batch axis batch_dim={bd}): per-example gradients are not defined")
+            raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, an op along the batch "
+                             f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
+                             "gradients are not defined")
         if "R" in ins:
             other = [k for k in ins if k in ("A", "P", "M")]
             if other or _name(n) not in LINEAR_TAIL or (_name(n) in ("mul", "truediv", "div", "__mul__")
