@@ -179,6 +179,22 @@ def test_tied_weights_are_summed_before_the_norm():
     assert {u["kind"] for u in tied} == {"embedding", "linear"}
 
 
+def test_a_graph_break_norms_span_both_graphs():
+    torch.manual_seed(15)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h)
+    rep = check(M(), torch.randn(3, 4))
+    assert len(rep.compiled) == 2 and all(c.per_sample is not None for c in rep.compiled)
+
+
 def test_clip_inf_gives_norms_and_the_plain_sum():
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
