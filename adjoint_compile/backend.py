@@ -138,6 +138,10 @@ class _Specializing:
         self._warned = False
 
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
+        if len(self.cache) >= SPECIALIZE_LIMIT and self.opts.per_sample_clip is not None:
+            # NB: the symbolic graph under ordinary autograd would give unclipped gradients: never fall back to it
+            raise PerSampleError(f"adjoint-compile per_sample_clip: {SPECIALIZE_LIMIT} call signatures (batch "
+                                 f"sizes) already specialized (SPECIALIZE_LIMIT); pad batches to a few fixed sizes")
         if len(self.cache) >= SPECIALIZE_LIMIT:
             if not self._warned:
                 self._warned = True
@@ -147,6 +151,8 @@ class _Specializing:
         try:
             sgm = specialize(self.gm, args)
         except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
+            if self.opts.per_sample_clip is not None:
+                raise
             log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
                         "ordinary autograd", type(e).__name__, e)
             fn = self.fallback
@@ -175,17 +181,16 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
     regions, rejections = recognize(captured, opts)
     plans = decide.plan(regions, opts)
-    symbolic = captured.symbolic and any(p.rewrite != "none" for p in plans)
+    # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized
+    # per call signature like one with regions to shard
+    symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None)
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT)
     outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
     calls = list(result.lowered)
-    if opts.per_sample_clip is not None:
-        if captured.symbolic:
-            raise PerSampleError("adjoint-compile per_sample_clip: graphs with symbolic sizes (dynamic shapes) are "
-                                 "not supported yet; compile with dynamic=False")
+    if opts.per_sample_clip is not None and not captured.symbolic:
         # NB: after decide, which keeps every region unsharded under per_sample_clip: the uses it lowers run eagerly
         # (their own partitions), everything else with the inner compiler
         result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
