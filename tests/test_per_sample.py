@@ -218,6 +218,30 @@ def test_changing_batch_sizes_are_specialized_never_unclipped():
             f(torch.randn(B, 4))
 
 
+def test_a_backward_that_raised_leaves_nothing_for_the_next():
+    torch.manual_seed(17)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
+    with pytest.raises(RuntimeError, match="boom"):  # both layers' records are taken, then the backward fails
+        _loss(f(Boom.apply(x.clone().requires_grad_()))).backward()
+    want_grads, _ = loop_clipped(model, (x.detach(),), 0.5)
+    model.zero_grad()
+    _loss(f(x.detach())).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
+
+
 def test_clip_inf_gives_norms_and_the_plain_sum():
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))

@@ -135,25 +135,28 @@ class EmbeddingRecord(Record):
 # --- the records of the backward under way ------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-#: (param, record, site) of the backward under way; None between backwards. NB: module-global, not thread-local:
-#: on a GPU the engine runs backward functions on its device threads, and the final callback may run on another one
-_pending: list[tuple[Tensor, Record, Site]] | None = None
+#: the backward under way: its graph task id and its (param, record, site) triples. NB: module-global, not
+#: thread-local: on a GPU the engine runs backward functions on its device threads. Keyed by the graph task so that
+#: a backward that raised half-way (its final callback never ran) leaves nothing behind for the next one
+_pending: tuple[int, list[tuple[Tensor, Record, Site]]] | None = None
 _steps = 0
 
 
 def _record(param: Tensor, rec: Record, site: Site) -> None:
     global _pending
+    task = torch._C._current_graph_task_id()
     with _LOCK:
-        if _pending is None:
-            _pending = []
+        if _pending is None or _pending[0] != task:
+            _pending = (task, [])
             torch.autograd.Variable._execution_engine.queue_callback(_finalize)
-        _pending.append((param, rec, site))
+        _pending[1].append((param, rec, site))
 
 
 def _finalize() -> None:
     global _pending
     with _LOCK:
-        pending, _pending = _pending, None
+        pending = _pending[1] if _pending is not None else []
+        _pending = None
     if not pending:
         return
     groups: dict[int, tuple[Tensor, list[Record]]] = {}
