@@ -4,13 +4,14 @@ Architecture section maps the pipeline's stages to files) and docs/DESIGN.md (th
 from __future__ import annotations
 
 from . import backend, ops
-from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError, SequenceParallelError
-from .explain import Report, explain, report
+from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError, PerSampleError, SequenceParallelError
+from .explain import Report, explain, per_sample_grad_norms, report
 from .options import Options, validate as validate_options
 from .passes.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
 
 __all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "SequenceParallelError",
-           "AdjointCompileWarning", "AdjointVerifyReport", "validate_options", "register_scan", "unregister_scan", "registered_scans",
+           "AdjointCompileWarning", "AdjointVerifyReport", "PerSampleError", "per_sample_grad_norms", "validate_options",
+           "register_scan", "unregister_scan", "registered_scans",
            "ScanAdapter", "__version__"]
 __version__ = "0.1.0"
 

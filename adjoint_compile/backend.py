@@ -29,12 +29,13 @@ from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_b
 
 from . import options as _options
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
-from .errors import AdjointCompileWarning, AdjointVerifyReport
+from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
 from .inner import COMPILE_LOCK, compile_inner
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.lower import lower, lowered_calls
+from .passes.lower_per_sample import PerSampleLowering, lower_per_sample
 from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
@@ -70,6 +71,9 @@ class CompiledGraph:
     #: ``verify=True``: the whole graph's gradients against plain autograd of the captured graph, from its first
     #: call (runtime/verify.py); None before it, or when nothing was rewritten.
     fidelity: dict[str, Any] | None = None
+    #: ``per_sample_clip``: the parameter uses lowered into per-example book-keeping calls, and the graph's clipper
+    #: (its ``last_norms`` are ``adjoint_compile.per_sample_grad_norms``'s answer)
+    per_sample: PerSampleLowering | None = None
 
 
 class CompiledGraphFn:
@@ -136,6 +140,10 @@ class _Specializing:
         self._warned = False
 
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
+        if len(self.cache) >= SPECIALIZE_LIMIT and self.opts.per_sample_clip is not None:
+            # NB: the symbolic graph under ordinary autograd would give unclipped gradients: never fall back to it
+            raise PerSampleError(f"adjoint-compile per_sample_clip: {SPECIALIZE_LIMIT} call signatures (batch "
+                                 f"sizes) already specialized (SPECIALIZE_LIMIT); pad batches to a few fixed sizes")
         if len(self.cache) >= SPECIALIZE_LIMIT:
             if not self._warned:
                 self._warned = True
@@ -145,6 +153,8 @@ class _Specializing:
         try:
             sgm = specialize(self.gm, args)
         except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
+            if self.opts.per_sample_clip is not None:
+                raise
             log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
                         "ordinary autograd", type(e).__name__, e)
             fn = self.fallback
@@ -206,14 +216,22 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
     regions, rejections = recognize(captured, opts)
     plans = decide.plan(regions, opts)
-    symbolic = captured.symbolic and any(p.rewrite != "none" for p in plans)
+    # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized
+    # per call signature like one with regions to shard
+    symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None)
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT)
     outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
+    calls = list(result.lowered)
+    if opts.per_sample_clip is not None and not captured.symbolic:
+        # NB: after decide, which keeps every region unsharded under per_sample_clip: the uses it lowers run eagerly
+        # (their own partitions), everything else with the inner compiler
+        result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
+        calls += result.per_sample.calls
     if compile:
-        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, result.lowered, opts)
+        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, calls, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
     captured.example_inputs = []
     _log_decisions(result, opts)

@@ -42,3 +42,20 @@ class UnsupportedRegion(Exception):
 class SequenceParallelError(RuntimeError):
     """``sequence_parallel``: the graph cannot run split over the ranks (an op that mixes steps across the sequence,
     ranks that disagree on the model), raised on every rank of the group before any model data is exchanged."""
+
+
+class PerSampleError(ShortenTraceback, ValueError):
+    """``per_sample_clip`` cannot be honoured for this graph: an op mixes examples (batch norm in training mode, a
+    reduction over the batch axis before the loss) or a parameter use cannot be attributed to examples. The message
+    names the op and its source line.
+
+    NB: a ``ShortenTraceback`` for the same reason as :class:`OptionsError`: dynamo re-raises it from the backend
+    unwrapped, so ``except ValueError`` works.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -163,6 +163,9 @@ class Report:
             lines.append("graph breaks:")
             lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")
                       for i, b in enumerate(self.graph_breaks)]
+        uses = [u for c in self.compiled if c.per_sample is not None for u in c.per_sample.uses]
+        if self.options.per_sample_clip is not None:
+            lines += _per_sample_lines(uses, self.options.per_sample_clip)
         if self.fidelity is not None:
             f = self.fidelity
             lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
@@ -170,6 +173,19 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _per_sample_lines(uses: list[dict[str, Any]], clip: float) -> list[str]:
+    from .passes.decide import mib
+
+    extra = sum(u.get("extra_bytes", 0) for u in uses)
+    out = [f"per-example gradients (per_sample_clip={clip:g}): {len(uses)} parameter use(s), one backward; "
+           f"per-example gradient tensors: {mib(extra)}"]
+    for u in uses:
+        mem = f", +{mib(u['extra_bytes'])}" if u.get("extra_bytes") else ""
+        shape = f" T={u['steps']} {u['d_in']}->{u['d_out']}" if "steps" in u else ""
+        out.append(f"  {u['node']}: {u['kind']} of {', '.join(u['params'])}:{shape} {u.get('form', '')}{mem}")
+    return out
 
 
 def _graph_breaks(explain_output: Any) -> list[GraphBreak]:
@@ -259,6 +275,26 @@ def report(compiled_model: Any) -> Report:
         _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
     return Report.of(flat, opts)
+
+
+def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
+    """The [B] per-example gradient norms ‖g_n‖ (over all parameters) of the last backward through
+    ``compiled_model``, a ``torch.compile(..., backend="adjoint", options={"per_sample_clip": C})`` result
+    (Opacus calls them ``per_sample_gradient_norms``). The norms are of the unclipped gradients.
+
+    Raises ValueError when the model was not compiled with ``per_sample_clip``, RuntimeError before its first
+    backward.
+    """
+    found = sorted(_compiled_graphs(compiled_model), key=lambda c: c.seq)
+    flat = [g for c in found for g in (c, *c.specializations)]
+    clippers = [c.per_sample.clipper for c in flat if c.per_sample is not None]
+    if not clippers:
+        raise ValueError("adjoint_compile.per_sample_grad_norms: the model was not compiled with "
+                         "options={'per_sample_clip': C} (or has not been called yet)")
+    done = [c for c in clippers if c.last_norms is not None]
+    if not done:
+        raise RuntimeError("adjoint_compile.per_sample_grad_norms: no backward has run through the model yet")
+    return max(done, key=lambda c: c.step).last_norms
 
 
 def _fidelity(c: CompiledGraph) -> None:

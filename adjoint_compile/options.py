@@ -48,6 +48,11 @@ class Options:
     verify: bool = False
     #: highway mode: stop iterating once an update's relative norm is below it (None: exactly k iterations).
     tolerance: float | None = None
+    #: DP-SGD clipping bound C > 0 (``inf``: norms only): every p.grad gets Σ_n min(1, C/‖g_n‖) g_n, with g_n example
+    #: n's gradient over all parameters (runtime/per_sample.py); None: off.
+    per_sample_clip: float | None = None
+    #: the example axis of the inputs (and of every activation a parameter meets), for ``per_sample_clip``.
+    batch_dim: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -183,4 +188,18 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
         if mode != "highway":
             raise _bad("tolerance", tolerance, f"it applies to mode='highway' only (mode={mode!r})")
         kw["tolerance"] = float(tolerance)
+
+    clip = options.get("per_sample_clip")
+    if clip is not None:
+        # NB: NaN fails `> 0`; inf is allowed on purpose (norms only, no clipping)
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+            raise _bad("per_sample_clip", clip, "expected a number C > 0 (the per-example gradient norm bound), or "
+                       "float('inf') for the norms only")
+        kw["per_sample_clip"] = float(clip)
+        if kw["sequence_parallel"] not in (None, False):
+            # NB: each rank would clip its slice's partial per-example gradients: not the clipped sum of the whole
+            raise _bad("per_sample_clip", clip, "it cannot be combined with sequence_parallel yet (a rank holds only "
+                       "part of each example's gradient)")
+    if "batch_dim" in options:
+        kw["batch_dim"] = _check_positive_int("batch_dim", options["batch_dim"], 0)
     return Options(**kw)

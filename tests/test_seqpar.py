@@ -264,3 +264,16 @@ def test_option_reduce_grads_is_validated():
         ac.validate_options({"reduce_grads": 1})
     assert ac.validate_options({"reduce_grads": False}).reduce_grads is False
     assert ac.validate_options({}).reduce_grads is True
+
+
+def test_per_sample_clip_with_sequence_parallel_is_refused(tmp_path):
+    # NB: a rank holds part of every example's gradient, so clipping per rank would not be the clipped sum
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(ac.OptionsError, match="'per_sample_clip'=1.0 .*sequence_parallel"):
+            ac.validate_options({"sequence_parallel": True, "per_sample_clip": 1.0})
+        assert ac.validate_options({"sequence_parallel": False, "per_sample_clip": 1.0}).per_sample_clip == 1.0
+    finally:
+        dist.destroy_process_group()

@@ -69,6 +69,11 @@ SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and s
             "signatures; see the later compiled graphs)")
 
 
+#: the reason of a rewritable region under per_sample_clip (the sharded VJP does not yet keep per-example gradients)
+PER_SAMPLE = ("per_sample_clip: kept unsharded (ordinary autograd with per-example book-keeping of its parameters); "
+              "sharded regions do not yet compose with per-example clipping")
+
+
 def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | None = None) -> list[Plan]:
     """One :class:`Plan` per region, from :data:`TABLE`.
 
@@ -80,7 +85,9 @@ def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | No
         p = TABLE.get((opts.mode, r.kind), Plan("none", f"no rewrite for a {r.kind} in mode={opts.mode!r}"))
         p = dataclasses.replace(p, reason=p.reason.format(mode=opts.mode))
         if p.rewrite != "none":
-            if getattr(r, "not_rerolled", None):
+            if opts.per_sample_clip is not None:
+                p = Plan("none", PER_SAMPLE)
+            elif getattr(r, "not_rerolled", None):
                 p = Plan("none", r.not_rerolled)
             elif opts.sequence_parallel is not None:
                 p = Plan("none", SEQUENCE_PARALLEL)

@@ -1,0 +1,410 @@
+"""Lower every parameter use into a per-example book-keeping call (``options={"per_sample_clip": C}``; issue 14).
+
+On dynamo's torch-level graph each value is classified as
+
+- ``P``: computed from parameters (and constants) only, e.g. ``-exp(A_log)``;
+- ``A``: depends on an example (a graph input with the batch axis);
+- ``R``: reduced over the batch axis (a loss; only a linear tail may follow, up to the output);
+- ``C``: anything else (buffers, masks, sizes).
+
+A node with an ``A`` and a ``P`` input is a parameter use. It becomes a call of runtime/per_sample.py:
+``linear``/``matmul`` with a parameter matrix (``LinearRecord``: Gram or direct form), ``embedding``
+(``EmbeddingRecord``), ``layer_norm``/``rms_norm`` affine and ``x * p``, ``x + p``, ``x - p`` (element-wise, a
+per-example gradient of the parameter's size), and any other use (the generic fallback: the op with the
+parameter-only nodes that feed it, differentiated per example with ``torch.func.vmap``).
+
+Ops that mix examples are refused with :class:`~adjoint_compile.errors.PerSampleError` naming the op and its source
+line: batch norm in training mode, softmax / cumsum / sort along the batch axis, a reduction over it that is not a
+sum or mean (``out.max()``), and a sum or mean over the batch axis whose result meets anything but a linear tail to
+the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..errors import PerSampleError
+from ..options import Options
+from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PerSampleLowering", "lower_per_sample"]
+
+#: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
+REDUCTIONS = frozenset("sum mean nansum nanmean".split())
+#: reductions that are not linear: over the batch axis the loss is no longer a sum of per-example losses
+NONLINEAR_REDUCTIONS = frozenset("amax amin max min prod std var logsumexp norm var_mean std_mean median all any "
+                                 "count_nonzero".split())
+#: ops along one axis that mix examples when the axis is the batch axis
+ALONG = frozenset("softmax log_softmax cumsum cumprod logcumsumexp sort argsort topk cummax cummin flip roll".split())
+#: in-graph losses: with reduction "mean" or "sum" they reduce over the batch
+LOSSES = frozenset("cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
+                   "binary_cross_entropy_with_logits kl_div".split())
+#: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
+LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
+                        "__neg__ sum mean float to".split())
+LINEARS = (torch._C._nn.linear, F.linear)
+MATMULS = (operator.matmul, torch.matmul)
+LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+RMS_NORMS = (F.rms_norm, torch.rms_norm)
+ELEMENTWISE = {operator.mul: "mul", torch.mul: "mul", "mul": "mul", operator.add: "add", torch.add: "add",
+               "add": "add", operator.sub: "sub", torch.sub: "sub", "sub": "sub"}
+
+
+@dataclasses.dataclass
+class PerSampleLowering:
+    """What the lowering did to one graph: the calls (stitch keeps them out of the inner compiler) and, for the
+    report, one entry per parameter use."""
+
+    clipper: Clipper
+    batch_size: int
+    calls: list[str] = dataclasses.field(default_factory=list)
+    uses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _where(n: fx.Node) -> str:
+    st = (n.meta.get("stack_trace") or "").strip().splitlines()
+    files = [ln.strip() for ln in st if ln.strip().startswith("File ")]
+    code = st[-1].strip() if st else ""
+    return f"{files[-1]}: {code}" if files else "(no source line recorded)"
+
+
+def _refuse(n: fx.Node, why: str) -> PerSampleError:
+    return PerSampleError(f"adjoint-compile per_sample_clip: {_name(n)} ({n.name}) {why}; at {_where(n)}")
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
+
+
+def _is_param(n: fx.Node, gm: fx.GraphModule, example: Any) -> bool:
+    if n.op == "get_attr":
+        try:
+            v = gm.get_parameter(str(n.target))
+        except AttributeError:
+            return False
+        return v.requires_grad
+    # NB: dynamo's fake example values of parameters are Parameters too (explain() has no real inputs)
+    for v in (example, _val(n)):
+        if isinstance(v, torch.nn.Parameter):
+            return v.requires_grad
+    return False
+
+
+def _dims(n: fx.Node, ndim: int) -> tuple[int, ...] | None:
+    """The axes a reduction / along-axis op works on (None: all of them)."""
+    d = n.kwargs.get("dim", n.kwargs.get("axis"))
+    if d is None and len(n.args) > 1 and isinstance(n.args[1], (int, tuple, list)) and not isinstance(n.args[1], bool):
+        d = n.args[1]
+    if d is None:
+        return None
+    ds = d if isinstance(d, (tuple, list)) else (d,)
+    return tuple(x % ndim for x in ds if isinstance(x, int)) if ndim else ()
+
+
+def _arg(n: fx.Node, i: int, key: str, default: Any = None) -> Any:
+    return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+def _reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int) -> str | None:
+    """"R" when ``n`` reduces an example value over the batch axis, "mix" for an along-axis op on it, else None."""
+    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if kind_of.get(n.args[0]) not in ("A", "M"):
+        return None
+    name, x = _name(n), _val(n.args[0])
+    ndim = x.dim() if isinstance(x, torch.Tensor) else 0
+    if name in LOSSES:
+        red = n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "mean", "sum")), "mean"))
+        return "R" if red != "none" else None
+    if name == "batch_norm" and bool(_arg(n, 5, "training", False)):
+        return "mix"
+    if name in REDUCTIONS | NONLINEAR_REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
+        dims = _dims(n, ndim)
+        over_batch = dims is None or bd in dims
+        return None if not over_batch else "R" if name in REDUCTIONS else "mix"
+    if name in ALONG:
+        dims = _dims(n, ndim)
+        return "mix" if dims is not None and bd in dims else None
+    return None
+
+
+def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tuple[dict[fx.Node, str], int | None]:
+    kind_of: dict[fx.Node, str] = {}
+    batch: int | None = None
+    i = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            ex = example_inputs[i] if i < len(example_inputs) else None
+            i += 1
+            v = _val(n)
+            # NB: module state (buffers, frozen parameters) is marked static by dynamo: never the examples
+            static = "_dynamo_static_input_type" in (n.meta.get("tensor_dict") or {}) or isinstance(
+                v, torch.nn.Parameter) or isinstance(ex, torch.nn.Parameter)
+            if _is_param(n, gm, ex):
+                kind_of[n] = "P"
+            elif not static and isinstance(v, torch.Tensor) and v.dim() > bd:
+                batch = int(v.shape[bd]) if batch is None else batch
+                kind_of[n] = "A" if int(v.shape[bd]) == batch else "C"
+            else:
+                kind_of[n] = "C"
+            continue
+        if n.op == "get_attr":
+            kind_of[n] = "P" if _is_param(n, gm, None) else "C"
+            continue
+        if n.op == "output":
+            continue
+        ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
+        v = _val(n)
+        tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
+                                                     any(isinstance(x, torch.Tensor) for x in v))
+        if not tensorish:
+            kind_of[n] = "C"
+            continue
+        red = _reduction(n, kind_of, bd)
+        if red == "mix":
+            raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, an op along the batch "
+                             f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
+                             "gradients are not defined")
+        if "R" in ins:
+            other = [k for k in ins if k in ("A", "P", "M")]
+            if other or _name(n) not in LINEAR_TAIL or (_name(n) in ("mul", "truediv", "div", "__mul__")
+                                                         and ins.count("R") > 1):
+                src = next(a for a in n.all_input_nodes if kind_of.get(a) == "R")
+                raise _refuse(n, f"uses a value reduced over the batch axis before the loss ({_origin(src, kind_of)}"
+                                 "): the examples interact, so per-example gradients are not defined")
+            kind_of[n] = "R"
+        elif red == "R":
+            kind_of[n] = "R"
+        elif "A" in ins or "M" in ins:
+            kind_of[n] = "M" if "P" in ins else "A"
+        elif "P" in ins:
+            kind_of[n] = "P"
+        else:
+            kind_of[n] = "C"
+    return kind_of, batch
+
+
+def _origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
+    while any(kind_of.get(a) == "R" for a in n.all_input_nodes):
+        n = next(a for a in n.all_input_nodes if kind_of.get(a) == "R")
+    return f"{_name(n)} ({n.name}) at {_where(n)}"
+
+
+def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
+    return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
+
+
+def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int) -> None:
+    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n))):
+        if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise _refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
+                             f"batch_dim={bd}: its gradient cannot be attributed to examples")
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+class _Lowerer:
+    def __init__(self, gm: fx.GraphModule, kind_of: dict[fx.Node, str], opts: Options, batch: int) -> None:
+        self.gm, self.kind_of, self.bd, self.batch = gm, kind_of, opts.batch_dim, batch
+        self.out = PerSampleLowering(Clipper(float(opts.per_sample_clip or float("inf")), opts.batch_dim), batch)
+        self.uses_of: dict[fx.Node, int] = {}
+
+    def _param_leaves(self, n: fx.Node) -> list[fx.Node]:
+        """The parameter placeholders a P value is computed from."""
+        seen, todo, out = set(), [n], []
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op in ("placeholder", "get_attr"):
+                if self.kind_of.get(m) == "P":
+                    out.append(m)
+                continue
+            todo += [a for a in m.all_input_nodes if self.kind_of.get(a) == "P"]
+        return out
+
+    def _call(self, n: fx.Node, mod: PerSampleCall, args: tuple, kind: str, params: list[fx.Node],
+              **info: Any) -> fx.Node:
+        name = f"per_sample_{len(self.out.calls)}"
+        self.gm.add_submodule(name, mod)
+        with self.gm.graph.inserting_before(n):
+            call = self.gm.graph.call_module(name, args)
+        call.meta.update(n.meta)
+        self.kind_of[call] = "A"
+        self.out.calls.append(name)
+        self.out.uses.append({"node": n.name, "op": _name(n), "kind": kind, "call": name,
+                              "params": [p.name for p in params], "tied": mod.site.tied, "at": _where(n), **info})
+        return call
+
+    def _site(self, n: fx.Node, kind: str, params: list[fx.Node]) -> Site:
+        return Site(self.out.clipper, n.name, kind, tuple(p.name for p in params),
+                    tied=any(self.uses_of.get(p, 0) > 1 for p in params))
+
+    def lower(self, n: fx.Node) -> None:
+        k, name, args = self.kind_of, _name(n), n.args
+        act = next((a for a in n.all_input_nodes if k.get(a) in ("A", "M")), None)
+        assert act is not None
+        new: fx.Node | None = None
+        if n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
+                _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
+            new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
+        elif (n.target in MATMULS or (n.op == "call_method" and name == "matmul")) and len(args) == 2 and \
+                args[0] is act and _direct_param(args[1], k) and _val(args[1]).dim() == 2:
+            new = self._linear(n, act, args[1], None, transposed=True)
+        elif n.target is F.embedding and args[0] is act and _direct_param(args[1], k) and \
+                _arg(n, 3, "max_norm") is None and not _arg(n, 5, "scale_grad_by_freq", False) and \
+                not _arg(n, 6, "sparse", False):
+            _check_batched(n, act, self.bd, self.batch)
+            site = self._site(n, "embedding", [args[1]])
+            new = self._call(n, PerSampleCall(site, "embedding", padding_idx=_arg(n, 2, "padding_idx")),
+                             (act, args[1]), "embedding", [args[1]], form="distinct rows per example")
+        elif n.target in LAYER_NORMS + RMS_NORMS and args[0] is act and all(
+                a is None or _direct_param(a, k) for a in self._affine(n)):
+            new = self._norm(n, act)
+        elif ELEMENTWISE.get(n.target if n.op == "call_function" else name) and len(args) == 2 and not n.kwargs \
+                and act in args and any(_direct_param(a, k) for a in args) and self._fits(n, args):
+            p = next(a for a in args if _direct_param(a, k))
+            op = ELEMENTWISE[n.target if n.op == "call_function" else name]
+            op = "rsub" if op == "sub" and args[0] is p else op
+            new = self._elementwise(n, act, p, op)
+        if new is None:
+            new = self._generic(n)
+        n.replace_all_uses_with(new)
+        self.gm.graph.erase_node(n)
+
+    def _affine(self, n: fx.Node) -> list[Any]:
+        return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
+
+    def _fits(self, n: fx.Node, args: tuple) -> bool:
+        """Element-wise with a parameter that stays off the batch axis (it is shared by every example)."""
+        p = next(a for a in args if _direct_param(a, self.kind_of))
+        out = _val(n)
+        return isinstance(out, torch.Tensor) and out.dim() - _val(p).dim() > self.bd
+
+    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
+        _check_batched(n, x, self.bd, self.batch)
+        xv, wv = _val(x), _val(w)
+        steps = max(1, xv.numel() // max(1, self.batch * xv.shape[-1]))
+        d_in, d_out = (wv.shape[0], wv.shape[1]) if transposed else (wv.shape[1], wv.shape[0])
+        params = [w] + ([b] if b is not None else [])
+        site = self._site(n, "linear", params)
+        form = "direct (tied)" if site.tied else "gram" if gram_is_cheaper(steps, d_in, d_out) else "direct"
+        return self._call(n, PerSampleCall(site, "linear", transposed=transposed),
+                          (x, w) + ((b,) if b is not None else ()), "matmul" if transposed else "linear", params,
+                          form=form, steps=steps, d_in=int(d_in), d_out=int(d_out))
+
+    def _elementwise(self, n: fx.Node, x: fx.Node, p: fx.Node, op: str) -> fx.Node:
+        _check_batched(n, x, self.bd, self.batch)
+        site = self._site(n, "elementwise", [p])
+        return self._call(n, PerSampleCall(site, "elementwise", op=op), (x, p), "elementwise", [p],
+                          form="direct", extra_bytes=self.batch * _nbytes(_val(p)))
+
+    def _norm(self, n: fx.Node, x: fx.Node) -> fx.Node:
+        """layer_norm / rms_norm with an affine: the normalization without it, then ``* w`` and ``+ b``."""
+        w, *rest = self._affine(n)
+        g = self.gm.graph
+        with g.inserting_before(n):
+            if n.target in LAYER_NORMS:
+                plain = g.call_function(F.layer_norm, (x, _arg(n, 1, "normalized_shape"), None, None,
+                                                        _arg(n, 4, "eps", 1e-5)))
+            else:
+                plain = g.call_function(F.rms_norm, (x, _arg(n, 1, "normalized_shape"), None, _arg(n, 3, "eps")))
+        plain.meta.update(n.meta)
+        self.kind_of[plain] = "A"
+        out = plain
+        for p, op in ((w, "mul"), (rest[0] if rest else None, "add")):
+            if p is not None:
+                out = self._elementwise(n, out, p, op)
+        return out
+
+    def _generic(self, n: fx.Node) -> fx.Node:
+        """The op and the parameter-only nodes feeding it, as one function of (examples' tensors, other tensors,
+        parameters); the parameters' per-example gradients by vmap."""
+        k = self.kind_of
+        sub, env = fx.Graph(), {}
+        inputs: list[fx.Node] = []
+        dims: list[int | None] = []
+        is_param: list[bool] = []
+        p_nodes: list[fx.Node] = []
+        todo = [a for a in n.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+        while todo:
+            m = todo.pop()
+            if m not in p_nodes:
+                p_nodes.append(m)
+                todo += [a for a in m.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+        order = {m: i for i, m in enumerate(self.gm.graph.nodes)}
+        p_nodes.sort(key=order.__getitem__)
+
+        def inp(a: fx.Node) -> fx.Node:
+            if a not in env:
+                env[a] = sub.placeholder(f"in_{len(inputs)}")
+                inputs.append(a)
+                batched = k.get(a) in ("A", "M") and isinstance(_val(a), torch.Tensor)
+                if batched:
+                    _check_batched(n, a, self.bd, self.batch)
+                dims.append(self.bd if batched else None)
+                is_param.append(k.get(a) == "P")
+            return env[a]
+        for m in [*p_nodes, n]:
+            for a in m.all_input_nodes:
+                if a not in env and (a.op in ("placeholder", "get_attr") or a not in p_nodes):
+                    inp(a)
+            env[m] = sub.node_copy(m, lambda a: env[a])
+        if not isinstance(_val(n), torch.Tensor):
+            raise _refuse(n, f"uses a parameter and returns {type(_val(n)).__name__}, not one tensor: the generic "
+                             "per-example fallback takes single-tensor ops only")
+        sub.output(env[n])
+        fn = fx.GraphModule(self.gm, sub)
+        params = [a for a, p in zip(inputs, is_param) if p]
+        site = self._site(n, "generic", params)
+        extra = self.batch * sum(_nbytes(_val(p)) for p in params)
+        call = self._call(n, PerSampleCall(site, "generic", fn=fn, dims=tuple(dims), is_param=tuple(is_param)),
+                          tuple(inputs), "generic", params, form="per-example gradients (vmap)", extra_bytes=extra)
+        return call
+
+
+def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> PerSampleLowering:
+    """Replace every parameter use in ``gm`` with a book-keeping call; raise :class:`PerSampleError` for ops that
+    mix examples."""
+    kind_of, batch = _classify(gm, example_inputs, opts.batch_dim)
+    uses = [n for n in gm.graph.nodes if kind_of.get(n) == "M"]
+    if batch is None:
+        raise PerSampleError(f"adjoint-compile per_sample_clip: no graph input has an example axis batch_dim="
+                             f"{opts.batch_dim}; per-example gradients need one")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in out_node.all_input_nodes:
+        if kind_of.get(a) == "P":
+            raise _refuse(a, "is a parameter value returned by the graph without meeting an example: its gradient "
+                             "could not be attributed to examples")
+    low = _Lowerer(gm, kind_of, opts, batch)
+    for n in uses:
+        for p in {q for a in n.all_input_nodes if kind_of.get(a) == "P" for q in low._param_leaves(a)}:
+            low.uses_of[p] = low.uses_of.get(p, 0) + 1
+    for n in uses:
+        low.lower(n)
+    for n in reversed(list(gm.graph.nodes)):  # the parameter-only nodes the generic calls took in
+        if kind_of.get(n) == "P" and n.op not in ("placeholder", "get_attr") and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+    log.info("per_sample_clip: %d parameter use(s) lowered (B=%d): %s", len(low.out.uses), batch,
+             [(u["node"], u["kind"], u.get("form")) for u in low.out.uses])
+    return low.out
+

@@ -1,0 +1,387 @@
+"""Per-example gradient norms and the DP-SGD clipped sum in one backward (``options={"per_sample_clip": C}``).
+
+Book-keeping style (Bu et al.; seed 002's squared-norm functions): every use of a parameter with an activation is
+one autograd.Function here (passes/lower_per_sample.py puts them in the graph). Its backward returns the input
+gradient as usual but, for the parameter, no summed gradient: it records what the example norms and the clipped
+sum need (a :class:`Record`). At the end of the backward (an engine final callback) :func:`_finalize` adds the
+records' squared norms per example over all parameters, takes c_n = min(1, C / ‖g_n‖) and writes
+``p.grad += Σ_n c_n g_n`` for every parameter; the [B] norms go to each graph's :class:`Clipper`.
+
+Records, by the layer kind that made them (seed 002 §D and the Gram vs direct trade-off of ghost clipping):
+
+- :class:`LinearRecord` (a matmul of a parameter with an activation, ``nn.Linear`` on [B, T, D] included): the
+  Gram form ⟨ζζᵀ, ggᵀ⟩ costs B·T²·(i+o) and B·T² memory, the direct form ‖ζ_nᵀ g_n‖² B·T·i·o and B·i·o; the Gram
+  form is used when 2·T² < i·o (mixed ghost clipping's rule), otherwise the per-example gradient is formed at once
+  and kept instead of ζ and g when it is the smaller of the two;
+- :class:`EmbeddingRecord`: the rows an example's tokens hit, summed per distinct (example, token) (seed 002's
+  n_j(x) counts), O(B·T·D) without a [B, V, D] tensor;
+- :class:`DirectRecord`: a per-example gradient [B, *p.shape]: bias adds, layer-norm affine, element-wise uses
+  (small: the parameter's size per example), tied parameters (uses summed before the norm) and the generic
+  fallback (``torch.func.vmap`` of the op's VJP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Clipper", "Site", "ps_linear", "ps_embedding", "ps_elementwise", "ps_generic", "gram_is_cheaper"]
+
+
+@dataclasses.dataclass(eq=False)
+class Clipper:
+    """One compiled graph's clipping bound and the norms of the last backward it took part in."""
+
+    clip: float
+    batch_dim: int
+    #: the [B] per-example gradient norms of the last backward (over the parameters of every graph in it).
+    last_norms: Tensor | None = None
+    #: which backward (in this process) ``last_norms`` are from: the newest wins across a model's graphs
+    step: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Site:
+    """One parameter use in the graph (for the report and for the records' book-keeping)."""
+
+    clipper: Clipper
+    node: str
+    kind: str
+    params: tuple[str, ...]
+    #: the parameter appears in more than one use (here or in another graph): its uses' per-example gradients are
+    #: summed before the norm, so each use keeps its per-example gradient (not the Gram form)
+    tied: bool = False
+
+
+def gram_is_cheaper(steps: int, d_in: int, d_out: int) -> bool:
+    return 2 * steps * steps < d_in * d_out
+
+
+class Record:
+    def sq_norms(self) -> Tensor: ...
+    def per_example(self) -> Tensor: ...
+    def clipped_sum(self, c: Tensor) -> Tensor: ...
+
+
+class DirectRecord(Record):
+    def __init__(self, g: Tensor) -> None:
+        self.g = g  # [B, *p.shape]
+
+    def sq_norms(self) -> Tensor:
+        return self.g.flatten(1).float().pow(2).sum(1)
+
+    def per_example(self) -> Tensor:
+        return self.g
+
+    def clipped_sum(self, c: Tensor) -> Tensor:
+        # NB: matmuls, not torch.einsum: on CPU einsum took ~30x longer for these contractions
+        return (c.to(self.g.dtype) @ self.g.flatten(1)).view(self.g.shape[1:])
+
+
+class LinearRecord(Record):
+    """The parameter W is [o, i] (``linear``) or [i, o] (``x @ W``); ζ [B, T, i], g [B, T, o]."""
+
+    def __init__(self, zeta: Tensor, g: Tensor, transposed: bool) -> None:
+        self.zeta, self.g, self.transposed = zeta, g, transposed
+
+    def sq_norms(self) -> Tensor:
+        z, g = self.zeta.float(), self.g.float()
+        return ((z @ z.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+
+    def per_example(self) -> Tensor:
+        if self.transposed:
+            return torch.bmm(self.zeta.transpose(1, 2), self.g)
+        return torch.bmm(self.g.transpose(1, 2), self.zeta)
+
+    def clipped_sum(self, c: Tensor) -> Tensor:
+        gc = (self.g * c.to(self.g.dtype)[:, None, None]).reshape(-1, self.g.shape[-1])
+        z = self.zeta.reshape(-1, self.zeta.shape[-1])
+        return z.t() @ gc if self.transposed else gc.t() @ z
+
+
+class EmbeddingRecord(Record):
+    def __init__(self, idx: Tensor, g: Tensor, rows: int) -> None:
+        self.idx, self.g, self.rows = idx, g, rows  # idx [B, T], g [B, T, D]
+
+    def _keys(self) -> Tensor:
+        b = torch.arange(self.idx.shape[0], device=self.idx.device)[:, None]
+        return (b * self.rows + self.idx).reshape(-1)
+
+    def sq_norms(self) -> Tensor:
+        B, D = self.idx.shape[0], self.g.shape[-1]
+        uniq, inv = torch.unique(self._keys(), return_inverse=True)
+        acc = self.g.new_zeros(len(uniq), D, dtype=torch.float32).index_add_(0, inv, self.g.reshape(-1, D).float())
+        return acc.new_zeros(B).index_add_(0, uniq // self.rows, acc.pow(2).sum(1))
+
+    def per_example(self) -> Tensor:
+        B, D = self.idx.shape[0], self.g.shape[-1]
+        out = self.g.new_zeros(B * self.rows, D).index_add_(0, self._keys(), self.g.reshape(-1, D))
+        return out.view(B, self.rows, D)
+
+    def clipped_sum(self, c: Tensor) -> Tensor:
+        D = self.g.shape[-1]
+        gc = (self.g * c.to(self.g.dtype)[:, None, None]).reshape(-1, D)
+        return self.g.new_zeros(self.rows, D).index_add_(0, self.idx.reshape(-1), gc)
+
+
+# --- the records of the backward under way ------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+#: the backward under way: its graph task id and its (param, record, site) triples. NB: module-global, not
+#: thread-local: on a GPU the engine runs backward functions on its device threads. Keyed by the graph task so that
+#: a backward that raised half-way (its final callback never ran) leaves nothing behind for the next one
+_pending: tuple[int, list[tuple[Tensor, Record, Site]]] | None = None
+_steps = 0
+
+
+def _record(param: Tensor, rec: Record, site: Site) -> None:
+    global _pending
+    task = torch._C._current_graph_task_id()
+    with _LOCK:
+        if _pending is None or _pending[0] != task:
+            _pending = (task, [])
+            torch.autograd.Variable._execution_engine.queue_callback(_finalize)
+        _pending[1].append((param, rec, site))
+
+
+def _finalize() -> None:
+    global _pending
+    with _LOCK:
+        pending = _pending[1] if _pending is not None else []
+        _pending = None
+    if not pending:
+        return
+    groups: dict[int, tuple[Tensor, list[Record]]] = {}
+    for p, rec, _ in pending:
+        groups.setdefault(id(p), (p, []))[1].append(rec)
+    clippers = list({id(s.clipper): s.clipper for _, _, s in pending}.values())
+    clip = min(c.clip for c in clippers)
+    parts: list[tuple[Tensor, Record]] = []
+    sq: Tensor | None = None
+    for p, recs in groups.values():
+        # NB: a parameter used more than once: ‖Σ_u G_u,n‖² has cross terms, so the uses' per-example gradients are
+        # summed first
+        rec = recs[0] if len(recs) == 1 else DirectRecord(sum(r.per_example() for r in recs))
+        s = rec.sq_norms()
+        if sq is not None and s.shape != sq.shape:
+            raise RuntimeError(f"adjoint-compile per_sample_clip: parameter uses in one backward disagree on the "
+                               f"batch size ({s.shape[0]} vs {sq.shape[0]} examples)")
+        sq = s if sq is None else sq + s.to(sq.device)
+        parts.append((p, rec))
+    assert sq is not None
+    norms = sq.sqrt()
+    if math.isinf(clip):
+        c = torch.ones_like(norms)
+    else:
+        c = torch.where(norms > clip, clip / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+    for p, rec in parts:
+        g = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(p.shape)
+        # NB: accumulate like autograd does, so gradient accumulation over micro-batches works
+        p.grad = g if p.grad is None else p.grad + g
+    global _steps
+    _steps += 1
+    for cl in clippers:
+        cl.last_norms, cl.step = norms.detach(), _steps
+    log.debug("per_sample_clip: %d parameter(s), %d record(s), B=%d", len(parts), len(pending), norms.shape[0])
+
+
+# --- the ops --------------------------------------------------------------------------------------------------------
+
+def _to_front(x: Tensor, batch_dim: int) -> Tensor:
+    """[..., B (at batch_dim), ..., d] -> [B, T, d] (T: every other axis but the last)."""
+    x = x.movedim(batch_dim, 0)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site) -> Tensor:
+        ctx.save_for_backward(x, w)
+        # NB: the parameters themselves (not their saved copies): their .grad is written at the end of the backward
+        ctx.w, ctx.bias, ctx.transposed, ctx.site = w, b, transposed, site
+        return x @ w if transposed else torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        site, bd = ctx.site, ctx.site.clipper.batch_dim
+        gx = (g @ w.t() if ctx.transposed else g @ w) if ctx.needs_input_grad[0] else None
+        z, gf = _to_front(x, bd), _to_front(g, bd)
+        if ctx.needs_input_grad[1]:
+            rec: Record = LinearRecord(z, gf, ctx.transposed)
+            T, d_in, d_out = z.shape[1], z.shape[2], gf.shape[2]
+            if site.tied or not gram_is_cheaper(T, d_in, d_out):
+                # NB: direct form: the per-example gradient is formed now and kept instead of ζ and g when smaller
+                if site.tied or d_in * d_out <= T * (d_in + d_out):
+                    rec = DirectRecord(rec.per_example())
+                else:
+                    rec = _DirectNorm(rec)
+            _record(ctx.w, rec, site)
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            _record(ctx.bias, DirectRecord(gf.sum(1)), site)
+        return gx, None, None, None, None
+
+
+class _DirectNorm(Record):
+    """A :class:`LinearRecord` whose norm is taken the direct way (per-example gradient formed, then dropped) but
+    whose clipped sum keeps ζ and g (they are smaller than the [B, i, o] gradients)."""
+
+    def __init__(self, rec: LinearRecord) -> None:
+        self.rec, self.sq = rec, DirectRecord(rec.per_example()).sq_norms()
+
+    def sq_norms(self) -> Tensor:
+        return self.sq
+
+    def per_example(self) -> Tensor:
+        return self.rec.per_example()
+
+    def clipped_sum(self, c: Tensor) -> Tensor:
+        return self.rec.clipped_sum(c)
+
+
+def ps_linear(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site) -> Tensor:
+    """``linear(x, w, b)`` (or ``x @ w`` when ``transposed``) with per-example book-keeping for w and b."""
+    return _Linear.apply(x, w, b, transposed, site)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, idx: Tensor, w: Tensor, padding_idx: int | None, site: Site) -> Tensor:
+        ctx.save_for_backward(idx)
+        ctx.w, ctx.padding_idx, ctx.site = w, padding_idx, site
+        return torch.nn.functional.embedding(idx, w, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[None, ...]:
+        (idx,) = ctx.saved_tensors
+        bd = ctx.site.clipper.batch_dim
+        i = idx.movedim(bd, 0).reshape(idx.shape[bd], -1)
+        gf = _to_front(g, bd)
+        if ctx.padding_idx is not None:
+            gf = gf * (i != ctx.padding_idx).unsqueeze(-1).to(gf.dtype)
+        rec: Record = EmbeddingRecord(i, gf, ctx.w.shape[0])
+        _record(ctx.w, DirectRecord(rec.per_example()) if ctx.site.tied else rec, ctx.site)
+        return None, None, None, None
+
+
+def ps_embedding(idx: Tensor, w: Tensor, padding_idx: int | None, site: Site) -> Tensor:
+    return _Embedding.apply(idx, w, padding_idx, site)
+
+
+def _per_example_reduce(t: Tensor, shape: torch.Size, batch_dim: int) -> Tensor:
+    """Σ of ``t`` (the output's shape) down to [B, *shape], where ``shape`` broadcasts against t's axes after the
+    example axis."""
+    t = t.movedim(batch_dim, 0)
+    lead = t.dim() - 1 - len(shape)
+    red = t.sum_to_size(t.shape[0], *([1] * lead), *shape)
+    return red.reshape(t.shape[0], *shape)
+
+
+class _Elementwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: Tensor, op: str, site: Site) -> Tensor:
+        ctx.save_for_backward(x if op == "mul" else None, p if op == "mul" else None)
+        ctx.op, ctx.site, ctx.p, ctx.xshape = op, site, p, x.shape
+        return {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "rsub": lambda a, b: b - a}[op](x, p)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, p = ctx.saved_tensors
+        op, bd = ctx.op, ctx.site.clipper.batch_dim
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = (g * p if op == "mul" else -g if op == "rsub" else g).sum_to_size(ctx.xshape)
+        if ctx.needs_input_grad[1]:
+            gp = g * x if op == "mul" else -g if op == "sub" else g
+            _record(ctx.p, DirectRecord(_per_example_reduce(gp, ctx.p.shape, bd)), ctx.site)
+        return gx, None, None, None
+
+
+def ps_elementwise(x: Tensor, p: Tensor, op: str, site: Site) -> Tensor:
+    """``x * p``, ``x + p``, ``x - p`` or ``p - x`` (``op``: mul, add, sub, rsub), p broadcast over the examples."""
+    return _Elementwise.apply(x, p, op, site)
+
+
+class _Generic(torch.autograd.Function):
+    """Any other use: ``fn(*args)`` with the parameters among ``args``. The input gradients are one VJP; the
+    parameters' per-example gradients are ``torch.func.vmap`` over the examples of the op's VJP (memory: B times
+    the parameters' size)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Tensor], dims: tuple[int | None, ...], is_param: tuple[bool, ...],
+                site: Site, *args: Tensor) -> Tensor:
+        ctx.fn, ctx.dims, ctx.is_param, ctx.site = fn, dims, is_param, site
+        ctx.params = {i: a for i, a in enumerate(args) if is_param[i]}
+        ctx.save_for_backward(*args)
+        return fn(*args)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        args = ctx.saved_tensors
+        fn, dims, is_param, bd = ctx.fn, ctx.dims, ctx.is_param, ctx.site.clipper.batch_dim
+        grads: list[Tensor | None] = [None] * len(args)
+        want = [i for i, a in enumerate(args) if not is_param[i] and ctx.needs_input_grad[4 + i]]
+        if want:
+            def f_in(*xs: Tensor) -> Tensor:
+                full = list(args)
+                for i, x in zip(want, xs):
+                    full[i] = x
+                return fn(*full)
+            _, vjp = torch.func.vjp(f_in, *[args[i] for i in want])
+            for i, gi in zip(want, vjp(g)):
+                grads[i] = gi
+        pidx = [i for i in range(len(args)) if is_param[i] and ctx.needs_input_grad[4 + i]]
+        if pidx:
+            batched = [i for i in range(len(args)) if dims[i] is not None]
+
+            def one(xs_n: Sequence[Tensor], g_n: Tensor) -> tuple[Tensor, ...]:
+                full = list(args)
+                for i, x in zip(batched, xs_n):
+                    full[i] = x.unsqueeze(dims[i])
+
+                def f_p(*ps: Tensor) -> Tensor:
+                    for i, p in zip(pidx, ps):
+                        full[i] = p
+                    return fn(*full)
+                _, vjp = torch.func.vjp(f_p, *[args[i] for i in pidx])
+                return vjp(g_n.unsqueeze(bd))
+            per = torch.func.vmap(one, in_dims=([dims[i] for i in batched], bd))([args[i] for i in batched], g)
+            for i, gp in zip(pidx, per):
+                _record(ctx.params[i], DirectRecord(gp), ctx.site)
+        return (None, None, None, None, *grads)
+
+
+def ps_generic(fn: Callable[..., Tensor], dims: tuple[int | None, ...], is_param: tuple[bool, ...], site: Site,
+               *args: Tensor) -> Tensor:
+    return _Generic.apply(fn, dims, is_param, site, *args)
+
+
+class PerSampleCall(torch.nn.Module):
+    """The graph's call of one parameter use (passes/lower_per_sample.py): a partition of its own, run eagerly,
+    because the inner compiler would trace through the autograd.Function and drop its book-keeping."""
+
+    def __init__(self, site: Site, kind: str, *, transposed: bool = False, padding_idx: int | None = None,
+                 op: str = "", fn: torch.nn.Module | None = None, dims: tuple[int | None, ...] = (),
+                 is_param: tuple[bool, ...] = ()) -> None:
+        super().__init__()
+        self.site, self.kind, self.transposed, self.padding_idx, self.op = site, kind, transposed, padding_idx, op
+        self.fn, self.dims, self.is_param = fn, dims, is_param
+
+    def forward(self, *args: Any) -> Tensor:
+        if self.kind == "linear":
+            x, w, b = (*args, None)[:3]
+            return ps_linear(x, w, b, self.transposed, self.site)
+        if self.kind == "embedding":
+            return ps_embedding(args[0], args[1], self.padding_idx, self.site)
+        if self.kind == "elementwise":
+            return ps_elementwise(args[0], args[1], self.op, self.site)
+        assert self.fn is not None
+        return ps_generic(self.fn, self.dims, self.is_param, self.site, *args)

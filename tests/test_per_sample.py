@@ -1,0 +1,427 @@
+"""options={"per_sample_clip": C}: per-example gradient norms against torch.func.vmap(grad) per example, and the
+clipped sum p.grad = Σ_n min(1, C/‖g_n‖) g_n against an explicit loop over the examples (issue 14)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+
+RTOL = 1e-5
+#: the vmap oracle over scaled_dot_product_attention on CPU has no batching rule (slow path, correct)
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out * out).sum()
+
+
+def vmap_norms(model: nn.Module, inputs: tuple, bd: int = 0) -> torch.Tensor:
+    """‖g_n‖ over all parameters, from torch.func.vmap(grad) over the examples."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    def one(p, *xs):
+        return _loss(torch.func.functional_call(model, p, tuple(x.unsqueeze(bd) for x in xs)))
+    per = torch.func.vmap(torch.func.grad(one), in_dims=(None, *([bd] * len(inputs))))(params, *inputs)
+    return torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+
+
+def loop_clipped(model: nn.Module, inputs: tuple, clip: float, bd: int = 0) -> tuple[dict, torch.Tensor]:
+    """Σ_n min(1, C/‖g_n‖) g_n by an explicit loop: one eager backward per example."""
+    B = inputs[0].shape[bd]
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    norms = []
+    for i in range(B):
+        model.zero_grad()
+        _loss(model(*(x.narrow(bd, i, 1) for x in inputs))).backward()
+        g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.values()))
+        c = 1.0 if math.isinf(clip) or norm <= clip else clip / norm
+        for n, v in g.items():
+            total[n] += c * v
+        norms.append(norm)
+    model.zero_grad()
+    return total, torch.tensor(norms)
+
+
+def check(model: nn.Module, *inputs: torch.Tensor, clip: float = 0.7, bd: int = 0, inner: str = "aot_eager"):
+    """Compile with per_sample_clip, run one step, compare norms and grads with the oracles; returns the report."""
+    want_norms = vmap_norms(model, inputs, bd)
+    want_grads, loop_norms = loop_clipped(model, inputs, clip, bd)
+    torch.testing.assert_close(loop_norms.float(), want_norms, rtol=RTOL, atol=0)
+    compiled = torch.compile(model, backend="adjoint",
+                             options={"per_sample_clip": clip, "batch_dim": bd, "inner": inner})
+    model.zero_grad()
+    _loss(compiled(*inputs)).backward()
+    got = ac.per_sample_grad_norms(compiled)
+    assert got.shape == (inputs[0].shape[bd],)
+    torch.testing.assert_close(got, want_norms, rtol=RTOL, atol=0)
+    assert (got > clip).any() or math.isinf(clip) or clip > want_norms.max(), "the test should clip something"
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    return ac.report(compiled)
+
+
+def _uses(rep) -> list[dict]:
+    return [u for c in rep.compiled if c.per_sample is not None for u in c.per_sample.uses]
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_linear_on_vectors(B):
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)), torch.randn(B, 7))
+
+
+@pytest.mark.parametrize("T,d,form", [(3, 8, "gram"), (9, 3, "direct"), (1, 5, "gram")])
+def test_linear_on_sequences_gram_and_direct(T, d, form):
+    torch.manual_seed(1)
+    rep = check(nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 2, bias=False)), torch.randn(3, T, d))
+    assert _uses(rep)[0]["form"] == form
+
+
+def test_embedding_with_repeated_tokens_and_padding():
+    torch.manual_seed(2)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(6, 4, padding_idx=0)
+            self.o = nn.Linear(4, 2)
+
+        def forward(self, i):
+            return self.o(self.e(i))
+    idx = torch.tensor([[1, 1, 2, 0, 1], [3, 0, 0, 5, 3], [4, 4, 4, 4, 4]])
+    rep = check(M(), idx)
+    assert [u["kind"] for u in _uses(rep)] == ["embedding", "linear"]
+
+
+def test_layer_norm_and_rms_norm_affine():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.ReLU(), nn.RMSNorm(6), nn.Linear(6, 2))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                m.weight.normal_()
+    rep = check(model, torch.randn(3, 4, 5))
+    assert sum(u["kind"] == "elementwise" for u in _uses(rep)) == 3
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.h = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (f(x).view(B, T, self.h, D // self.h).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(B, T, D))
+
+
+def test_attention_projections():
+    torch.manual_seed(4)
+    rep = check(Attention(), torch.randn(3, 5, 8))
+    assert sum(u["kind"] == "linear" for u in _uses(rep)) == 4
+
+
+def test_low_rank_factor_pair():
+    torch.manual_seed(5)
+
+    class LowRank(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.U = nn.Parameter(torch.randn(6, 2))
+            self.V = nn.Parameter(torch.randn(2, 6))
+
+        def forward(self, x):
+            return torch.tanh(x @ self.U @ self.V)
+    rep = check(LowRank(), torch.randn(5, 3, 6))
+    assert [u["kind"] for u in _uses(rep)] == ["matmul", "matmul"]
+
+
+class TinyTransformer(nn.Module):
+    """embedding, pre-LN attention and MLP, tied output projection when ``tied``."""
+
+    def __init__(self, vocab: int = 11, d: int = 8, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1, self.ln2, self.lnf = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.att = Attention(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, i):
+        x = self.emb(i)
+        x = x + self.att(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(self.lnf(x))
+
+
+@pytest.mark.parametrize("B,T", [(1, 4), (3, 5)])
+def test_layer_kinds_in_combination(B, T):
+    torch.manual_seed(6)
+    check(TinyTransformer(), torch.randint(0, 11, (B, T)), clip=1.0)
+
+
+def test_tied_weights_are_summed_before_the_norm():
+    torch.manual_seed(7)
+    model = TinyTransformer(tied=True)
+    rep = check(model, torch.randint(0, 11, (3, 4)), clip=1.0)
+    tied = [u for u in _uses(rep) if u["tied"]]
+    assert {u["kind"] for u in tied} == {"embedding", "linear"}
+
+
+def test_a_graph_break_norms_span_both_graphs():
+    torch.manual_seed(15)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h)
+    rep = check(M(), torch.randn(3, 4))
+    assert len(rep.compiled) == 2 and all(c.per_sample is not None for c in rep.compiled)
+
+
+def test_changing_batch_sizes_are_specialized_never_unclipped():
+    """A new batch size makes dynamo recompile with a symbolic batch: the backend specializes it per size (as it
+    does for regions to shard), so every step is clipped; past SPECIALIZE_LIMIT sizes it refuses instead of falling
+    back to unclipped autograd."""
+    from adjoint_compile import backend
+
+    torch.manual_seed(16)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
+    for B in (3, 4, 6):
+        x = torch.randn(B, 4)
+        want_grads, _ = loop_clipped(model, (x,), 0.5)
+        model.zero_grad()
+        _loss(f(x)).backward()
+        torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=RTOL, atol=0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
+    assert any(c.specializations for c in ac.report(f).compiled), "the symbolic graph was not exercised"
+    with pytest.raises(ac.PerSampleError, match="SPECIALIZE_LIMIT"):
+        for B in range(7, 8 + backend.SPECIALIZE_LIMIT):
+            f(torch.randn(B, 4))
+
+
+def test_a_backward_that_raised_leaves_nothing_for_the_next():
+    torch.manual_seed(17)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
+    with pytest.raises(RuntimeError, match="boom"):  # both layers' records are taken, then the backward fails
+        _loss(f(Boom.apply(x.clone().requires_grad_()))).backward()
+    want_grads, _ = loop_clipped(model, (x.detach(),), 0.5)
+    model.zero_grad()
+    _loss(f(x.detach())).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_clip_inf_gives_norms_and_the_plain_sum():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x = torch.randn(5, 3, 4)
+    check(model, x, clip=float("inf"))
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    _loss(model(x)).backward()  # the ordinary summed gradient, eager
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(plain[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_buffers_and_frozen_parameters_are_not_examples_nor_clipped():
+    torch.manual_seed(13)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(7, 3) + 0.5)  # used first, with a leading size that is not B
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.l = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.l(self.frozen(x * self.scale[0]))
+    model = M()
+    check(model, torch.randn(4, 3))
+    assert model.frozen.weight.grad is None
+
+
+def test_elementwise_uses_with_either_operand_order():
+    torch.manual_seed(14)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.s, self.b = (nn.Parameter(torch.randn(3)) for _ in range(3))
+
+        def forward(self, x):
+            return torch.tanh((self.c - x) * self.s) - self.b
+    rep = check(M(), torch.randn(5, 2, 3))
+    assert [u["kind"] for u in _uses(rep)] == ["elementwise"] * 3
+
+
+def test_generic_fallback_reports_its_memory():
+    torch.manual_seed(9)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log_scale = nn.Parameter(torch.randn(4))
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x) / torch.exp(self.log_scale)  # a parameter-only expression, then a division
+    rep = check(M(), torch.randn(3, 2, 4))
+    generic = [u for u in _uses(rep) if u["kind"] == "generic"]
+    assert len(generic) == 1 and generic[0]["extra_bytes"] == 3 * 4 * 4
+    assert "per-example gradients (vmap)" in rep.text()
+
+
+def test_batch_dim_1_sequence_first():
+    torch.manual_seed(10)
+    check(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), torch.randn(6, 3, 4), bd=1)
+
+
+def test_loss_inside_the_graph_is_a_sum_over_examples():
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+    def step(x, y):
+        return F.cross_entropy(model(x), y, reduction="sum") * 0.5
+    f = torch.compile(step, backend="adjoint", options={"per_sample_clip": 0.3, "inner": "aot_eager"})
+    f(x, y).backward()
+    got = ac.per_sample_grad_norms(f)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per = torch.func.vmap(torch.func.grad(
+        lambda p, xi, yi: F.cross_entropy(torch.func.functional_call(model, p, (xi[None],)), yi[None],
+                                          reduction="sum") * 0.5), in_dims=(None, 0, 0))(params, x, y)
+    want = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+    c = torch.clamp(0.3 / want, max=1)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, per[n]), rtol=1e-4, atol=1e-6)
+
+
+def test_refuses_batch_norm_in_training_mode():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match=r"batch_norm .*mixes the examples.*test_per_sample.py|batch_norm"):
+        f(torch.randn(4, 4))
+    model.eval()  # running statistics: no mixing
+    torch._dynamo.reset()
+    check(model, torch.randn(4, 4))
+
+
+def test_refuses_a_sum_over_the_batch_before_the_loss():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.l(x)
+            return h - h.mean(0)  # centring over the batch: every example's output depends on all of them
+    f = torch.compile(M(), backend="adjoint", options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ValueError, match=r"sub .*reduced over the batch axis.*mean .*test_per_sample.py"):
+        f(torch.randn(4, 4))
+
+
+def test_refuses_a_nonlinear_loss_of_a_batch_sum():
+    model = nn.Linear(4, 3)
+    f = torch.compile(lambda x: model(x).sum(0).pow(2).sum(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match="pow"):
+        f(torch.randn(4, 4))
+
+
+def test_refuses_a_max_over_the_batch():
+    model = nn.Linear(4, 3)
+    f = torch.compile(lambda x: model(x).amax(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match="amax .*not a sum or mean"):
+        f(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1", [1.0], float("-inf")])
+def test_bad_per_sample_clip(bad):
+    with pytest.raises(ac.OptionsError, match=r"'per_sample_clip'=.*expected a number C > 0"):
+        ac.validate_options({"per_sample_clip": bad})
+
+
+@pytest.mark.parametrize("bad", [-1, True, 0.5, "0"])
+def test_bad_batch_dim(bad):
+    with pytest.raises(ac.OptionsError, match=r"'batch_dim'=.*expected an int >= 0"):
+        ac.validate_options({"per_sample_clip": 1.0, "batch_dim": bad})
+
+
+def test_good_options():
+    o = ac.validate_options({"per_sample_clip": 2, "batch_dim": 1})
+    assert (o.per_sample_clip, o.batch_dim) == (2.0, 1)
+    assert ac.validate_options({"per_sample_clip": float("inf")}).per_sample_clip == math.inf
+
+
+def test_norms_before_any_backward_and_without_the_option():
+    model = nn.Linear(3, 2)
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    f(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="per_sample_clip"):
+        ac.per_sample_grad_norms(f)
+    torch._dynamo.reset()
+    g = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    g(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="no backward"):
+        ac.per_sample_grad_norms(g)
+
+
+def test_selective_ssm_parameters_inside_a_recurrence_region():
+    """The demo SSM: its scan region stays unsharded under per_sample_clip (explain says why); A_log, D_skip, the
+    projections and the RMSNorm weights get their per-example norms (A_log through the generic fallback)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "example_selective_ssm", Path(__file__).resolve().parent.parent / "examples" / "selective_ssm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    make = mod.make
+    torch.manual_seed(12)
+    model = make(d_model=4, d_state=2, n_layers=1)
+    x = torch.randn(3, 5, 4)
+    _, loop_norms = loop_clipped(model, (x,), float("inf"))
+    want_grads, _ = loop_clipped(model, (x,), 0.5)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
+    _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), loop_norms.float(), rtol=RTOL, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    rep = ac.report(f)
+    assert rep.regions and all(r.rewrite == "none" and "per_sample_clip" in r.reason for r in rep.regions
+                               if r.kind == "linear_recurrence")
+    assert any(u["kind"] == "generic" for u in _uses(rep))
