@@ -13,7 +13,7 @@ import torch.fx as fx
 
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
-    "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named",
+    "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -200,3 +200,8 @@ def bfs_inputs(start: fx.Node, budget: int, expand: Callable[[fx.Node], bool]) -
             if expand(a):
                 queue.append(a)
             yield a
+
+
+def fresh_name(gm: "torch.fx.GraphModule", prefix: str) -> str:
+    """``prefix`` numbered by how many submodules of ``gm`` already carry it (``adjoint_region_0``, ``_1``, ...)."""
+    return f"{prefix}_{sum(1 for k, _ in gm.named_children() if k.startswith(prefix + '_'))}"

@@ -41,7 +41,7 @@ from .rules import Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_label, step_sha
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TimeLocalInfo", "Shift", "analyze", "drops_last_step", "rule_for"]
+__all__ = ["TimeLocalInfo", "Shift", "analyze", "drops_last_step", "rule_for", "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
 # rule table: op name (optable) -> rule
@@ -130,19 +130,28 @@ def _length_of_seeds(seeds: dict[fx.Node, int]) -> int | None:
     return next(iter(lengths.values()), None)
 
 
-def drops_last_step(sliced: fx.Node, d: int) -> bool:
-    """``sliced`` is ``x[..., :-1, ...]`` with the ``:-1`` at dim d and full slices elsewhere."""
+def slice_items(sliced: fx.Node) -> list[slice] | None:
+    """The index of ``sliced = x[idx]`` as one slice per dim of x (Ellipsis and trailing dims filled in), or None
+    when ``sliced`` is not such a getitem of plain slices."""
     if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
-        return False
+        return None
     x, idx = sliced.args
     s = step_shape(x)
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if s is None or any(not isinstance(i, slice) and i is not Ellipsis for i in items) or items.count(Ellipsis) > 1:
-        return False
+        return None
     if Ellipsis in items:
         k = items.index(Ellipsis)
         items = items[:k] + [slice(None)] * (len(s) - len(items) + 1) + items[k + 1:]
     items += [slice(None)] * (len(s) - len(items))
+    return items if len(items) == len(s) else None
+
+
+def drops_last_step(sliced: fx.Node, d: int) -> bool:
+    """``sliced`` is ``x[..., :-1, ...]`` with the ``:-1`` at dim d and full slices elsewhere."""
+    items = slice_items(sliced)
+    if items is None:
+        return False
     for j, i in enumerate(items):
         want_stop = -1 if j == d else None
         if i.start not in (None, 0) or i.step not in (None, 1) or i.stop != want_stop:

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from ..analysis.fx import example_value as _ev
 from ..analysis.fx import is_convex, is_linear_scan
+from ..analysis.fx import fresh_name
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
 from ..analysis.time_local import TimeLocalInfo, analyze
@@ -117,7 +118,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     if why:
         raise Declined(why, memory)
 
-    name = f"adjoint_region_{sum(1 for k, _ in gm.named_children() if k.startswith('adjoint_region_'))}"
+    name = fresh_name(gm, "adjoint_region")
     mod.label = name
     gm.add_submodule(name, mod)
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch.fx as fx
 
 from ..analysis.affine import Const, Expr, UpdateForm, classify_update
 from ..analysis.fx import example_value as _ev
-from ..analysis.fx import hinted_shape, reachable
+from ..analysis.fx import fresh_name, hinted_shape, reachable
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.optable import fn_name, op_name
 from ..options import Options
@@ -155,7 +156,7 @@ def lower_scan(gm: fx.GraphModule, scan: fx.Node, opts: Options) -> Lowered:
         raise _Refused("no carry of the scan is of the form z1 ⊙ h + z2 (K would be 0: no highway)")
     y_of = _y_of(results[n_c:], news)
     mod = HighwayScan(_chain(sub, n_c, forms, news, y_of, opts), n_c, len(xs), sub)
-    name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
+    name = fresh_name(gm, "highway_region")
     mod.label = name
     gm.add_submodule(name, mod)
     with gm.graph.inserting_before(scan):
@@ -268,7 +269,7 @@ def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
             gm.graph.erase_node(n)
         raise
     mod = HighwayScan(_chain(sub, 1, [form], [env[new]], [0], opts), 1, len(seqs), sub)
-    name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
+    name = fresh_name(gm, "highway_region")
     mod.label = name
     gm.add_submodule(name, mod)
     G = gm.graph
@@ -305,51 +306,45 @@ def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
                    details={"iterations": opts.iterations, "highway_carries": parts})
 
 
+def _attempt(what: str, name: str, refused: type[Exception],
+             lower: Callable[[], Lowered]) -> Lowered | NotLowered:
+    try:
+        return lower()
+    except refused as e:
+        log.info("adjoint-compile: %s %s keeps ordinary autograd: %s", what, name, e)
+        return NotLowered(str(e))
+
+
+def _noted(opts: Options, low: Lowered, parts: Any, chain: ResidualChain | None = None) -> Lowered:
+    """A chain's note names its split (``parts`` is the split's text); a cell loop's lists its carries."""
+    low.note = (_note(opts, [], chain.length).replace(": ;", f": {parts};") if chain is not None
+                else _note(opts, parts, low.steps))
+    return low
+
+
 def lower_highway(gm: fx.GraphModule, regions: list[Region], opts: Options) -> list[Lowered | NotLowered]:
     """One outcome per region planned "highway" (passes/decide.py), in order."""
     out: list[Lowered | NotLowered] = []
     done: dict[fx.Node, Lowered | NotLowered] = {}
     for r in regions:
         if isinstance(r, ResidualChain):
-            name = f"highway_chain_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_chain_'))}"
-            try:
-                low, split = lower_chain(gm, r, opts, name)
-            except ChainRefused as e:
-                log.info("adjoint-compile: residual chain %s keeps ordinary autograd: %s", r.name, e)
-                out.append(NotLowered(str(e)))
-                continue
-            low.note = _note(opts, [], r.length).replace(": ;", f": {split};")
-            out.append(low)
+            out.append(_attempt("residual chain", r.name, ChainRefused,
+                                lambda: _noted(opts, *lower_chain(gm, r, opts, fresh_name(gm, "highway_chain")), r)))
             continue
         scan = next((n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)), None)
         if r.kind == "gated_recurrence" and r.details.get("cell"):  # a loop over nn.GRUCell / nn.LSTMCell
-            name = f"highway_region_{sum(1 for k, _ in gm.named_children() if k.startswith('highway_region_'))}"
-            try:
-                low, parts = lower_cells(gm, r, opts, name)
-            except CellsRefused as e:
-                log.info("adjoint-compile: cell loop %s keeps ordinary autograd: %s", r.name, e)
-                out.append(NotLowered(str(e)))
-                continue
-            low.note = _note(opts, parts, low.steps)
-            out.append(low)
+            out.append(_attempt("cell loop", r.name, CellsRefused,
+                                lambda: _noted(opts, *lower_cells(gm, r, opts, fresh_name(gm, "highway_region")))))
             continue
         if r.kind == "gated_recurrence" and r.source == "unrolled_loop" and getattr(r, "reroll", None) is not None:
-            try:
-                out.append(lower_loop(gm, r, opts))
-            except _Refused as e:
-                log.info("adjoint-compile: loop %s keeps ordinary autograd: %s", r.name, e)
-                out.append(NotLowered(str(e)))
+            out.append(_attempt("loop", r.name, _Refused, lambda: lower_loop(gm, r, opts)))
             continue
         if r.kind != "gated_recurrence" or scan is None:
             out.append(NotLowered(f"highway mode rewrites gated recurrences written as torch's scan so far; a "
                                   f"{r.kind} from source {r.source!r} keeps ordinary autograd"))
             continue
         if scan not in done:
-            try:
-                done[scan] = lower_scan(gm, scan, opts)
-            except _Refused as e:
-                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", scan.name, e)
-                done[scan] = NotLowered(str(e))
+            done[scan] = _attempt("scan", scan.name, _Refused, lambda: lower_scan(gm, scan, opts))
         out.append(done[scan])
     if any(isinstance(o, Lowered) for o in out):
         gm.graph.lint()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 
 from ..analysis.fx import example_value, is_linear_scan, scan_args
 from ..analysis.rules import op_label, step_shape
-from ..analysis.time_local import analyze
+from ..analysis.time_local import analyze, slice_items
 from ..options import Options
 from ..runtime.seqpar import SeqHalo, SeqParState, SeqScan, fingerprint, resolve_group
 
@@ -82,19 +81,10 @@ def _conv_args(node: fx.Node) -> dict[str, Any] | None:
 
 def _keeps_first(sliced: fx.Node, length: int, dim: int) -> bool:
     """``sliced`` is ``x[..., :length]`` (or ``:-p``) along ``dim`` (the last), full slices elsewhere."""
-    if not (sliced.op == "call_function" and sliced.target is operator.getitem and len(sliced.args) == 2):
+    items = slice_items(sliced)
+    if items is None:
         return False
-    x, idx = sliced.args
-    s = step_shape(x)
-    items = list(idx) if isinstance(idx, tuple) else [idx]
-    if s is None or any(not isinstance(i, slice) and i is not Ellipsis for i in items) or items.count(Ellipsis) > 1:
-        return False
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        items = items[:k] + [slice(None)] * (len(s) - len(items) + 1) + items[k + 1:]
-    items += [slice(None)] * (len(s) - len(items))
-    if len(items) != len(s):
-        return False
+    s = step_shape(sliced.args[0])
     for j, i in enumerate(items):
         if i.start not in (None, 0) or i.step not in (None, 1):
             return False
