@@ -1,5 +1,6 @@
-"""adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences and residual chains an
-adjoint-sharded backward (truncated-adjoint and Highway-BP are planned). See README.md (what users get; its
+"""adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences, gated recurrences and residual
+chains a different backward: adjoint-sharded (exact), truncated-adjoint or Highway-BP; sequences split over
+torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See README.md (what users get; its
 Architecture section maps the pipeline's stages to files) and docs/DESIGN.md (the design: contract, pipeline, math)."""
 from __future__ import annotations
 

@@ -389,3 +389,45 @@ def test_lstm_scan_matches_the_levels_oracle(k):
     assert forms[0]["K"] == "0" and forms[1]["K"].startswith("diag(")
     if k >= 6:
         _assert_same(got, _grads(m, x, loss), "LSTM k=T vs autograd")
+
+
+class LSTMDepth(nn.Module):
+    """Highway-BP Table 1's LSTM form over depth: the cell c is the chain's state; each layer's gates read
+    h = σ(o) ⊙ tanh(c), with o fixed across layers, so r = σ(f) ⊙ c + σ(i) ⊙ tanh(g) and K = diag(σ(f))."""
+
+    def __init__(self, d=6, L=4):
+        super().__init__()
+        self.o = nn.Parameter(torch.randn(d))
+        self.w = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(L))
+
+    def forward(self, c):
+        for w in self.w:
+            h = torch.sigmoid(self.o) * torch.tanh(c)
+            i, f, g = w(h).chunk(3, -1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return c
+
+
+def _lstm_depth_oracle(m, x, k):
+    from highway_oracle import chain_levels
+
+    def g(v, w):
+        i, f, gg = w(torch.sigmoid(m.o) * torch.tanh(v)).chunk(3, -1)
+        return torch.sigmoid(f), torch.sigmoid(i) * torch.tanh(gg)
+
+    layers = [(lambda v, w=w: g(v, w), lambda v, z: z[0] * v + z[1]) for w in m.w]
+    return chain_levels(layers, x, k)[-1]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+def test_lstm_chain_form_matches_the_levels_oracle(k):
+    torch.manual_seed(7)
+    m, x = LSTMDepth(), torch.randn(5, 6)
+    proj = torch.randn(5, 6)
+    loss = lambda y: (y * proj).sum() + y.pow(2).sum()  # noqa: E731
+    got, c = _compiled_grads(m, x, loss, k)
+    _assert_same(got, _named(_grads(_Oracle(m, k, _lstm_depth_oracle), x, loss)), f"lstm chain k={k}")
+    (r,) = [r for r in ac.report(c).regions if r.kind == "residual_chain"]
+    assert r.rewrite == "highway" and "lstm: r = " in r.reason, r.reason
+    if k >= r.length:
+        _assert_same(got, _grads(m, x, loss), "lstm chain k>=L vs autograd")

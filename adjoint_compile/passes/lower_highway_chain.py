@@ -13,10 +13,10 @@ After::
 
 Each layer f_i(x) = r_i(x, g_i(x)) is split as recognition found it (passes/find_residuals.py): g_i is the block,
 r_i the rest of the layer (the sum and its post-op) with the block's outputs as inputs.  K_i = ∂r_i/∂x is a
-diagonal for the forms add, pre_ln, relu_add and gated (r elementwise in x: a reverse linear scan) and dense for
+diagonal for the forms add, pre_ln, relu_add, gated and lstm (r elementwise in x: a reverse linear scan) and dense for
 post_ln (r = LN(x + z): applied as a VJP of r, a loop of cheap VJPs).  A layer whose values are used outside it
-(other than its output), a random op in a layer (the backward recomputes the blocks) or the LSTM form keep
-ordinary autograd, with the reason.
+(other than its output) or a random op in a layer (the backward recomputes the blocks) keep ordinary autograd, with
+the reason.
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ __all__ = ["ChainRefused", "lower_chain", "R_OF"]
 #: per form: r and K as explain() reports them.
 R_OF = {"add": ("x + z (or c·x + z)", "identity / scalar"), "pre_ln": ("x + z", "identity"),
         "relu_add": ("ReLU(x + z)", "diag(x + z > 0)"), "gated": ("z1 ⊙ x + z2", "diag(z1)"),
-        "post_ln": ("LN(x + z)", "∂LN/∂x (dense: a loop of cheap VJPs)")}
+        "post_ln": ("LN(x + z)", "∂LN/∂x (dense: a loop of cheap VJPs)"),
+        # NB: the cell c is the state; the gates read it only through h = o ⊙ tanh(c), inside the block g
+        "lstm": ("z1 ⊙ c + z2 (the gates z from h = o ⊙ tanh(c))", "diag(z1)")}
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson")
 
