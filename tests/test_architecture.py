@@ -28,7 +28,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                  "passes.noop_ops", "passes.buffer_writes", "passes.reroll_readouts")),
     ("recognize", ("passes.recognize",)),
     ("decide", ("passes.decide",)),
-    ("lower", ("passes.lower", "passes.lower_adjoint", "passes.lower_highway",
+    ("lower", ("passes.lower", "passes.lower_adjoint", "passes.lower_adjoint_ps", "passes.lower_highway",
                 "passes.lower_highway_chain", "passes.lower_highway_cells", "passes.lower_seqpar",
                 "passes.lower_per_sample")),
     ("stitch", ("passes.partition",)),

@@ -400,9 +400,7 @@ def test_norms_before_any_backward_and_without_the_option():
         ac.per_sample_grad_norms(g)
 
 
-def test_selective_ssm_parameters_inside_a_recurrence_region():
-    """The demo SSM: its scan region stays unsharded under per_sample_clip (explain says why); A_log, D_skip, the
-    projections and the RMSNorm weights get their per-example norms (A_log through the generic fallback)."""
+def _ssm_module():
     import importlib.util
     from pathlib import Path
 
@@ -410,13 +408,46 @@ def test_selective_ssm_parameters_inside_a_recurrence_region():
         "example_selective_ssm", Path(__file__).resolve().parent.parent / "examples" / "selective_ssm.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    make = mod.make
+    return mod
+
+
+@pytest.mark.parametrize("B,T,layers", [(1, 7, 1), (3, 7, 2), (3, 1, 1)])
+def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
+    """The demo SSM under per_sample_clip with shard_size=3: its scan region is sharded (rewrite "adjoint"); every
+    parameter the region uses (A_log through A = -exp(A_log), the projections, D_skip, the norms) gets exact
+    per-example norms (against vmap(grad)) and the clipped sum (against a per-example loop)."""
     torch.manual_seed(12)
-    model = make(d_model=4, d_state=2, n_layers=1)
+    model = _ssm_module().make(d_model=4, d_state=2, n_layers=layers)
+    x = torch.randn(B, T, 4)
+    want_norms = vmap_norms(model, (x,))
+    clip = float(want_norms.min()) * 0.9 if B == 1 else float(want_norms.median())
+    want_grads, loop_norms = loop_clipped(model, (x,), clip)
+    torch.testing.assert_close(loop_norms.float(), want_norms, rtol=RTOL, atol=0)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 3,
+                                                          "inner": "aot_eager"})
+    _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    rep = ac.report(f)
+    recs = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert recs and all(r.rewrite == "adjoint" for r in recs), [(r.rewrite, r.reason) for r in recs]
+    sharded = [u for u in _uses(rep) if u["kind"] == "sharded region"]
+    assert sharded and any("a_log" in p.lower() for u in sharded for p in u["params"])
+    text = str(ac.explain(model, x, options={"per_sample_clip": clip, "shard_size": 3}))
+    assert "sharded exact adjoint" in text and "sharded region of" in text, text
+
+
+def test_selective_ssm_truncated_mode_stays_unsharded_under_per_sample_clip():
+    """Only the exact adjoint keeps per-example gradients: in truncated mode the region keeps ordinary autograd
+    (explain says why) and the norms are still exact."""
+    torch.manual_seed(12)
+    model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
     x = torch.randn(3, 5, 4)
     _, loop_norms = loop_clipped(model, (x,), float("inf"))
     want_grads, _ = loop_clipped(model, (x,), 0.5)
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager",
+                                                          "mode": "truncated", "window": 2})
     _loss(f(x)).backward()
     torch.testing.assert_close(ac.per_sample_grad_norms(f), loop_norms.float(), rtol=RTOL, atol=0)
     for n, p in model.named_parameters():

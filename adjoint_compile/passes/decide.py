@@ -69,9 +69,10 @@ SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and s
             "signatures; see the later compiled graphs)")
 
 
-#: the reason of a rewritable region under per_sample_clip (the sharded VJP does not yet keep per-example gradients)
-PER_SAMPLE = ("per_sample_clip: kept unsharded (ordinary autograd with per-example book-keeping of its parameters); "
-              "sharded regions do not yet compose with per-example clipping")
+#: the reason of a region under per_sample_clip whose rewrite is not the exact adjoint (only the exact sharded VJP
+#: keeps per-example gradients: runtime/sharded_ps.py)
+PER_SAMPLE = ("per_sample_clip: kept unrewritten (ordinary autograd with per-example book-keeping of its "
+              "parameters); of the rewrites only the exact adjoint composes with per-example clipping yet")
 
 
 def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | None = None) -> list[Plan]:
@@ -85,7 +86,7 @@ def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | No
         p = TABLE.get((opts.mode, r.kind), Plan("none", f"no rewrite for a {r.kind} in mode={opts.mode!r}"))
         p = dataclasses.replace(p, reason=p.reason.format(mode=opts.mode))
         if p.rewrite != "none":
-            if opts.per_sample_clip is not None:
+            if opts.per_sample_clip is not None and p.rewrite != "adjoint":
                 p = Plan("none", PER_SAMPLE)
             elif getattr(r, "not_rerolled", None):
                 p = Plan("none", r.not_rerolled)

@@ -31,6 +31,7 @@ from ..options import Options, validate
 from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ..runtime.sharded import ShardedRegion
 from .decide import declines
+from .lower_adjoint_ps import per_sample_region, pull_in_parameter_math
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     scans = [n for n in nodes if is_linear_scan(n)]
     if not scans:
         raise UnsupportedRegion("the region has no linear_scan")
+    ps_kinds: tuple[dict, int] | None = None
+    if opts.per_sample_clip is not None:
+        nodes, *rest = pull_in_parameter_math(gm, nodes, info, opts)
+        ps_kinds = (rest[0], rest[1])
     if not is_convex(nodes):
         raise UnsupportedRegion("the region is not convex (a path leaves it and comes back)")
     sub, inputs, outputs = outline(gm, nodes)
@@ -111,6 +116,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
     rewrite, window = _rewrite(opts)
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window)
+    if ps_kinds is not None:
+        mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
     memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from ..errors import PerSampleError
 from ..options import Options
 from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
+from ..runtime.sharded import ShardedRegion
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PerSampleLowering", "lower_per_sample"]
+__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds"]
 
 #: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
 REDUCTIONS = frozenset("sum mean nansum nanmean".split())
@@ -198,6 +199,11 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
     return kind_of, batch
 
 
+def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int | None]:
+    """The per-example kind of every value ("P", "A", "R", "C", "M": the module docstring) and the batch size."""
+    return _classify(gm, [], bd)
+
+
 def _origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
     while any(kind_of.get(a) == "R" for a in n.all_input_nodes):
         n = next(a for a in n.all_input_nodes if kind_of.get(a) == "R")
@@ -263,6 +269,10 @@ class _Lowerer:
         act = next((a for a in n.all_input_nodes if k.get(a) in ("A", "M")), None)
         assert act is not None
         new: fx.Node | None = None
+        region = self.gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if isinstance(region, ShardedRegion) and region.per_sample is not None:
+            self._region(n, region)
+            return
         if n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
@@ -289,6 +299,18 @@ class _Lowerer:
             new = self._generic(n)
         n.replace_all_uses_with(new)
         self.gm.graph.erase_node(n)
+
+    def _region(self, n: fx.Node, region: ShardedRegion) -> None:
+        """A sharded region (lowered under per_sample_clip): it records its parameters' per-example gradients,
+        summed over its shards, itself (runtime/sharded_ps.py); the call stays."""
+        ps = region.per_sample
+        params = [n.args[i] for i in ps.params]
+        ps.site = self._site(n, "sharded", params)
+        self.out.uses.append({"node": n.name, "op": str(n.target), "kind": "sharded region", "call": str(n.target),
+                              "params": [p.name for p in params], "tied": ps.site.tied, "at": _where(n),
+                              "form": "per-example gradients summed over the shards (one masked VJP per example "
+                                      "per shard: B backward passes of each shard)",
+                              "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
 
     def _affine(self, n: fx.Node) -> list[Any]:
         return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])

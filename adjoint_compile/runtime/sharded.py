@@ -22,6 +22,7 @@ scans are truncated: every other op, and the joins between stacked layers, are d
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ import torch.fx as fx
 
 from ..errors import AdjointVerifyReport
 from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, autocast_state, default_shard_size
+from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class _ShardedFn(torch.autograd.Function):
             # NB: clone: a select is a view that would keep the whole shard's state tensor alive until backward
             carries = [f.clone() for f in finals]
         ctx.prog, ctx.bounds = prog, bounds
+        ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
+        # NB: the parameters themselves (not their saved copies): their .grad is written at the end of the backward
+        ctx.ps_params = {i: inputs[i] for i in ps.params} if ps is not None else {}
         ctx.n_in = len(inputs)
         ctx.autocast = autocast_state()
         # boundary[0] holds the h0 inputs (or None): already saved as inputs
@@ -78,6 +83,11 @@ class _ShardedFn(torch.autograd.Function):
         inputs, flat = saved[: ctx.n_in], saved[ctx.n_in:]
         K = len(prog.scans)
         needs = list(ctx.needs_input_grad[1:])
+        ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
+        # per_sample_clip: the parameters get per-example gradients (runtime/sharded_ps.py), not summed ones
+        ps_want = [i for i in ctx.ps_params if needs[i]]
+        needs_vjp = [n and i not in ctx.ps_params for i, n in enumerate(needs)]
+        ps_acc: dict[int, torch.Tensor] = {}
         grads: list[Any] = [None] * len(inputs)
         for i, (x, d) in enumerate(zip(inputs, prog.in_step_dims)):
             if needs[i] and d is not None:
@@ -96,7 +106,17 @@ class _ShardedFn(torch.autograd.Function):
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
             gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, prog.out_step_dims)]
             needs_c = [c is not None and (k > 0 or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
-            res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs, needs_c, t0=s, autocast=ctx.autocast, nus=nus)
+            if ps_want:
+                assert ps is not None
+                got = per_example_param_grads(prog, dataclasses.replace(ps, params=tuple(ps_want)), L, xs, carries,
+                                              k == 0, gos, adj, s, ctx.autocast)
+                for i, g in got.items():
+                    if i in ps_acc:
+                        ps_acc[i].add_(g)
+                    else:
+                        ps_acc[i] = g
+            res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,
+                           nus=nus)
             gx, adj, nus = res if trunc else (*res, None)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:
@@ -109,6 +129,9 @@ class _ShardedFn(torch.autograd.Function):
                     acc[i] = gx[i].clone()
         for i, g in acc.items():
             grads[i] = g
+        if ps_acc:
+            assert ps is not None
+            record_region(ps, ctx.ps_params, ps_acc)
         # the first shard's carry grads are the h0 grads (truncated: ν_W, + direct uses of the carry)
         if trunc:
             adj = [nu.select(d, -1) if a is None else a + nu.select(d, -1) for a, nu, d in zip(adj, nus, prog.scan_dims)]
@@ -153,6 +176,15 @@ class ShardedRegion(torch.nn.Module):
         self.last_verify: dict[str, Any] | None = None
         #: how the warnings name the region (the lowering sets the name of its call)
         self.label = "sharded region"
+
+    @property
+    def per_sample(self) -> PerSampleRegion | None:
+        """Under ``per_sample_clip``: which inputs are parameters, recorded per example (runtime/sharded_ps.py)."""
+        return getattr(self._plan, "per_sample", None)
+
+    @per_sample.setter
+    def per_sample(self, ps: PerSampleRegion | None) -> None:
+        self._plan.per_sample = ps
 
     def prepare(self, inputs: Sequence[Any]) -> int:
         """Check the region for these input shapes (real or fake tensors); returns the shard size used."""

@@ -1,0 +1,85 @@
+"""Per-example parameter gradients inside a sharded region (``per_sample_clip`` with the exact adjoint; issue 14).
+
+Each shard's backward recomputes the shard once and pulls back, per example n, the cotangents masked to example n
+(zeros for every other example): since examples do not interact inside a region (batch-mixing ops are refused by
+passes/lower_per_sample.py), that VJP's parameter part is example n's gradient of the shard. The [B, *p.shape]
+gradients are summed over the shards (the direct form adds up over shards; the Gram form would not), so nothing of
+length T is kept, and handed to runtime/per_sample.py as one :class:`~.per_sample.DirectRecord` per parameter.
+
+NB: not ``torch.func.vmap`` over the examples: the shard programs are specialized to the batch size (a
+``reshape(B, L, D*N)`` in the region), so a vmapped per-example call would not run; B masked VJPs over one
+recomputation cost B backward passes of the shard instead of one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .per_sample import DirectRecord, Site, _record
+from .shard_program import ShardProgram, autocast_as
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PerSampleRegion", "per_example_param_grads", "record_region"]
+
+
+@dataclasses.dataclass(eq=False)
+class PerSampleRegion:
+    """How a sharded region takes part in per-example clipping (set by passes/lower_per_sample.py)."""
+
+    #: the region inputs that are parameters (their gradients are per example, recorded, not returned)
+    params: tuple[int, ...]
+    #: per region output and per scan state, the axis of the examples (batch_dim, moved by a scan's step axis)
+    out_bdims: tuple[int, ...]
+    carry_bdims: tuple[int, ...]
+    site: Site | None = None
+
+
+def _mask(g: Tensor | None, d: int, n: int) -> Tensor | None:
+    if g is None:
+        return None
+    out = torch.zeros_like(g)
+    out.narrow(d, n, 1).copy_(g.narrow(d, n, 1))
+    return out
+
+
+def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
+                            carries: Sequence[Any], first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any],
+                            t0: int, autocast: tuple) -> dict[int, Tensor]:
+    """Per parameter input i of the region, its [B, *p.shape] per-example gradient over this shard."""
+    want = [i for i in ps.params if isinstance(xs[i], Tensor)]
+    if not want:
+        return {}
+    with torch.enable_grad():
+        x_in = [x.detach().requires_grad_(i in want) if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
+        cs = [None if c is None else c.detach() for c in carries]
+        prevs = [None if first_shard else cs[k] for k in prog.shift_scans]
+        with autocast_as(autocast):
+            res = prog.program(L)(*x_in, *cs, *prevs, *prog._offset(t0))
+        pairs = [(y, g, d) for y, g, d in zip(res, [*gos, *adjs], [*ps.out_bdims, *ps.carry_bdims])
+                 if g is not None and y.requires_grad]
+        wrt = [x_in[i] for i in want]
+        if not pairs:
+            return {}
+        B = pairs[0][0].shape[pairs[0][2]]
+        per: list[list[Tensor]] = [[] for _ in want]
+        for n in range(B):
+            cots = [_mask(g, d, n) for _, g, d in pairs]
+            got = torch.autograd.grad([y for y, _, _ in pairs], wrt, cots, retain_graph=n < B - 1,
+                                      allow_unused=True)
+            for k, (g, w) in enumerate(zip(got, wrt)):
+                per[k].append(torch.zeros_like(w) if g is None else g)
+    return {i: torch.stack(p) for i, p in zip(want, per)}
+
+
+def record_region(ps: PerSampleRegion, params: dict[int, Tensor], acc: dict[int, Tensor]) -> None:
+    """Hand the per-example gradients summed over the shards to the per-example book-keeping."""
+    assert ps.site is not None, "a per-sample region without its site: lower_per_sample did not see it"
+    for i, g in acc.items():
+        _record(params[i], DirectRecord(g), ps.site)
+    log.debug("per_sample_clip: sharded region recorded %d parameter(s)", len(acc))
