@@ -456,3 +456,38 @@ def test_selective_ssm_truncated_mode_stays_unsharded_under_per_sample_clip():
     assert rep.regions and all(r.rewrite == "none" and "per_sample_clip" in r.reason for r in rep.regions
                                if r.kind == "linear_recurrence")
     assert any(u["kind"] == "generic" for u in _uses(rep))
+
+
+class _TiedScan(nn.Module):
+    """``proj`` is used before a cumsum over time (outside the region: the cumsum mixes steps) and again inside the
+    scan region: a tied use across the region's boundary."""
+
+    def __init__(self, d: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.proj(x).cumsum(1)
+        a = torch.sigmoid(self.proj(u) + self.gate)
+        return ac.ops.linear_scan(a, u * self.gate)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_parameter_used_inside_and_outside_a_sharded_region_is_summed_before_the_norm(B):
+    torch.manual_seed(5)
+    model = _TiedScan()
+    x = torch.randn(B, 5, 3)
+    want_norms = vmap_norms(model, (x,))
+    clip = float(want_norms.min()) * 0.9
+    want_grads, _ = loop_clipped(model, (x,), clip)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 2,
+                                                          "inner": "aot_eager"})
+    _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    rep = ac.report(f)
+    assert any(r.rewrite == "adjoint" for r in rep.regions), [(r.rewrite, r.reason) for r in rep.regions]
+    region = [u for u in _uses(rep) if u["kind"] == "sharded region"]
+    assert region and region[0]["tied"], _uses(rep)
