@@ -438,6 +438,26 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
     assert "sharded exact adjoint" in text and "sharded region of" in text, text
 
 
+def test_sharded_region_one_vjp_per_example_fallback(monkeypatch):
+    """The fallback when the batched VJP over the examples cannot run: B masked VJPs per shard, the same result."""
+    from adjoint_compile.runtime import sharded_ps
+
+    monkeypatch.setattr(sharded_ps, "_BATCHED", [False])
+    torch.manual_seed(3)
+    model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
+    x = torch.randn(3, 5, 4)
+    want_norms = vmap_norms(model, (x,))
+    clip = float(want_norms.median())
+    want_grads, _ = loop_clipped(model, (x,), clip)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 2,
+                                                          "inner": "aot_eager"})
+    _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
+
+
 def test_selective_ssm_truncated_mode_stays_unsharded_under_per_sample_clip():
     """Only the exact adjoint keeps per-example gradients: in truncated mode the region keeps ordinary autograd
     (explain says why) and the norms are still exact."""

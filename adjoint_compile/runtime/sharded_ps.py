@@ -67,14 +67,38 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
         if not pairs:
             return {}
         B = pairs[0][0].shape[pairs[0][2]]
+        ys = [y for y, _, _ in pairs]
+        if _BATCHED[0]:
+            # NB: one backward vmapped over the B masked cotangents (is_grads_batched): the same arithmetic as B
+            # backward passes, without B trips through the autograd engine
+            cots = [_one_hot(g, d, B) for _, g, d in pairs]
+            try:
+                got = torch.autograd.grad(ys, wrt, cots, retain_graph=True, allow_unused=True, is_grads_batched=True)
+            except RuntimeError as e:  # an op of the region without a batching rule for its backward
+                _BATCHED[0] = False
+                log.info("per_sample_clip: batched VJP over the examples failed (%s); one VJP per example", e)
+            else:
+                return {i: torch.zeros((B, *w.shape), dtype=w.dtype, device=w.device) if g is None else g
+                        for i, g, w in zip(want, got, wrt)}
         per: list[list[Tensor]] = [[] for _ in want]
         for n in range(B):
             cots = [_mask(g, d, n) for _, g, d in pairs]
-            got = torch.autograd.grad([y for y, _, _ in pairs], wrt, cots, retain_graph=n < B - 1,
-                                      allow_unused=True)
+            got = torch.autograd.grad(ys, wrt, cots, retain_graph=n < B - 1, allow_unused=True)
             for k, (g, w) in enumerate(zip(got, wrt)):
                 per[k].append(torch.zeros_like(w) if g is None else g)
     return {i: torch.stack(p) for i, p in zip(want, per)}
+
+
+#: whether the batched VJP (is_grads_batched) has worked so far in this process; the B-VJP loop once it has not
+_BATCHED = [True]
+
+
+def _one_hot(g: Tensor, d: int, B: int) -> Tensor:
+    """[B, *g.shape]: entry n is ``g`` masked to example n on axis d."""
+    eye = torch.eye(B, dtype=g.dtype, device=g.device)
+    shape = [B] + [1] * g.dim()
+    shape[d + 1] = B
+    return eye.view(shape) * g.unsqueeze(0)
 
 
 def record_region(ps: PerSampleRegion, params: dict[int, Tensor], acc: dict[int, Tensor]) -> None:
