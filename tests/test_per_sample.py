@@ -411,7 +411,7 @@ def _ssm_module():
     return mod
 
 
-@pytest.mark.parametrize("B,T,layers", [(1, 7, 1), (3, 7, 2), (3, 1, 1)])
+@pytest.mark.parametrize("B,T,layers", [(1, 7, 1), (3, 7, 2), (3, 1, 1), (5, 7, 1)])
 def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
     """The demo SSM under per_sample_clip with shard_size=3: its scan region is sharded (rewrite "adjoint"); every
     parameter the region uses (A_log through A = -exp(A_log), the projections, D_skip, the norms) gets exact

@@ -40,14 +40,6 @@ class PerSampleRegion:
     site: Site | None = None
 
 
-def _mask(g: Tensor | None, d: int, n: int) -> Tensor | None:
-    if g is None:
-        return None
-    out = torch.zeros_like(g)
-    out.narrow(d, n, 1).copy_(g.narrow(d, n, 1))
-    return out
-
-
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
                             carries: Sequence[Any], first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any],
                             t0: int, autocast: tuple) -> dict[int, Tensor]:
@@ -68,37 +60,51 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
             return {}
         B = pairs[0][0].shape[pairs[0][2]]
         ys = [y for y, _, _ in pairs]
-        if _BATCHED[0]:
-            # NB: one backward vmapped over the B masked cotangents (is_grads_batched): the same arithmetic as B
-            # backward passes, without B trips through the autograd engine
-            cots = [_one_hot(g, d, B) for _, g, d in pairs]
-            try:
-                got = torch.autograd.grad(ys, wrt, cots, retain_graph=True, allow_unused=True, is_grads_batched=True)
-            except RuntimeError as e:  # an op of the region without a batching rule for its backward
-                _BATCHED[0] = False
-                log.info("per_sample_clip: batched VJP over the examples failed (%s); one VJP per example", e)
+        step = EXAMPLES_PER_VJP if _BATCHED[0] else 1
+        parts: list[tuple[int, tuple[Tensor | None, ...]]] = []
+        n0 = 0
+        while n0 < B:
+            n1 = min(B, n0 + step)
+            last = n1 == B
+            if step > 1:
+                # NB: one backward vmapped over the masked cotangents of examples n0..n1 (is_grads_batched): the
+                # arithmetic of n1 - n0 backward passes without as many trips through the autograd engine
+                cots = [_one_hot(g, d, n0, n1) for _, g, d in pairs]
+                try:
+                    # NB: retain_graph: a backward that failed half-way must leave the graph for the fallback
+                    got = torch.autograd.grad(ys, wrt, cots, retain_graph=True, allow_unused=True,
+                                              is_grads_batched=True)
+                except RuntimeError as e:  # an op of the region without a batching rule for its backward
+                    _BATCHED[0], step = False, 1
+                    log.info("per_sample_clip: batched VJP over the examples failed (%s); one VJP per example", e)
+                    continue
             else:
-                return {i: torch.zeros((B, *w.shape), dtype=w.dtype, device=w.device) if g is None else g
-                        for i, g, w in zip(want, got, wrt)}
-        per: list[list[Tensor]] = [[] for _ in want]
-        for n in range(B):
-            cots = [_mask(g, d, n) for _, g, d in pairs]
-            got = torch.autograd.grad(ys, wrt, cots, retain_graph=n < B - 1, allow_unused=True)
-            for k, (g, w) in enumerate(zip(got, wrt)):
-                per[k].append(torch.zeros_like(w) if g is None else g)
-    return {i: torch.stack(p) for i, p in zip(want, per)}
+                got = tuple(None if g is None else g.unsqueeze(0) for g in torch.autograd.grad(
+                    ys, wrt, [_one_hot(g, d, n0, n1)[0] for _, g, d in pairs], retain_graph=not last,
+                    allow_unused=True))
+            parts.append((n1 - n0, got))
+            n0 = n1
+    out = {}
+    for k, (i, w) in enumerate(zip(want, wrt)):
+        chunks = [got[k] if got[k] is not None else w.new_zeros((m, *w.shape)) for m, got in parts]
+        out[i] = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+    return out
 
 
-#: whether the batched VJP (is_grads_batched) has worked so far in this process; the B-VJP loop once it has not
+#: examples per batched VJP: memory ~ that many times one shard's VJP, time ~ B / that many autograd-engine passes
+#: of each shard (benchmarks/dp.py, README "Limits of per-example clipping")
+EXAMPLES_PER_VJP = 4
+#: whether the batched VJP (is_grads_batched) has worked so far in this process; one VJP per example once it has not
 _BATCHED = [True]
 
 
-def _one_hot(g: Tensor, d: int, B: int) -> Tensor:
-    """[B, *g.shape]: entry n is ``g`` masked to example n on axis d."""
-    eye = torch.eye(B, dtype=g.dtype, device=g.device)
-    shape = [B] + [1] * g.dim()
+def _one_hot(g: Tensor, d: int, n0: int, n1: int) -> Tensor:
+    """[n1 - n0, *g.shape]: entry k is ``g`` masked to example n0 + k on axis d."""
+    B = g.shape[d]
+    eye = torch.eye(B, dtype=g.dtype, device=g.device)[n0:n1]
+    shape = [n1 - n0] + [1] * g.dim()
     shape[d + 1] = B
-    return eye.view(shape) * g.unsqueeze(0)
+    return eye.reshape(shape) * g.unsqueeze(0)
 
 
 def record_region(ps: PerSampleRegion, params: dict[int, Tensor], acc: dict[int, Tensor]) -> None:
