@@ -438,14 +438,17 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
     assert "sharded exact adjoint" in text and "sharded region of" in text, text
 
 
-def test_sharded_region_one_vjp_per_example_fallback(monkeypatch):
-    """The fallback when the batched VJP over the examples cannot run: B masked VJPs per shard, the same result."""
+@pytest.mark.parametrize("per_vjp,batched", [(2, True), (2, False), (5, True)])
+def test_sharded_region_batched_vjps_and_their_fallback(monkeypatch, per_vjp, batched):
+    """Examples batched per VJP (is_grads_batched, in chunks: 2+2+1 and 5), and the fallback when a batched VJP
+    cannot run (one masked VJP per example): the same result."""
     from adjoint_compile.runtime import sharded_ps
 
-    monkeypatch.setattr(sharded_ps, "_BATCHED", [False])
+    monkeypatch.setattr(sharded_ps, "_BATCHED", [batched])
+    monkeypatch.setattr(sharded_ps, "EXAMPLES_PER_VJP", per_vjp)
     torch.manual_seed(3)
     model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
-    x = torch.randn(3, 5, 4)
+    x = torch.randn(5, 5, 4)
     want_norms = vmap_norms(model, (x,))
     clip = float(want_norms.median())
     want_grads, _ = loop_clipped(model, (x,), clip)

@@ -8,7 +8,8 @@ length T is kept, and handed to runtime/per_sample.py as one :class:`~.per_sampl
 
 NB: not ``torch.func.vmap`` over the examples: the shard programs are specialized to the batch size (a
 ``reshape(B, L, D*N)`` in the region), so a vmapped per-example call would not run; B masked VJPs over one
-recomputation cost B backward passes of the shard instead of one.
+recomputation cost B backward passes of the shard instead of one. ``EXAMPLES_PER_VJP`` > 1 batches them
+(``is_grads_batched``); on CPU that was not faster and cost memory, so the default is one VJP per example.
 """
 from __future__ import annotations
 
@@ -91,9 +92,10 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
     return out
 
 
-#: examples per batched VJP: memory ~ that many times one shard's VJP, time ~ B / that many autograd-engine passes
-#: of each shard (benchmarks/dp.py, README "Limits of per-example clipping")
-EXAMPLES_PER_VJP = 4
+#: examples per VJP (> 1: batched with is_grads_batched). NB: 1: on the SSM of benchmarks/dp.py (B=8, T=128, CPU)
+#: 4 and 8 were no faster than one VJP per example (40-55 and 35-40 ms against 28-45 ms, noisy) and held 3.4x and
+#: 6.3x the non-private step's peak memory against 1.5x
+EXAMPLES_PER_VJP = 1
 #: whether the batched VJP (is_grads_batched) has worked so far in this process; one VJP per example once it has not
 _BATCHED = [True]
 
