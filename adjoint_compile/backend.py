@@ -226,8 +226,9 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
     calls = list(result.lowered)
     if opts.per_sample_clip is not None and not captured.symbolic:
-        # NB: after decide, which keeps every region unsharded under per_sample_clip: the uses it lowers run eagerly
-        # (their own partitions), everything else with the inner compiler
+        # NB: after the lowering: a sharded region (exact adjoint) is one parameter use that records its own
+        # per-example gradients; the uses it lowers run eagerly (their own partitions), the rest with the inner
+        # compiler
         result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
         calls += result.per_sample.calls
     if compile:

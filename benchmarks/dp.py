@@ -231,7 +231,10 @@ def main() -> None:
              ("transformer (vocab 256, d 128, 4 heads, 2 blocks)", lambda: Transformer(256, 128, 4, 2),
               lambda: torch.randint(0, 256, (32, 64))),
              ("selective SSM (d_model 16, d_state 4, 2 layers)", lambda: ssm.make(16, 4, 2),
-              lambda: torch.randn(8, 128, 16))]
+              lambda: torch.randn(8, 128, 16)),
+             # NB: long T: where the sharded region's memory saving shows (the region is sharded under per_sample_clip)
+             ("selective SSM, long T (d_model 16, d_state 4, 2 layers)", lambda: ssm.make(16, 4, 2),
+              lambda: torch.randn(8, 1024, 16))]
     if args.case is not None:
         name, make, inputs = cases[args.case]
         print(RESULT + json.dumps(run_case(name, make(), inputs(), args.inner, args.repeats, with_opacus)))
