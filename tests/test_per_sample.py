@@ -431,6 +431,10 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
         torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     rep = ac.report(f)
     recs = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    if T <= 3:  # one shard saves nothing, and the per-example gradients it would keep make it cost: declined
+        assert recs and all(r.rewrite == "none" and "per-example parameter gradients" in r.reason for r in recs), [
+            (r.rewrite, r.reason) for r in recs]
+        return
     assert recs and all(r.rewrite == "adjoint" for r in recs), [(r.rewrite, r.reason) for r in recs]
     sharded = [u for u in _uses(rep) if u["kind"] == "sharded region"]
     assert sharded and any("a_log" in p.lower() for u in sharded for p in u["params"])

@@ -115,8 +115,10 @@ def declines(memory: dict[str, int], shards: int) -> str:
         return ""
     outside = (f" + {mib(memory['kept_outside'])} of full-length outputs that per-step ops outside the region keep "
                f"alive" if memory.get("kept_outside") else "")
+    pe = (f", {mib(memory['per_example'])} of them per-example parameter gradients for per_sample_clip"
+          if memory.get("per_example") else "")
     return (f"declined: the rewrite would not pay: it would keep ~{mib(memory['sharded'])} (boundary states and one "
-            f"shard){outside} against <= {mib(memory['autograd'])} for ordinary autograd, and recompute the region's "
+            f"shard{pe}){outside} against <= {mib(memory['autograd'])} for ordinary autograd, and recompute the region's "
             f"forward in {shards} shard(s) in the backward; it keeps ordinary autograd")
 
 

@@ -121,6 +121,12 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
     memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)
+    if ps_kinds is not None:
+        # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
+        # too: at short T they outweigh what sharding saves
+        memory["per_example"] = ps_kinds[1] * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size()
+                                                  for i in mod.per_sample.params)
+        memory["sharded"] += memory["per_example"]
     why = declines(memory, -(-T // S))
     if why:
         raise Declined(why, memory)
