@@ -205,6 +205,33 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
             "inputs": sum(_nbytes(_ev(a)) for a in inputs if info.step_dim.get(a) is not None), "kept_outside": kept}
 
 
+def _per_scan(nodes: list[fx.Node], scans: list[fx.Node]) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+    """``nodes`` cut into one piece per scan, in graph order: a node goes with the first scan it feeds, else (a
+    readout) with the last piece among its inputs'.  A piece that is not convex is refused by the lowering."""
+    members = set(nodes)
+    feeds: dict[fx.Node, set[fx.Node]] = {}
+    for n in reversed(nodes):  # the scans each node feeds (within the region)
+        f = {n} if n in scans else set()
+        for u in n.users:
+            if u in members:
+                f |= feeds.get(u, set())
+        feeds[n] = f
+    order = {s: i for i, s in enumerate(scans)}
+    owner: dict[fx.Node, int] = {}
+    for n in nodes:  # graph order: a node's region inputs are placed before it
+        src = n.args[0] if n.target is operator.getitem and n.args else None
+        if isinstance(src, fx.Node) and src in owner and isinstance(_ev(src), (tuple, list)):
+            owner[n] = owner[src]  # NB: a multi-output op and its getitems stay together: no tuple crosses pieces
+        elif feeds[n]:
+            owner[n] = min(order[s] for s in feeds[n])
+        else:
+            owner[n] = max((owner[a] for a in n.all_input_nodes if a in owner), default=0)
+    parts: list[list[fx.Node]] = [[] for _ in scans]
+    for n in nodes:
+        parts[owner[n]].append(n)
+    return [(parts[i], [s]) for i, s in enumerate(scans) if parts[i]]
+
+
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
     """Lower every ``linear_scan`` recurrence (exact mode, or truncated mode with ``opts.window``); one outcome per
     record, in order.
@@ -245,21 +272,26 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         nodes, bounds = region_around(gm, [s], info)
         group = [x for x in nodes if is_linear_scan(x)] or [s]
         members = frozenset(n.name for n in nodes)
-        try:
-            if not nodes:
-                raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
-            call = _lower_region(gm, nodes, info, opts)
-        except UnsupportedRegion as e:
-            log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
-            result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
-        else:
-            p = call.meta[PROVENANCE]
-            p["bounds"] = bounds
-            result = Lowered(rewrite=p["rewrite"], call=call.name, members=members, scans=len(p["scans"]),
-                             nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
-                             memory=dict(p["memory"]), bounds=list(bounds))
-        for x in group:
-            done[x] = result
+        # NB: under sequence_parallel a region's last state must be affine in its carry-in (runtime/seqpar_sharded.py):
+        # one region per scan
+        pieces = _per_scan(nodes, group) if opts.sequence_parallel is not None and len(group) > 1 else [(nodes, group)]
+        for part, scans_of in pieces:
+            try:
+                if not part:
+                    raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
+                call = _lower_region(gm, part, info, opts)
+            except UnsupportedRegion as e:
+                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
+                result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
+            else:
+                p = call.meta[PROVENANCE]
+                p["bounds"] = bounds
+                mem = members if len(pieces) == 1 else frozenset(n.name for n in part)
+                result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
+                                 nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
+                                 memory=dict(p["memory"]), bounds=list(bounds))
+            for x in scans_of:
+                done[x] = result
     for i, s in scan_of.items():
         out[i] = done.get(s, NotLowered("not lowered"))
     return out
