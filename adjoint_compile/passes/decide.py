@@ -62,7 +62,7 @@ RECOMPUTING_MODES = frozenset({"exact", "truncated", "highway"})
 #: the reason of a rewritable region under ``sequence_parallel`` (passes/lower_seqpar.py)
 SEQUENCE_PARALLEL = ("sequence_parallel: each scan runs as the distributed scan of runtime/seqpar.py on this rank's "
                      "slice (carry from the ranks before it), with ordinary autograd around it; not sharded inside "
-                     "the rank")
+                     "the rank (only mode='exact' shards regions inside each rank)")
 
 #: the reason of an exact-mode region with several scans under ``sequence_parallel``: its last states are not affine
 #: in its carries-in (a scan may feed another through a nonlinearity), which the per-rank carry exchange needs

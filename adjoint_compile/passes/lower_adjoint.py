@@ -17,6 +17,7 @@ import logging
 import operator
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -206,30 +207,32 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
 
 
 def _per_scan(nodes: list[fx.Node], scans: list[fx.Node]) -> list[tuple[list[fx.Node], list[fx.Node]]]:
-    """``nodes`` cut into one piece per scan, in graph order: a node goes with the first scan it feeds, else (a
-    readout) with the last piece among its inputs'.  A piece that is not convex is refused by the lowering."""
+    """``nodes`` cut into one piece per scan, in graph order, each cut between scans j-1 and j a minimum cut (networkx)
+    by the bytes that cross it: what a piece hands the next is saved whole, so the cut falls where the values are
+    smallest (a layer's [B, T, D] residual stream, not its [B, T, D, N] states).  A piece that is not convex is
+    refused by the lowering (its scan then keeps ordinary autograd)."""
     members = set(nodes)
-    feeds: dict[fx.Node, set[fx.Node]] = {}
-    for n in reversed(nodes):  # the scans each node feeds (within the region)
-        f = {n} if n in scans else set()
+    inf = float("inf")
+    g = nx.DiGraph()
+    for n in nodes:
+        v = _ev(n)
+        size = sum(_nbytes(x) for x in v) if isinstance(v, (tuple, list)) else _nbytes(v)
+        g.add_edge(("in", n), ("out", n), capacity=size)
         for u in n.users:
             if u in members:
-                f |= feeds.get(u, set())
-        feeds[n] = f
-    order = {s: i for i, s in enumerate(scans)}
-    owner: dict[fx.Node, int] = {}
-    for n in nodes:  # graph order: a node's region inputs are placed before it
-        src = n.args[0] if n.target is operator.getitem and n.args else None
-        if isinstance(src, fx.Node) and src in owner and isinstance(_ev(src), (tuple, list)):
-            owner[n] = owner[src]  # NB: a multi-output op and its getitems stay together: no tuple crosses pieces
-        elif feeds[n]:
-            owner[n] = min(order[s] for s in feeds[n])
-        else:
-            owner[n] = max((owner[a] for a in n.all_input_nodes if a in owner), default=0)
-    parts: list[list[fx.Node]] = [[] for _ in scans]
-    for n in nodes:
-        parts[owner[n]].append(n)
-    return [(parts[i], [s]) for i, s in enumerate(scans) if parts[i]]
+                g.add_edge(("out", n), ("in", u), capacity=inf)
+                g.add_edge(("in", u), ("in", n), capacity=inf)  # NB: no value goes back: the pieces stay ordered
+    piece = {n: len(scans) - 1 for n in nodes}
+    for j in range(len(scans) - 1, 0, -1):
+        h = g.copy()
+        for k, sc in enumerate(scans):
+            h.add_edge(*(("src", ("in", sc)) if k < j else (("in", sc), "sink")), capacity=inf)
+        _, (left, _) = nx.minimum_cut(h, "src", "sink")
+        for n in nodes:
+            if ("in", n) in left:
+                piece[n] = min(piece[n], j - 1)
+    parts: list[list[fx.Node]] = [[n for n in nodes if piece[n] == k] for k in range(len(scans))]
+    return [(parts[k], [s]) for k, s in enumerate(scans) if parts[k]]
 
 
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
