@@ -4,7 +4,9 @@ Each test spawns a few CPU processes on gloo (``torch.multiprocessing``, spawn s
 contiguous slice of the same sequence; every rank writes what it got to a file, and the parent compares with an
 oracle it computes itself: plain eager autograd of the whole sequence (exact mode), or the same model with every
 scan state recomputed from the state W steps back, detached (truncated mode; an explicit loop over steps).
-Slices are uneven and include one of a single step, shorter than the conv's halo. Spawns are few: each costs
+Slices are uneven and include one of a single step, shorter than the conv's halo.  Exact mode shards each region
+inside the rank (runtime/seqpar_sharded.py); ``shard_size=3`` makes shards shorter than the slices, and a mutation
+that drops the adjoint carry from the ranks after must break rank 0's gradients. Spawns are few: each costs
 seconds (dynamo compiles every model in every process; ``inner="aot_eager"`` skips inductor).
 """
 from __future__ import annotations

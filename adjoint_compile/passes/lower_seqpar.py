@@ -13,6 +13,11 @@ After::
     xs = torch.conv1d(torch.cat([halo, x_t], -1), w, bias, (1,), 0, (1,), C)
     h = self.seqpar_scan_0(a, b, None)                          # SeqScan: carry-in from the ranks before
 
+In exact mode the recognized regions are lowered as well (passes/lower.py; under ``sequence_parallel`` a region of
+several scans is cut into one region per scan, passes/lower_adjoint.py) and each one-scan region's ShardedRegion is
+wrapped in :class:`~adjoint_compile.runtime.seqpar_sharded.SeqShardedRegion`: sharded inside the rank, its carry-in
+and adjoint carry exchanged with the other ranks.  Scans left outside regions become SeqScans.
+
 The module and call nodes are named ``seqpar_*``; the backend stitches them outside the inner compiler (as region
 calls) and wraps the whole graph in :class:`~adjoint_compile.runtime.seqpar.SeqParCall`.
 
