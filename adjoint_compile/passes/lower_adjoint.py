@@ -284,7 +284,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                     raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
                 call = _lower_region(gm, part, info, opts)
             except UnsupportedRegion as e:
-                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
+                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", scans_of[0].name, e)
                 result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
             else:
                 p = call.meta[PROVENANCE]
