@@ -40,7 +40,7 @@ from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
-from .regions import Region, Rejection
+from .regions import Lowered, NotLowered, Region, Rejection
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .runtime.verify import copy_graph_module, graph_fidelity
 
@@ -181,18 +181,30 @@ def _refuse_unspecialized(*args: Any) -> Any:
 
 
 def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:
-    """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): recognized regions are reported but not
-    sharded; every scan and causal conv along time exchanges its carry / halo with the other ranks."""
+    """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): every scan and causal conv along time
+    exchanges its carry / halo with the other ranks; in exact mode, recognized one-scan regions are sharded inside
+    the rank as well (runtime/seqpar_sharded.py)."""
     captured = capture(gm, example_inputs, seed_dropout=False)
     regions, rejections = recognize(captured, opts)
     plans = decide.plan(regions, opts)
-    decide.settle(regions, plans, [None] * len(regions))
     result = CompiledGraph(captured, regions, rejections, [], None, opts)
+    settled = []
+
+    def shard() -> list[str]:
+        outcomes = lower(captured, regions, plans, opts)
+        calls = lowered_calls(outcomes)
+        for i, o in enumerate(outcomes):
+            if isinstance(o, Lowered) and o.scans > 1:
+                outcomes[i] = NotLowered(decide.SEQUENCE_PARALLEL_MULTI.format(scans=o.scans))
+        decide.settle(regions, plans, outcomes)
+        settled.append(True)
+        return calls
+
     if captured.symbolic:
         if compile:
             result.fn = _Specializing(result, opts)
     else:
-        sp = lower_seqpar(captured.gm, list(example_inputs), opts)
+        sp = lower_seqpar(captured.gm, list(example_inputs), opts, shard=shard if regions else None)
         result.lowered = list(sp.calls)
         if sp.refusal is not None:
             result.rejections.append(Rejection("sequence_parallel", "<graph>", sp.refusal))
@@ -200,6 +212,8 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
             fn = stitch(captured, sp.calls, opts) if sp.refusal is None else None
             reduce = ReduceGrads(sp.state.group, sp.params) if opts.reduce_grads else None
             result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce)
+    if not settled:
+        decide.settle(regions, plans, [None] * len(regions))
     captured.example_inputs = []
     _log_decisions(result, opts)
     return result

@@ -4,7 +4,9 @@ Each test spawns a few CPU processes on gloo (``torch.multiprocessing``, spawn s
 contiguous slice of the same sequence; every rank writes what it got to a file, and the parent compares with an
 oracle it computes itself: plain eager autograd of the whole sequence (exact mode), or the same model with every
 scan state recomputed from the state W steps back, detached (truncated mode; an explicit loop over steps).
-Slices are uneven and include one of a single step, shorter than the conv's halo. Spawns are few: each costs
+Slices are uneven and include one of a single step, shorter than the conv's halo.  Exact mode shards each region
+inside the rank (runtime/seqpar_sharded.py); ``shard_size=3`` makes shards shorter than the slices, and a mutation
+that drops the adjoint carry from the ranks after must break rank 0's gradients. Spawns are few: each costs
 seconds (dynamo compiles every model in every process; ``inner="aot_eager"`` skips inductor).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import adjoint_compile as ac
+from adjoint_compile.runtime import seqpar_sharded
 
 ROOT = Path(__file__).resolve().parent.parent
 B, D, N = 2, 6, 2
@@ -73,7 +76,9 @@ def _init(rank, world, port, timeout_s):
 
 def _run_case(name, mode, x, w):
     model = _model(name)
-    opts = {"sequence_parallel": True, "inner": "aot_eager", "mode": "exact" if mode == "no_reduce" else mode}
+    opts = {"sequence_parallel": True, "inner": "aot_eager", "mode": "exact" if mode != "truncated" else mode}
+    if mode in ("exact_s3", "no_carry"):  # sharded inside the rank: shards shorter than the slices
+        opts["shard_size"] = 3
     if mode == "no_reduce":
         opts["reduce_grads"] = False
     if mode == "truncated":
@@ -81,8 +86,14 @@ def _run_case(name, mode, x, w):
     torch._dynamo.reset()
     f = torch.compile(model, backend="adjoint", options=opts)
     x = x.clone().requires_grad_()
-    y = f(x)
-    (y * w).sum().backward()
+    fold = seqpar_sharded._fold_backward
+    if mode == "no_carry":  # the mutation: the adjoint carry from the ranks after is dropped
+        seqpar_sharded._fold_backward = lambda g, r, w: torch.zeros_like(g[0, 1])
+    try:
+        y = f(x)
+        (y * w).sum().backward()
+    finally:
+        seqpar_sharded._fold_backward = fold
     return {"y": y.detach(), "x_grad": x.grad, **{k: p.grad for k, p in model.named_parameters()}}
 
 
@@ -96,8 +107,11 @@ def _worker(rank, world, port, lengths, cases, out_dir):
         for name, mode in cases:
             res[(name, mode)] = _run_case(name, mode, x[:, sl], w[:, sl])
         rep = ac.explain(_model("mamba_conv"), x[:, sl], options={"sequence_parallel": True, "inner": "eager"})
-        res["explain"] = ([r.reason for r in rep.regions if r.kind == "linear_recurrence"],
-                          [j.reason for j in rep.rejections])
+        rep_t = ac.explain(_model("mamba_conv"), x[:, sl], options={"sequence_parallel": True, "inner": "eager",
+                                                                      "mode": "truncated", "window": W})
+        res["explain"] = ([(r.rewrite, r.reason) for r in rep.regions if r.kind == "linear_recurrence"],
+                          [r.reason for r in rep_t.regions if r.kind == "linear_recurrence"],
+                          [j.reason for j in rep.rejections + rep_t.rejections])
         torch._dynamo.reset()
         f = torch.compile(_TimeMean(), backend="adjoint", options={"sequence_parallel": True, "inner": "eager"})
         try:
@@ -176,7 +190,9 @@ CASES = [("selective_ssm", "exact"), ("mamba_conv", "exact"), ("selective_ssm", 
 def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, monkeypatch):
     world = len(lengths)
     # NB: 3 ranks on 2 cores compile slowly: the truncated selective SSM (no halo) runs at 2 ranks only
-    cases = CASES + [("selective_ssm", "no_reduce")] if world == 2 else [c for c in CASES if c != CASES[2]]
+    cases = CASES + [("selective_ssm", "no_reduce"), ("selective_ssm", "no_carry")] if world == 2 else [
+        c for c in CASES if c != CASES[2]]
+    cases += [("selective_ssm", "exact_s3")]
     _spawn(_worker, world, (_port(), lengths, cases, str(tmp_path)), timeout=240)
     errs = sorted(tmp_path.glob("*.err"))
     assert not errs, errs[0].read_text()
@@ -189,8 +205,12 @@ def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, m
             if k not in ("y", "x_grad"):
                 assert _rel(local[0][k] + local[1][k], ref[k]) < 1e-5, k
                 assert _rel(local[0][k], ref[k]) > 1e-3, k
-    for case in [c for c in cases if c[1] != "no_reduce"]:
-        ref = _oracle(*case, x, w, monkeypatch)
+    if world == 2:  # the mutation check: without the adjoint carry from rank 1, rank 0's gradients are wrong
+        ref = _oracle("selective_ssm", "exact", x, w, monkeypatch)
+        assert _rel(got[0][("selective_ssm", "no_carry")]["x_grad"], ref["x_grad"][:, :lengths[0]]) > 1e-3
+        assert _rel(got[0][("selective_ssm", "no_carry")]["y"], ref["y"][:, :lengths[0]]) < 1e-5
+    for case in [c for c in cases if c[1] not in ("no_reduce", "no_carry")]:
+        ref = _oracle(case[0], "exact" if case[1] == "exact_s3" else case[1], x, w, monkeypatch)
         for key in ("y", "x_grad"):
             full = torch.cat([g[case][key] for g in got], 1)
             assert _rel(full, ref[key]) < 1e-5, (case, key, _rel(full, ref[key]))
@@ -207,9 +227,11 @@ def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, m
         msg = g["mixing"]
         assert "mean" in msg and "test_seqpar.py" in msg and "y.mean(dim=1, keepdim=True)" in msg, msg
         assert "disagree on the model" in g["disagree"], g["disagree"]
-        reasons, rejected = g["explain"]  # explain() says what the ranks run, and refuses nothing here
-        assert reasons and all(r.startswith("sequence_parallel: each scan runs as the distributed scan") for r in
-                               reasons), reasons
+        exact, trunc, rejected = g["explain"]  # explain() says what the ranks run, and refuses nothing here
+        # exact mode: one-scan regions sharded inside the rank; truncated: distributed scans, ordinary autograd
+        assert exact and all(rw == "adjoint" and "sharded" in r for rw, r in exact), exact
+        assert trunc and all(r.startswith("sequence_parallel: each scan runs as the distributed scan") for r in
+                             trunc), trunc
         assert not any("sequence_parallel" in j for j in rejected), rejected
 
 

@@ -62,7 +62,13 @@ RECOMPUTING_MODES = frozenset({"exact", "truncated", "highway"})
 #: the reason of a rewritable region under ``sequence_parallel`` (passes/lower_seqpar.py)
 SEQUENCE_PARALLEL = ("sequence_parallel: each scan runs as the distributed scan of runtime/seqpar.py on this rank's "
                      "slice (carry from the ranks before it), with ordinary autograd around it; not sharded inside "
-                     "the rank")
+                     "the rank (only mode='exact' shards regions inside each rank)")
+
+#: the reason of an exact-mode region with several scans under ``sequence_parallel``: its last states are not affine
+#: in its carries-in (a scan may feed another through a nonlinearity), which the per-rank carry exchange needs
+SEQUENCE_PARALLEL_MULTI = ("sequence_parallel: a region of {scans} scans is not sharded inside the rank (the carry "
+                           "exchange needs a region's last state affine in its carry-in: one scan per region); its "
+                           "scans run as distributed scans with ordinary autograd around them")
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
 SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
@@ -90,7 +96,8 @@ def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | No
                 p = Plan("none", PER_SAMPLE)
             elif getattr(r, "not_rerolled", None):
                 p = Plan("none", r.not_rerolled)
-            elif opts.sequence_parallel is not None:
+            elif opts.sequence_parallel is not None and opts.mode != "exact":
+                # NB: exact mode shards one-scan regions inside each rank (runtime/seqpar_sharded.py)
                 p = Plan("none", SEQUENCE_PARALLEL)
             elif specialize_limit is not None:
                 p = Plan("none", SYMBOLIC.format(limit=specialize_limit))

@@ -17,6 +17,7 @@ import logging
 import operator
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -218,6 +219,35 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
             "inputs": sum(_nbytes(_ev(a)) for a in inputs if info.step_dim.get(a) is not None), "kept_outside": kept}
 
 
+def _per_scan(nodes: list[fx.Node], scans: list[fx.Node]) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+    """``nodes`` cut into one piece per scan, in graph order, each cut between scans j-1 and j a minimum cut (networkx)
+    by the bytes that cross it: what a piece hands the next is saved whole, so the cut falls where the values are
+    smallest (a layer's [B, T, D] residual stream, not its [B, T, D, N] states).  A piece that is not convex is
+    refused by the lowering (its scan then keeps ordinary autograd)."""
+    members = set(nodes)
+    inf = float("inf")
+    g = nx.DiGraph()
+    for n in nodes:
+        v = _ev(n)
+        size = sum(_nbytes(x) for x in v) if isinstance(v, (tuple, list)) else _nbytes(v)
+        g.add_edge(("in", n), ("out", n), capacity=size)
+        for u in n.users:
+            if u in members:
+                g.add_edge(("out", n), ("in", u), capacity=inf)
+                g.add_edge(("in", u), ("in", n), capacity=inf)  # NB: no value goes back: the pieces stay ordered
+    piece = {n: len(scans) - 1 for n in nodes}
+    for j in range(len(scans) - 1, 0, -1):
+        h = g.copy()
+        for k, sc in enumerate(scans):
+            h.add_edge(*(("src", ("in", sc)) if k < j else (("in", sc), "sink")), capacity=inf)
+        _, (left, _) = nx.minimum_cut(h, "src", "sink")
+        for n in nodes:
+            if ("in", n) in left:
+                piece[n] = min(piece[n], j - 1)
+    parts: list[list[fx.Node]] = [[n for n in nodes if piece[n] == k] for k in range(len(scans))]
+    return [(parts[k], [s]) for k, s in enumerate(scans) if parts[k]]
+
+
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
     """Lower every ``linear_scan`` recurrence (exact mode, or truncated mode with ``opts.window``); one outcome per
     record, in order.
@@ -258,21 +288,26 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         nodes, bounds = region_around(gm, [s], info)
         group = [x for x in nodes if is_linear_scan(x)] or [s]
         members = frozenset(n.name for n in nodes)
-        try:
-            if not nodes:
-                raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
-            call = _lower_region(gm, nodes, info, opts)
-        except UnsupportedRegion as e:
-            log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", s.name, e)
-            result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
-        else:
-            p = call.meta[PROVENANCE]
-            p["bounds"] = bounds
-            result = Lowered(rewrite=p["rewrite"], call=call.name, members=members, scans=len(p["scans"]),
-                             nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
-                             memory=dict(p["memory"]), bounds=list(bounds))
-        for x in group:
-            done[x] = result
+        # NB: under sequence_parallel a region's last state must be affine in its carry-in (runtime/seqpar_sharded.py):
+        # one region per scan
+        pieces = _per_scan(nodes, group) if opts.sequence_parallel is not None and len(group) > 1 else [(nodes, group)]
+        for part, scans_of in pieces:
+            try:
+                if not part:
+                    raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
+                call = _lower_region(gm, part, info, opts)
+            except UnsupportedRegion as e:
+                log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", scans_of[0].name, e)
+                result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))
+            else:
+                p = call.meta[PROVENANCE]
+                p["bounds"] = bounds
+                mem = members if len(pieces) == 1 else frozenset(n.name for n in part)
+                result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
+                                 nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
+                                 memory=dict(p["memory"]), bounds=list(bounds))
+            for x in scans_of:
+                done[x] = result
     for i, s in scan_of.items():
         out[i] = done.get(s, NotLowered("not lowered"))
     return out

@@ -13,6 +13,11 @@ After::
     xs = torch.conv1d(torch.cat([halo, x_t], -1), w, bias, (1,), 0, (1,), C)
     h = self.seqpar_scan_0(a, b, None)                          # SeqScan: carry-in from the ranks before
 
+In exact mode the recognized regions are lowered as well (passes/lower.py; under ``sequence_parallel`` a region of
+several scans is cut into one region per scan, passes/lower_adjoint.py) and each one-scan region's ShardedRegion is
+wrapped in :class:`~adjoint_compile.runtime.seqpar_sharded.SeqShardedRegion`: sharded inside the rank, its carry-in
+and adjoint carry exchanged with the other ranks.  Scans left outside regions become SeqScans.
+
 The module and call nodes are named ``seqpar_*``; the backend stitches them outside the inner compiler (as region
 calls) and wraps the whole graph in :class:`~adjoint_compile.runtime.seqpar.SeqParCall`.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +44,8 @@ from ..analysis.rules import op_label, step_shape
 from ..analysis.time_local import analyze, slice_items
 from ..options import Options
 from ..runtime.seqpar import SeqHalo, SeqParState, SeqScan, fingerprint, resolve_group
+from ..runtime.seqpar_sharded import SeqShardedRegion, unsharded_region
+from ..runtime.sharded import ShardedRegion
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,8 @@ class SeqParPlan:
     params: list[int]
     scans: int = 0
     halos: int = 0
+    #: sharded regions run on this rank's slice (exact mode)
+    regions: int = 0
 
 
 def _one(v: Any) -> Any:
@@ -190,8 +200,13 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
     return T, convs, scans, None
 
 
-def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True) -> SeqParPlan:
-    """Check ``gm`` for sequence parallelism and (``rewrite``) put the distributed ops in (module docstring)."""
+def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True,
+                 shard: Callable[[], list[str]] | None = None) -> SeqParPlan:
+    """Check ``gm`` for sequence parallelism and (``rewrite``) put the distributed ops in (module docstring).
+
+    ``shard`` (exact mode): lowers the recognized regions into sharded region calls and returns their names, after
+    the check and the halos; one-scan regions then run as :class:`SeqShardedRegion` (sharded inside the rank, carries
+    exchanged), others unsharded with distributed scans."""
     state = SeqParState(resolve_group(opts.sequence_parallel))
     # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -226,6 +241,15 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
         sliced.replace_all_uses_with(conv)
         g.erase_node(sliced)
         plan.calls.append(halo.name)
+    if shard is not None and window is None:
+        for name in shard():
+            mod = gm.get_submodule(name)
+            if isinstance(mod, ShardedRegion):
+                one = len(mod._plan.scans) == 1
+                setattr(gm, name, SeqShardedRegion(mod, state) if one else unsharded_region(mod, state, None))
+                plan.regions += 1
+            plan.calls.append(name)
+        scans = [n for n in g.nodes if is_linear_scan(n)]  # those left outside the regions
     for i, s in enumerate(scans):
         sa = scan_args(s)
         name = f"seqpar_scan_{i}"
@@ -238,6 +262,6 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
         plan.calls.append(call.name)
     gm.recompile()
     plan.scans, plan.halos = len(scans), len(convs)
-    log.info("sequence_parallel: rank %d of %d, %d step(s): %d distributed scan(s), %d conv halo(s)",
-             state.rank, state.world, plan.length, plan.scans, plan.halos)
+    log.info("sequence_parallel: rank %d of %d, %d step(s): %d distributed scan(s), %d conv halo(s), %d sharded "
+             "region(s)", state.rank, state.world, plan.length, plan.scans, plan.halos, plan.regions)
     return plan
