@@ -43,8 +43,8 @@ from ..analysis.fx import example_value, is_linear_scan, scan_args
 from ..analysis.rules import op_label, step_shape
 from ..analysis.time_local import analyze, slice_items
 from ..options import Options
-from ..runtime.seqpar import SeqHalo, SeqParState, SeqScan, fingerprint, resolve_group
-from ..runtime.seqpar_sharded import SeqShardedRegion, unsharded_region
+from ..runtime.seqpar import SeqHalo, SeqParState, fingerprint, resolve_group
+from ..runtime.seqpar_sharded import SeqShardedRegion, distribute_scans, unsharded_region
 from ..runtime.sharded import ShardedRegion
 
 log = logging.getLogger(__name__)
@@ -250,17 +250,7 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
                 plan.regions += 1
             plan.calls.append(name)
         scans = [n for n in g.nodes if is_linear_scan(n)]  # those left outside the regions
-    for i, s in enumerate(scans):
-        sa = scan_args(s)
-        name = f"seqpar_scan_{i}"
-        gm.add_submodule(name, SeqScan(state, sa["dim"], window))
-        with g.inserting_before(s):
-            call = g.call_module(name, (sa["a"], sa["b"], sa["h0"]))
-        call.meta = dict(s.meta)
-        s.replace_all_uses_with(call)
-        g.erase_node(s)
-        plan.calls.append(call.name)
-    gm.recompile()
+    plan.calls += [call.name for call in distribute_scans(gm, scans, state, window)]
     plan.scans, plan.halos = len(scans), len(convs)
     log.info("sequence_parallel: rank %d of %d, %d step(s): %d distributed scan(s), %d conv halo(s), %d sharded "
              "region(s)", state.rank, state.world, plan.length, plan.scans, plan.halos, plan.regions)

@@ -36,7 +36,7 @@ from .shard_program import ShardProgram, autocast_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SeqShardedRegion", "unsharded_region"]
+__all__ = ["SeqShardedRegion", "distribute_scans", "unsharded_region"]
 
 
 def _fold_forward(gathered: Tensor, rank: int) -> Tensor:
@@ -194,11 +194,11 @@ class SeqShardedRegion(torch.nn.Module):
         return outs[0] if prog.single_output else tuple(outs)
 
 
-def unsharded_region(region: ShardedRegion, state: SeqParState, window: int | None) -> fx.GraphModule:
-    """The region's graph with each scan made a distributed :class:`~.seqpar.SeqScan`, under ordinary autograd."""
-    gm = copy.deepcopy(region.region_gm)
-    g = gm.graph
-    for i, s in enumerate([n for n in g.nodes if is_linear_scan(n)]):
+def distribute_scans(gm: fx.GraphModule, scans: list[fx.Node], state: SeqParState,
+                     window: int | None) -> list[fx.Node]:
+    """Each of ``scans`` (linear_scan nodes of ``gm``) made a call of a distributed :class:`~.seqpar.SeqScan`."""
+    g, calls = gm.graph, []
+    for i, s in enumerate(scans):
         sa = scan_args(s)
         name = f"seqpar_scan_{i}"
         gm.add_submodule(name, SeqScan(state, sa["dim"], window))
@@ -207,5 +207,13 @@ def unsharded_region(region: ShardedRegion, state: SeqParState, window: int | No
         call.meta = dict(s.meta)
         s.replace_all_uses_with(call)
         g.erase_node(s)
+        calls.append(call)
     gm.recompile()
+    return calls
+
+
+def unsharded_region(region: ShardedRegion, state: SeqParState, window: int | None) -> fx.GraphModule:
+    """The region's graph with each scan made a distributed :class:`~.seqpar.SeqScan`, under ordinary autograd."""
+    gm = copy.deepcopy(region.region_gm)
+    distribute_scans(gm, [n for n in gm.graph.nodes if is_linear_scan(n)], state, window)
     return gm
