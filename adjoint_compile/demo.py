@@ -76,18 +76,24 @@ class CopyModel(nn.Module):
         return self.head(h[:, -self.n_data :])
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="adjoint-compile demo", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=150)
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """The model's and the selective-copying task's arguments, shared by the demo, the fidelity benchmark and the
+    sequence-parallel example."""
     p.add_argument("--d-model", type=int, default=16)
     p.add_argument("--d-state", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--n-data", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="adjoint-compile demo", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=150)
+    add_task_args(p)
     p.add_argument("--shard-size", type=int, default=None)
     p.add_argument("--out", default=str(DEFAULT_OUT),
                    help="where demo.json and demo.png go (default: out/ of the checkout, ignored by git; "

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from adjoint_compile.demo import CopyModel, load_example, selective_copy_batch  # noqa: E402
+from adjoint_compile.demo import CopyModel, add_task_args, load_example, selective_copy_batch  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,12 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--windows", default="1,4,16,64,256", help="comma-separated W < T; T (exact) is always added")
     p.add_argument("--shard-size", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=16)
-    p.add_argument("--d-state", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--n-data", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_task_args(p)
     p.add_argument("--inner", default="aot_eager")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

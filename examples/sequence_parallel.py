@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from selective_ssm import SSMStack  # noqa: E402
 
 from adjoint_compile import measure  # noqa: E402
-from adjoint_compile.demo import selective_copy_batch  # noqa: E402
+from adjoint_compile.demo import add_task_args, selective_copy_batch  # noqa: E402
 
 IGNORE = -100
 
@@ -95,12 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--d-model", type=int, default=16)
-    p.add_argument("--d-state", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--n-data", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_task_args(p)
     p.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
     return p.parse_args(argv)
 
