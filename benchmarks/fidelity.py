@@ -112,7 +112,8 @@ def plot(res: dict, path: Path) -> None:
         a.set(title=t, xlabel="window W", yscale="log")
         a.legend(fontsize=8)
     for r, lab in zip(runs, labels):
-        ax[2].plot(torch.tensor(r["train"]["losses"]).unfold(0, 10, 1).mean(1).tolist(), label=f"W={lab}")
+        losses = torch.tensor(r["train"]["losses"])  # NB: a 10-step running mean, shorter for short runs
+        ax[2].plot(losses.unfold(0, min(10, len(losses)), 1).mean(1).tolist(), label=f"W={lab}")
     ax[2].set(title=f"training loss (10-step mean), T={T}", xlabel="step", ylabel="cross-entropy")
     ax[2].legend(fontsize=7)
     fig.suptitle(f"truncated adjoint on the demo task, {res['device']}", fontsize=10)
