@@ -3,6 +3,7 @@ clipped sum p.grad = Σ_n min(1, C/‖g_n‖) g_n against an explicit loop over 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -48,13 +49,15 @@ def loop_clipped(model: nn.Module, inputs: tuple, clip: float, bd: int = 0) -> t
     return total, torch.tensor(norms)
 
 
-def check(model: nn.Module, *inputs: torch.Tensor, clip: float = 0.7, bd: int = 0, inner: str = "aot_eager"):
-    """Compile with per_sample_clip, run one step, compare norms and grads with the oracles; returns the report."""
+def check(model: nn.Module, *inputs: torch.Tensor, clip: float = 0.7, bd: int = 0, inner: str = "aot_eager",
+          **options: Any):
+    """Compile with per_sample_clip (and ``options``), run one step, compare norms and grads with the oracles;
+    returns the report."""
     want_norms = vmap_norms(model, inputs, bd)
     want_grads, loop_norms = loop_clipped(model, inputs, clip, bd)
     torch.testing.assert_close(loop_norms.float(), want_norms, rtol=RTOL, atol=0)
     compiled = torch.compile(model, backend="adjoint",
-                             options={"per_sample_clip": clip, "batch_dim": bd, "inner": inner})
+                             options={"per_sample_clip": clip, "batch_dim": bd, "inner": inner, **options})
     model.zero_grad()
     _loss(compiled(*inputs)).backward()
     got = ac.per_sample_grad_norms(compiled)
@@ -421,15 +424,7 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
     x = torch.randn(B, T, 4)
     want_norms = vmap_norms(model, (x,))
     clip = float(want_norms.min()) * 0.9 if B == 1 else float(want_norms.median())
-    want_grads, loop_norms = loop_clipped(model, (x,), clip)
-    torch.testing.assert_close(loop_norms.float(), want_norms, rtol=RTOL, atol=0)
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 3,
-                                                          "inner": "aot_eager"})
-    _loss(f(x)).backward()
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    rep = ac.report(f)
+    rep = check(model, x, clip=clip, shard_size=3)
     recs = [r for r in rep.regions if r.kind == "linear_recurrence"]
     if T <= 3:  # one shard saves nothing, and the per-example gradients it would keep make it cost: declined
         assert recs and all(r.rewrite == "none" and "per-example parameter gradients" in r.reason for r in recs), [
@@ -453,16 +448,8 @@ def test_sharded_region_batched_vjps_and_their_fallback(monkeypatch, per_vjp, ba
     torch.manual_seed(3)
     model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
     x = torch.randn(5, 5, 4)
-    want_norms = vmap_norms(model, (x,))
-    clip = float(want_norms.median())
-    want_grads, _ = loop_clipped(model, (x,), clip)
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 2,
-                                                          "inner": "aot_eager"})
-    _loss(f(x)).backward()
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
+    rep = check(model, x, clip=float(vmap_norms(model, (x,)).median()), shard_size=2)
+    assert any(r.rewrite == "adjoint" for r in rep.regions)
 
 
 def test_selective_ssm_truncated_mode_stays_unsharded_under_per_sample_clip():
@@ -505,16 +492,7 @@ def test_a_parameter_used_inside_and_outside_a_sharded_region_is_summed_before_t
     torch.manual_seed(5)
     model = _TiedScan()
     x = torch.randn(B, 5, 3)
-    want_norms = vmap_norms(model, (x,))
-    clip = float(want_norms.min()) * 0.9
-    want_grads, _ = loop_clipped(model, (x,), clip)
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 2,
-                                                          "inner": "aot_eager"})
-    _loss(f(x)).backward()
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=RTOL, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    rep = ac.report(f)
+    rep = check(model, x, clip=float(vmap_norms(model, (x,)).min()) * 0.9, shard_size=2)
     assert any(r.rewrite == "adjoint" for r in rep.regions), [(r.rewrite, r.reason) for r in rep.regions]
     region = [u for u in _uses(rep) if u["kind"] == "sharded region"]
     assert region and region[0]["tied"], _uses(rep)
