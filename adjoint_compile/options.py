@@ -196,7 +196,7 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
             raise _bad("per_sample_clip", clip, "expected a number C > 0 (the per-example gradient norm bound), or "
                        "float('inf') for the norms only")
         kw["per_sample_clip"] = float(clip)
-        if kw["sequence_parallel"] not in (None, False):
+        if kw["sequence_parallel"] is not None:
             # NB: each rank would clip its slice's partial per-example gradients: not the clipped sum of the whole
             raise _bad("per_sample_clip", clip, "it cannot be combined with sequence_parallel yet (a rank holds only "
                        "part of each example's gradient)")

@@ -22,8 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.fx import example_value as _ev
-from ..analysis.fx import is_convex, is_linear_scan
-from ..analysis.fx import fresh_name
+from ..analysis.fx import fresh_name, is_convex, is_linear_scan
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
 from ..analysis.time_local import TimeLocalInfo, analyze
@@ -100,8 +99,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         raise UnsupportedRegion("the region has no linear_scan")
     ps_kinds: tuple[dict, int] | None = None
     if opts.per_sample_clip is not None:
-        nodes, *rest = pull_in_parameter_math(gm, nodes, info, opts)
-        ps_kinds = (rest[0], rest[1])
+        nodes, kind_of, batch = pull_in_parameter_math(gm, nodes, info, opts)
+        ps_kinds = (kind_of, batch)
     if not is_convex(nodes):
         raise UnsupportedRegion("the region is not convex (a path leaves it and comes back)")
     sub, inputs, outputs = outline(gm, nodes)
