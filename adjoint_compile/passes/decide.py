@@ -170,7 +170,8 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
             # NB: the lowering's grouping replaces recognition's neighbourhood groups for what was lowered
             r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
-                              "expected_memory_bytes": dict(out.memory), **out.details})
+                              "members": sorted(out.members), "expected_memory_bytes": dict(out.memory),
+                              **out.details})
             if out.window is not None:
                 r.details["window"] = out.window
             continue
