@@ -1,4 +1,4 @@
-"""``adjoint-compile``: the command line.
+"""The ``adjoint-compile`` command line (``adjoint-compile --help``; docs/cli.md).
 
     adjoint-compile explain path/to/file.py:factory --input "randn(2,1024,64)" [--input ...] [--options JSON] [--json]
     adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" [--out DIR (default out/dump)]
@@ -244,23 +244,55 @@ def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+DESCRIPTION = """\
+adjoint-compile: see what the torch.compile backend "adjoint" does with your model, and run its demo.
+
+  explain  print what the backend recognizes in a model (recurrences, scans, residual chains), how it rewrites each
+           one, and why not elsewhere
+  dump     the same, plus each captured FX graph as text and a picture with the regions coloured
+  demo     train a small selective SSM on a long-context copying task with backend="adjoint", then measure one
+           training step four ways (eager, torch.compile, checkpointing, adjoint)
+
+The model is path/to/file.py:factory, where factory is a function (or nn.Module class) in that file returning an
+nn.Module or a function, or a module-level nn.Module. --input builds an example input from a small safe expression:
+randn(2,1024,64), rand(...), ones(...), zeros(...), randint(low, high, (shape)), with an optional
+dtype=float32|float16|bfloat16|float64|int64|int32|bool (repeat --input for several inputs)."""
+
+EPILOG = """\
+examples:
+  adjoint-compile explain examples/selective_ssm.py:make --input "randn(2,2048,16)"
+  adjoint-compile explain examples/gru_scan.py:make --input "randn(2,64,8)" --options '{"mode": "highway", "iterations": 2}'
+  adjoint-compile dump examples/mamba_conv.py:make --input "randn(2,512,16)" --out out/dump
+  adjoint-compile demo --seq-len 1024 --steps 50
+
+Options are the backend's options as JSON (mode, window, iterations, shard_size, inner, ...): see docs/options.md."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adjoint-compile", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="adjoint-compile", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{explain,dump,demo}")
     for name, help_ in (("explain", "print what the backend recognizes and how it would rewrite it"),
-                        ("dump", "write the FX graphs as text and a picture with the regions highlighted")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("model", help="path/to/file.py:factory")
+                        ("dump", "write the report and each FX graph as text and a picture (SVG with graphviz, "
+                                 "else DOT text) with the regions coloured")):
+        s = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        s.add_argument("model", help="path/to/file.py:factory (a function or nn.Module class returning the model, "
+                                     "or a module-level nn.Module)")
         s.add_argument("--input", action="append", default=[], metavar="EXPR",
-                       help='an example input, e.g. "randn(2,1024,64)" (repeat for several)')
-        s.add_argument("--options", default=None, metavar="JSON", help='backend options, e.g. \'{"mode": "exact"}\'')
-        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (0)")
+                       help='an example input, e.g. "randn(2,1024,64)" or "randint(0, 32, (2, 512))" (repeat for '
+                            'several, in the order the model takes them)')
+        s.add_argument("--options", default=None, metavar="JSON",
+                       help='backend options as JSON, e.g. \'{"mode": "truncated", "window": 256}\' (default: exact '
+                            'mode, shard size chosen automatically)')
+        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
         if name == "explain":
-            s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
+            s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON instead of the table")
         else:
             s.add_argument("--out", default=DEFAULT_DUMP, metavar="DIR",
-                           help=f"output directory (default {DEFAULT_DUMP}: out/ is ignored by git)")
-    sub.add_parser("demo", help="run the demo (adjoint_compile.demo)", add_help=False)
+                           help=f"output directory (default {DEFAULT_DUMP}; out/ is ignored by git in a checkout)")
+    # NB: its arguments are the demo's own parser's (adjoint_compile/demo.py): `adjoint-compile demo --help`
+    sub.add_parser("demo", help="train the demo model and compare one step four ways (demo --help for its flags)",
+                   add_help=False)
     return p
 
 

@@ -78,27 +78,33 @@ class CopyModel(nn.Module):
 def add_task_args(p: argparse.ArgumentParser) -> None:
     """The model's and the selective-copying task's arguments, shared by the demo, the fidelity benchmark and the
     sequence-parallel example."""
-    p.add_argument("--d-model", type=int, default=16)
-    p.add_argument("--d-state", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--n-data", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=16, help="model width (default 16)")
+    p.add_argument("--d-state", type=int, default=4, help="SSM state size per channel (default 4)")
+    p.add_argument("--layers", type=int, default=2, help="number of SSM layers (default 2)")
+    p.add_argument("--n-data", type=int, default=4, help="data tokens to copy per sequence (default 4)")
+    p.add_argument("--vocab", type=int, default=8, help="vocabulary size, 2 of them blank and marker (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="adjoint-compile demo", description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """``adjoint-compile demo``'s arguments."""
+    p = argparse.ArgumentParser(prog="adjoint-compile demo", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length T (default 4096)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--steps", type=int, default=150, help="training steps before the measurement (default 150)")
     add_task_args(p)
-    p.add_argument("--shard-size", type=int, default=None)
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="steps per shard of the sharded backward (default: chosen from the sizes)")
     p.add_argument("--out", default=str(DEFAULT_OUT),
                    help="where demo.json and demo.png go (default: out/ of the checkout, ignored by git; "
                         "`make demo-figures` writes the checked-in benchmarks/results/)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default 0)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def train(model: nn.Module, args: argparse.Namespace, options: dict[str, Any]) -> list[float]:

@@ -1,6 +1,7 @@
 """The ``adjoint-compile`` command line: safe --input parsing, explain, dump, demo dispatch."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -147,3 +148,23 @@ def test_demo_dispatches_to_the_demo_module(monkeypatch):
     monkeypatch.setattr(adjoint_compile, "demo", fake, raising=False)
     assert cli.main(["demo", "--quick"]) == 0
     assert seen["argv"] == ["--quick"]
+
+
+def test_help_says_what_each_command_does_and_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    for words in ("explain  print what the backend recognizes", "dump     the same", "demo     train",
+                  "path/to/file.py:factory", "examples:"):
+        assert words in out
+    from adjoint_compile import demo
+
+    parsers = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices
+    for p in (parsers["explain"], parsers["dump"], demo.parser()):
+        undocumented = [a.dest for a in p._actions if not a.help]
+        assert undocumented == [], undocumented
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--seq-len SEQ_LEN     sequence length T" in out and "--shard-size" in out
