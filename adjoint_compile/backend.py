@@ -40,7 +40,8 @@ from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
-from .regions import Lowered, NotLowered, Region, Rejection
+from .analysis.fx import source_line
+from .regions import Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .runtime.verify import copy_graph_module, graph_fidelity
 
@@ -216,6 +217,8 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
         decide.settle(regions, plans, [None] * len(regions))
     captured.example_inputs = []
     _log_decisions(result, opts)
+    if compile and not captured.symbolic:
+        _warn_unsaved(result, opts)
     return result
 
 
@@ -250,6 +253,8 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
     captured.example_inputs = []
     _log_decisions(result, opts)
+    if compile and not symbolic:  # NB: a symbolic graph's specializations each run (and warn) here themselves
+        _warn_unsaved(result, opts)
     return result
 
 
@@ -296,6 +301,59 @@ def _log_decisions(result: CompiledGraph, opts: Options) -> None:
         log.info("  region %s %s/%s length=%s rewrite=%s %s", r.name, r.kind, r.source, r.length, r.rewrite, r.reason)
     for j in result.rejections:
         log.debug("  rejected %s at %s: %s", j.candidate, j.node, j.reason)
+
+
+#: what to do when recognition found nothing, or could not prove a candidate
+REMEDY_UNRECOGNIZED = ("write the recurrence with adjoint_compile.ops.linear_scan, torch's scan or associative_scan, "
+                       "or register your library's scan (adjoint_compile.register_scan); "
+                       "adjoint_compile.explain(model, *inputs) shows what was looked at and why")
+
+
+def _declined(r: Region, opts: Options) -> bool:
+    """A region left to ordinary autograd that no other rewrite covers, so the user gets nothing from it."""
+    if r.rewrite != "none" or r.details.get("covered"):
+        return False
+    # NB: under sequence_parallel an unsharded scan still runs distributed: each rank holds its slice only
+    return not (opts.sequence_parallel is not None and r.reason.startswith("sequence_parallel"))
+
+
+def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
+    """The warning for one compiled graph when something in it saves nothing: recognized regions left to
+    ordinary autograd (with their reasons, which name the remedy), rejected candidates grouped by reason, or
+    nothing recognized at all. None when every region is rewritten (or covered by a rewrite)."""
+    gm = result.captured.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def at(name: str) -> str:
+        line = source_line(nodes[name]) if name in nodes else None
+        return f" [{line}]" if line else ""
+
+    declined = [r for r in result.regions if _declined(r, opts)]
+    lines = [f"{r.kind} {r.name} ({r.source}, length {r.length}) not rewritten{at(r.name)}: {r.reason}"
+             for r in declined]
+    groups = group_rejections(result.rejections, nodes)
+    lines += [f"rejected {line}{at(where[0])}" for line, (_, _, where) in zip(rejection_lines(groups), groups)]
+    if not result.regions and not (result.per_sample is not None and result.per_sample.uses):
+        head = (f"adjoint-compile: nothing recognized in a graph of {len(nodes)} nodes (mode={opts.mode}): no linear "
+                f"recurrence, scan or residual chain, so it compiles with the inner compiler ({opts.inner}) as is "
+                f"and saves no memory; {REMEDY_UNRECOGNIZED}")
+        return "\n  ".join([head, *lines])
+    if not lines:
+        return None
+    tail = (f"; for rejected candidates: {REMEDY_UNRECOGNIZED}" if groups else
+            "; adjoint_compile.explain(model, *inputs) shows every decision")
+    head = (f"adjoint-compile: {len(declined)} recognized region(s) kept ordinary autograd and {len(result.rejections)} "
+            f"candidate(s) were rejected in a graph of {len(nodes)} nodes (mode={opts.mode}); each reason names its "
+            f"remedy{tail}")
+    return "\n  ".join([head, *lines])
+
+
+def _warn_unsaved(result: CompiledGraph, opts: Options) -> None:
+    """One WARNING per compiled graph (this logger: ``logging`` or ``TORCH_LOGS`` control it) when part of it saves
+    nothing; never repeated per call."""
+    msg = unsaved_message(result, opts)
+    if msg is not None:
+        log.warning("%s", msg)
 
 
 def _register() -> None:

@@ -1,4 +1,4 @@
-"""``adjoint-compile``: the command line.
+"""The ``adjoint-compile`` command line (``adjoint-compile --help``; docs/cli.md).
 
     adjoint-compile explain path/to/file.py:factory --input "randn(2,1024,64)" [--input ...] [--options JSON] [--json]
     adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" [--out DIR (default out/dump)]
@@ -144,23 +144,33 @@ def _report(args: argparse.Namespace) -> Report:
 
 
 def _highlight(report: Any) -> list[dict[str, tuple[str, str]]]:
-    """Per graph: node name -> (fill colour, label) for the nodes of each region."""
+    """Per graph: node name -> (fill colour, label) of the region drawn on the node.
+
+    A node can sit in several regions (a scan inside a residual chain): rewritten regions are drawn on top of the
+    ones left to ordinary autograd (grey), so what the backend rewrote is what the picture shows."""
     palette = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d", "#bde0fe"]
     out: list[dict[str, tuple[str, str]]] = [{} for _ in report.graphs]
-    for i, r in enumerate(report.regions):
+    # NB: painted in this order, later over earlier: neighbourhoods, then regions not rewritten, then rewritten ones
+    order = sorted(range(len(report.regions)), key=lambda i: report.regions[i].rewrite != "none")
+    for i in range(len(report.regions)):
         gi = report.graph_index[i] if i < len(report.graph_index) else 0
-        colour = palette[i % len(palette)]
-        tag = f"#{i} {r.kind} ({r.source})"
-        for n in getattr(r, "neighbourhood", []) or []:
+        for n in getattr(report.regions[i], "neighbourhood", []) or []:
             out[gi].setdefault(n.name, ("#eeeeee", f"#{i} time-local"))
-        for n in r.nodes:
-            out[gi][n.name] = (colour, tag)
+    for i in order:
+        r = report.regions[i]
+        gi = report.graph_index[i] if i < len(report.graph_index) else 0
+        colour = palette[i % len(palette)] if r.rewrite != "none" else "#d9d9d9"
+        tag = f"#{i} {r.kind} ({r.source})\nrewrite {r.rewrite}"
+        # NB: a sharded region takes in the time-local ops around its scans (details["members"]), not only r.nodes
+        for name in [n.name for n in r.nodes] + list(r.details.get("members", ())):
+            out[gi][name] = (colour, tag)
     return out
 
 
 def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str]], title: str) -> str:
     def q(s: str) -> str:
-        return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # NB: backslashes escaped first, then newlines written as DOT's own line break (\n in the file)
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
     lines = [f"digraph {q(title)} {{", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fillcolor=white,'
              ' fontname="Helvetica", fontsize=10];', f"  label={q(title)};"]
@@ -168,12 +178,33 @@ def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str]], title: str
         what = n.op if n.op in ("placeholder", "output", "get_attr") else (
             str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)))
         colour, tag = marks.get(n.name, ("white", ""))
-        label = f"{n.name}\\n{what}" + (f"\\n{tag}" if tag else "")
+        label = f"{n.name}\n{what}" + (f"\n{tag}" if tag else "")
         lines.append(f"  {q(n.name)} [label={q(label)}, fillcolor={q(colour)}];")
         for a in n.all_input_nodes:
             lines.append(f"  {q(a.name)} -> {q(n.name)};")
     lines.append("}")
     return "\n".join(lines)
+
+
+def _render_svg(dot: str) -> tuple[bytes | None, str]:
+    """The SVG of ``dot`` (graphviz's Python package if installed, else its ``dot`` program), or None and why."""
+    try:
+        import graphviz  # the optional extra: pip install "adjoint-compile[graphviz]"
+    except ImportError:
+        graphviz = None
+    if graphviz is not None:
+        try:
+            return graphviz.Source(dot).pipe(format="svg"), ""
+        except Exception as e:  # noqa: BLE001 - graphviz.ExecutableNotFound and rendering errors alike
+            return None, f"graphviz could not render ({type(e).__name__}: {e})"
+    exe = shutil.which("dot")
+    if exe is None:
+        return None, "graphviz is not installed"
+    try:
+        return subprocess.run([exe, "-Tsvg"], input=dot.encode(), check=True, timeout=120,
+                              capture_output=True).stdout, ""
+    except (subprocess.SubprocessError, OSError) as e:
+        return None, f"dot failed ({e})"
 
 
 def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
@@ -185,51 +216,83 @@ def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
     (out / "report.txt").write_text(str(report) + "\n")
     (out / "report.json").write_text(report.to_json(indent=1, default=str) + "\n")
     written += [out / "report.txt", out / "report.json"]
-    dot_exe = shutil.which("dot")
     marks = _highlight(report)
+    missing = ""
     for i, gm in enumerate(report.graphs):
-        table = [f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', ''))[1]}" for n in gm.graph.nodes]
+        table = [f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', ''))[1]}".replace("\n", ", ")
+                 for n in gm.graph.nodes]
         txt = out / f"graph_{i}.txt"
         txt.write_text(gm.code + "\n# nodes (name, op, region)\n" + "\n".join(table) + "\n")
         written.append(txt)
         dot = _dot(gm, marks[i], f"graph {i}")
-        if dot_exe:
-            svg = out / f"graph_{i}.svg"
-            try:
-                subprocess.run([dot_exe, "-Tsvg", "-o", str(svg)], input=dot.encode(), check=True, timeout=120)
-                written.append(svg)
-                continue
-            except (subprocess.SubprocessError, OSError) as e:
-                log.warning("dot failed (%s); writing the DOT text instead", e)
+        svg, missing = _render_svg(dot)
+        if svg is not None:
+            (out / f"graph_{i}.svg").write_bytes(svg)
+            written.append(out / f"graph_{i}.svg")
+            continue
         path = out / f"graph_{i}.dot"
         path.write_text(dot + "\n")
         written.append(path)
-    if not dot_exe:
-        print("note: graphviz's `dot` program is not installed: wrote the graph pictures as DOT text (graph_<i>.dot);"
-              " render them with `dot -Tsvg graph_0.dot -o graph_0.svg`", file=sys.stderr)
+    if missing:
+        print(f"note: {missing}: wrote the graph pictures as DOT text (graph_<i>.dot). For SVG pictures install "
+              f"graphviz: pip install \"adjoint-compile[graphviz]\" and the dot program (apt-get install graphviz, "
+              f"brew install graphviz, conda install graphviz); or render one with `dot -Tsvg graph_0.dot -o "
+              f"graph_0.svg`", file=sys.stderr)
     return written
 
 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+DESCRIPTION = """\
+adjoint-compile: see what the torch.compile backend "adjoint" does with your model, and run its demo.
+
+  explain  print what the backend recognizes in a model (recurrences, scans, residual chains), how it rewrites each
+           one, and why not elsewhere
+  dump     the same, plus each captured FX graph as text and a picture with the regions coloured
+  demo     train a small selective SSM on a long-context copying task with backend="adjoint", then measure one
+           training step four ways (eager, torch.compile, checkpointing, adjoint)
+
+The model is path/to/file.py:factory, where factory is a function (or nn.Module class) in that file returning an
+nn.Module or a function, or a module-level nn.Module. --input builds an example input from a small safe expression:
+randn(2,1024,64), rand(...), ones(...), zeros(...), randint(low, high, (shape)), with an optional
+dtype=float32|float16|bfloat16|float64|int64|int32|bool (repeat --input for several inputs)."""
+
+EPILOG = """\
+examples:
+  adjoint-compile explain examples/selective_ssm.py:make --input "randn(2,2048,16)"
+  adjoint-compile explain examples/gru_scan.py:make --input "randn(2,64,8)" --options '{"mode": "highway", "iterations": 2}'
+  adjoint-compile dump examples/mamba_conv.py:make --input "randn(2,512,16)" --out out/dump
+  adjoint-compile demo --seq-len 1024 --steps 50
+
+Options are the backend's options as JSON (mode, window, iterations, shard_size, inner, ...): see docs/options.md."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adjoint-compile", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="adjoint-compile", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{explain,dump,demo}")
     for name, help_ in (("explain", "print what the backend recognizes and how it would rewrite it"),
-                        ("dump", "write the FX graphs as text and a picture with the regions highlighted")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("model", help="path/to/file.py:factory")
+                        ("dump", "write the report and each FX graph as text and a picture (SVG with graphviz, "
+                                 "else DOT text) with the regions coloured")):
+        s = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        s.add_argument("model", help="path/to/file.py:factory (a function or nn.Module class returning the model, "
+                                     "or a module-level nn.Module)")
         s.add_argument("--input", action="append", default=[], metavar="EXPR",
-                       help='an example input, e.g. "randn(2,1024,64)" (repeat for several)')
-        s.add_argument("--options", default=None, metavar="JSON", help='backend options, e.g. \'{"mode": "exact"}\'')
-        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (0)")
+                       help='an example input, e.g. "randn(2,1024,64)" or "randint(0, 32, (2, 512))" (repeat for '
+                            'several, in the order the model takes them)')
+        s.add_argument("--options", default=None, metavar="JSON",
+                       help='backend options as JSON, e.g. \'{"mode": "truncated", "window": 256}\' (default: exact '
+                            'mode, shard size chosen automatically)')
+        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
         if name == "explain":
-            s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
+            s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON instead of the table")
         else:
             s.add_argument("--out", default=DEFAULT_DUMP, metavar="DIR",
-                           help=f"output directory (default {DEFAULT_DUMP}: out/ is ignored by git)")
-    sub.add_parser("demo", help="run the demo (adjoint_compile.demo)", add_help=False)
+                           help=f"output directory (default {DEFAULT_DUMP}; out/ is ignored by git in a checkout)")
+    # NB: its arguments are the demo's own parser's (adjoint_compile/demo.py): `adjoint-compile demo --help`
+    sub.add_parser("demo", help="train the demo model and compare one step four ways (demo --help for its flags)",
+                   add_help=False)
     return p
 
 

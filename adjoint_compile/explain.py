@@ -15,7 +15,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from . import polyfills
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
-from .regions import Region, Rejection
+from .regions import Region, Rejection, group_rejections, rejection_lines
 from .runtime.verify import compare_grads, copy_graph_module, grads_of
 
 log = logging.getLogger(__name__)
@@ -106,17 +105,9 @@ class Report:
         return self.text()
 
     def grouped_rejections(self) -> list[tuple[str, str, list[str]]]:
-        """Rejections of residual chains grouped by reason (node names masked as ``<node>``): (candidate, reason,
-        nodes), most frequent first. Other candidates' rejections are one group each."""
-        names = {n.name for g in self.graphs for n in g.graph.nodes}
-        mask = lambda why: re.sub(r"[A-Za-z_][\w]*", lambda m: "<node>" if m.group(0) in names else m.group(0),  # noqa: E731
-                                  why)
-        groups: dict[tuple[str, str], list[str]] = {}
-        for j in self.rejections:
-            key = (j.candidate, mask(j.reason)) if j.candidate == "residual_chain" else (j.candidate, j.reason, j.node)
-            groups.setdefault(key, []).append(j.node)
-        out = [(k[0], k[1], v) for k, v in groups.items()]
-        return sorted(out, key=lambda g: (g[0] == "residual_chain", -len(g[2]) if g[0] == "residual_chain" else 0))
+        """Rejections grouped by candidate and reason (node names masked as ``<node>``): (candidate, reason,
+        nodes), largest group first (regions.group_rejections)."""
+        return group_rejections(self.rejections, (n.name for g in self.graphs for n in g.graph.nodes))
 
     def text(self, verbose: bool = False) -> str:
         """The table; rejected residual-chain candidates grouped by reason (one line per reason with a count and a
@@ -148,17 +139,11 @@ class Report:
             lines += [f"  {j.candidate} at {j.node}: {j.reason}" for j in self.rejections]
         elif self.rejections:
             lines.append("rejected candidates:")
-            for cand, why, where in self.grouped_rejections():
-                if cand != "residual_chain":
-                    lines.append(f"  {cand} at {where[0]}: {why}")
-                elif len(where) == 1:
-                    lines.append(f"  {cand} at {where[0]}: {why}")
-                else:
-                    more = f", ... ({len(where) - 3} more)" if len(where) > 3 else ""
-                    lines.append(f"  {cand} x{len(where)} (at {', '.join(where[:3])}{more}): {why}")
-            if any(cand == "residual_chain" and len(w) > 1 for cand, _, w in self.grouped_rejections()):
-                lines.append("  (residual_chain rejections grouped by reason; report.text(verbose=True) or "
-                             "report.rejections lists each)")
+            groups = self.grouped_rejections()
+            lines += [f"  {line}" for line in rejection_lines(groups)]
+            if any(len(w) > 1 for _, _, w in groups):
+                lines.append("  (rejections grouped by reason; report.text(verbose=True) or report.rejections "
+                             "lists each)")
         if self.graph_breaks:
             lines.append("graph breaks:")
             lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .errors import OptionsError
@@ -34,8 +32,6 @@ class Options:
     iterations: int | None = None
     #: steps per VJP shard (>= 1); None lets the backend choose from the sizes.
     shard_size: int | None = None
-    #: devices that shards / layers are spread over (one process); None: the inputs' device.
-    devices: tuple[torch.device, ...] | None = None
     #: a torch.distributed process group, True for WORLD, or None (off): each rank runs its own contiguous slice of
     #: the sequence (runtime/seqpar.py).
     sequence_parallel: Any = None
@@ -56,7 +52,6 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["devices"] = None if self.devices is None else [str(x) for x in self.devices]
         sp = self.sequence_parallel
         d["sequence_parallel"] = sp if sp is None or isinstance(sp, bool) else repr(sp)
         return d
@@ -80,35 +75,11 @@ def _check_positive_int(key: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_devices(value: Any) -> tuple[torch.device, ...]:
-    if isinstance(value, (str, torch.device)) or not isinstance(value, Sequence) or len(value) == 0:
-        raise _bad("devices", value, "expected a non-empty list of devices, e.g. ['cuda:0', 'cuda:1']")
-    out = []
-    for d in value:
-        try:
-            dev = torch.device(d)
-        except (RuntimeError, TypeError) as e:
-            raise _bad("devices", value, f"{d!r} is not a device ({e})") from None
-        if (why := _unavailable(dev)) is not None:
-            raise _bad("devices", value, why)
-        out.append(dev)
-    # NB: accepted so that configurations can be written now, but nothing reads it yet: say so, once per place
-    warnings.warn("adjoint-compile option 'devices' is not used yet: every region runs on its inputs' device",
-                  UserWarning, stacklevel=3)
-    return tuple(out)
-
-
-def _unavailable(dev: torch.device) -> str | None:
-    """Why ``dev`` cannot be used on this machine, or None."""
-    if dev.type in ("cpu", "meta"):
-        return None
-    backend = getattr(torch, dev.type, None)
-    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
-        return f"{dev} is not available on this machine (no {dev.type} device)"
-    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else None
-    if dev.index is not None and count is not None and dev.index >= count:
-        return f"{dev} is not available on this machine ({count} {dev.type} device(s))"
-    return None
+#: keys that were options once and are gone: what to use instead
+REMOVED_KEYS = {
+    "devices": "cross-device training is option 'sequence_parallel' (a torch.distributed process group, one device per "
+               "rank, launched with torchrun); regions run on their inputs' device",
+}
 
 
 def _check_sequence_parallel(value: Any) -> Any:
@@ -135,6 +106,8 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if not isinstance(options, Mapping):
         raise OptionsError(f"adjoint-compile options must be a dict, got {type(options).__name__}: {options!r}")
     for key in options:
+        if key in REMOVED_KEYS:
+            raise OptionsError(f"adjoint-compile option {key!r}={options[key]!r} no longer exists: {REMOVED_KEYS[key]}")
         if key not in ALLOWED_KEYS:
             close = difflib.get_close_matches(str(key), ALLOWED_KEYS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -162,8 +135,6 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
 
     if options.get("shard_size") is not None:
         kw["shard_size"] = _check_positive_int("shard_size", options["shard_size"], 1)
-    if options.get("devices") is not None:
-        kw["devices"] = _check_devices(options["devices"])
     kw["sequence_parallel"] = _check_sequence_parallel(options.get("sequence_parallel"))
 
     reduce_grads = options.get("reduce_grads", True)

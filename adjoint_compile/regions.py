@@ -11,6 +11,8 @@ outcomes the lowerings return. ``details`` is for reports only: no pass reads it
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch.fx as fx
@@ -231,6 +233,9 @@ class NotLowered:
     bounds: list[tuple[str, str]] | None = None
     #: the lowering's estimate (bytes), when the region was declined because the rewrite would not pay.
     memory: dict[str, int] | None = None
+    #: True when another rewrite differentiates the region's nodes (e.g. a scan inside a Highway-BP chain's blocks):
+    #: not rewritten on its own, but nothing is lost.
+    covered: bool = False
 
 
 @dataclasses.dataclass
@@ -246,3 +251,29 @@ class Rejection:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def group_rejections(rejections: Sequence[Rejection], node_names: Iterable[str]) -> list[tuple[str, str, list[str]]]:
+    """Rejections grouped by candidate and reason, with the graph's node names in the reason masked as ``<node>``
+    (so that one cause met at many layers is one group): (candidate, reason, anchor nodes), largest group first; a
+    group of one keeps its reason as written."""
+    names = set(node_names)
+    groups: dict[tuple[str, str], list[Rejection]] = {}
+    for j in rejections:
+        why = re.sub(r"[A-Za-z_]\w*", lambda m: "<node>" if m.group(0) in names else m.group(0), j.reason)
+        groups.setdefault((j.candidate, why), []).append(j)
+    out = [(c, why if len(js) > 1 else js[0].reason, [j.node for j in js]) for (c, why), js in groups.items()]
+    return sorted(out, key=lambda g: -len(g[2]))
+
+
+def rejection_lines(groups: Sequence[tuple[str, str, list[str]]], where: int = 3) -> list[str]:
+    """One line per group of :func:`group_rejections`: the candidate, how many and at which nodes (the first
+    ``where``), and the reason."""
+    out = []
+    for cand, why, nodes in groups:
+        if len(nodes) == 1:
+            out.append(f"{cand} at {nodes[0]}: {why}")
+        else:
+            more = f", ... ({len(nodes) - where} more)" if len(nodes) > where else ""
+            out.append(f"{cand} x{len(nodes)} (at {', '.join(nodes[:where])}{more}): {why}")
+    return out

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from adjoint_compile.demo import CopyModel, add_task_args, load_example, selective_copy_batch  # noqa: E402
+from adjoint_compile.demo import CopyModel, add_task_args, selective_copy_batch  # noqa: E402
+from adjoint_compile.models.selective_ssm import SSMStack  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -131,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     T = args.seq_len
     windows = sorted({w for w in map(int, args.windows.split(",")) if w < T}) + [T]
     torch.manual_seed(args.seed)
-    ssm = load_example("selective_ssm")
-    init = CopyModel(ssm.SSMStack(args.d_model, args.d_state, args.layers), args.vocab, args.d_model,
+    init = CopyModel(SSMStack(args.d_model, args.d_state, args.layers), args.vocab, args.d_model,
                      args.n_data).to(args.device)
     batch = [x.to(args.device) for x in selective_copy_batch(args.batch, T, args.n_data, args.vocab,
                                                              torch.Generator().manual_seed(7))]
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{tr['heldout_copy_accuracy']:.3f}, {tr['train_seconds']:.0f} s", flush=True)
     dev = (torch.cuda.get_device_name() if args.device.startswith("cuda")
            else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
-    res = {"args": vars(args), "device": dev, "torch": torch.__version__, "runs": runs}
+    res = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "device": dev, "torch": torch.__version__, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(res, indent=1))

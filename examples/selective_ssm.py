@@ -1,81 +1,19 @@
 """A selective SSM stack (Mamba-like, without the causal conv): the main example for the exact-adjoint backward.
 
-One layer (:class:`SelectiveSSM`), on x [B, T, d_model]:
-
-    x, z  = in_proj(x)                          # [B, T, D] each (D = d_model)
-    Δ     = softplus(dt_proj(x))                # [B, T, D]     selective step size
-    B, C  = B_proj(x), C_proj(x)                # [B, T, N]     selective input / readout (N = d_state)
-    a     = exp(Δ ⊙ A)                          # [B, T, D, N]  A = -exp(A_log) < 0, so 0 < a < 1
-    b     = Δ ⊙ B ⊙ x                           # [B, T, D, N]
-    h_t   = a_t ⊙ h_{t-1} + b_t                 # ac.ops.linear_scan over T on [B, T, D*N]
-    y     = (h ⊙ C).sum(-1) + D_skip ⊙ x        # [B, T, D]
-    out   = out_proj(y ⊙ silu(z))
-
-:class:`SSMStack` is K such layers with pre-norm residuals, Y_k = Y_{k-1} + SSM_k(RMSNorm(Y_{k-1})), and a final
-norm. Every op but the scan acts on each step on its own, so the whole stack is one time-local region, and
-``torch.compile(fullgraph=True)`` captures it as one graph.
+The model ships inside the package (the demo trains it, also from an installed wheel): its code and the equations of
+one layer are in ``adjoint_compile/models/selective_ssm.py``. This file is the example's entry point:
 
     python examples/selective_ssm.py             # prints adjoint_compile.explain(...)
+    adjoint-compile explain examples/selective_ssm.py:make --input "randn(2,2048,16)"
 """
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import adjoint_compile as ac
+from adjoint_compile.models.selective_ssm import SelectiveSSM, SSMStack, example_inputs, make
 
-
-class SelectiveSSM(nn.Module):
-    """One selective SSM layer: [B, T, d_model] -> [B, T, d_model]."""
-
-    def __init__(self, d_model: int, d_state: int) -> None:
-        super().__init__()
-        self.d_state = d_state
-        self.in_proj = nn.Linear(d_model, 2 * d_model)
-        self.dt_proj = nn.Linear(d_model, d_model)
-        self.B_proj = nn.Linear(d_model, d_state, bias=False)
-        self.C_proj = nn.Linear(d_model, d_state, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_model, 1))
-        self.D_skip = nn.Parameter(torch.ones(d_model))
-        self.out_proj = nn.Linear(d_model, d_model)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        Bsz, T, D = u.shape
-        N = self.d_state
-        x, z = self.in_proj(u).chunk(2, dim=-1)
-        dt = F.softplus(self.dt_proj(x))                                   # [B, T, D]
-        Bm, Cm = self.B_proj(x), self.C_proj(x)                            # [B, T, N]
-        A = -torch.exp(self.A_log)                                         # [D, N]
-        a = torch.exp(dt.unsqueeze(-1) * A)                                # [B, T, D, N]
-        b = (dt * x).unsqueeze(-1) * Bm.unsqueeze(2)                       # [B, T, D, N]
-        h = ac.ops.linear_scan(a.reshape(Bsz, T, D * N), b.reshape(Bsz, T, D * N))  # h_t = a_t h_{t-1} + b_t
-        y = (h.view(Bsz, T, D, N) * Cm.unsqueeze(2)).sum(-1) + self.D_skip * x
-        return self.out_proj(y * F.silu(z))
-
-
-class SSMStack(nn.Module):
-    """K selective SSM layers with pre-norm residuals: [B, T, d_model] -> [B, T, d_model]."""
-
-    def __init__(self, d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
-        self.layers = nn.ModuleList(SelectiveSSM(d_model, d_state) for _ in range(n_layers))
-        self.norm_f = nn.RMSNorm(d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for norm, layer in zip(self.norms, self.layers):
-            x = x + layer(norm(x))
-        return self.norm_f(x)
-
-
-def make(d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> SSMStack:
-    return SSMStack(d_model, d_state, n_layers)
-
-
-def example_inputs() -> tuple[torch.Tensor, ...]:
-    return (torch.randn(2, 2048, 16),)
-
+__all__ = ["SelectiveSSM", "SSMStack", "make", "example_inputs"]
 
 if __name__ == "__main__":
     torch.manual_seed(0)

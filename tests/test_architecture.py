@@ -33,7 +33,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                 "passes.lower_per_sample")),
     ("stitch", ("passes.partition",)),
     ("backend", ("backend",)),
-    ("user", ("", "explain", "cli", "demo", "measure")),
+    ("user", ("", "explain", "cli", "demo", "measure", "models", "models.*")),
 ]
 
 

@@ -1,6 +1,7 @@
 """The ``adjoint-compile`` command line: safe --input parsing, explain, dump, demo dispatch."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -67,19 +68,72 @@ def test_explain_json_and_bad_options(capsys):
     assert rc == 2 and "mode" in capsys.readouterr().err
 
 
-def test_dump_writes_graph_text_and_a_picture(tmp_path, capsys):
+def _no_graphviz(monkeypatch):
+    monkeypatch.setitem(sys.modules, "graphviz", None)  # NB: makes `import graphviz` raise ImportError
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+
+
+def test_dump_writes_graph_text_and_dot_text_without_graphviz(tmp_path, capsys, monkeypatch):
+    _no_graphviz(monkeypatch)
     rc = cli.main(["dump", f"{EXAMPLES / 'relu_resnet.py'}:make", "--input", "randn(4,16)", "--out", str(tmp_path)])
     assert rc == 0
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"report.txt", "report.json", "graph_0.txt"} <= names
+    assert {"report.txt", "report.json", "graph_0.txt", "graph_0.dot"} <= names
     text = (tmp_path / "graph_0.txt").read_text()
     assert "def forward" in text and "residual_chain" in text
-    if shutil.which("dot"):
-        assert "graph_0.svg" in names
-    else:
-        assert "graph_0.dot" in names and "dot" in capsys.readouterr().err
-        dot = (tmp_path / "graph_0.dot").read_text()
-        assert dot.startswith("digraph") and "fillcolor" in dot
+    err = capsys.readouterr().err
+    assert "graphviz is not installed" in err and 'pip install "adjoint-compile[graphviz]"' in err
+    dot = (tmp_path / "graph_0.dot").read_text()
+    assert dot.startswith("digraph") and "fillcolor" in dot
+
+
+def test_dump_labels_break_lines_and_draw_rewritten_regions_on_top(tmp_path, monkeypatch):
+    """selective_ssm: the residual chain over depth (left to ordinary autograd, its nodes inside the sharded region)
+    holds every node of the two rewritten recurrences; the picture must show the recurrences."""
+    _no_graphviz(monkeypatch)
+    rc = cli.main(["dump", f"{EXAMPLES / 'selective_ssm.py'}:make", "--input", "randn(2,64,16)",
+                   "--options", '{"shard_size": 16}', "--out", str(tmp_path)])
+    assert rc == 0
+    dot = (tmp_path / "graph_0.dot").read_text()
+    labels = [ln for ln in dot.splitlines() if "[label=" in ln]
+    # NB: DOT's line break is backslash-n inside the quoted label; an escaped backslash before it is a literal "\n"
+    assert all("\\\\n" not in ln for ln in labels) and any("\\n" in ln for ln in labels)
+    scans = [ln for ln in labels if "linear_scan" in ln.split("[label=")[1].split("\\n")[1]]
+    assert len(scans) == 2
+    assert all("linear_recurrence (linear_scan)\\nrewrite adjoint" in ln for ln in scans), scans
+    # the time-local ops the sharded region took in are drawn as part of it, over the chain that also holds them
+    assert sum("rewrite adjoint" in ln for ln in labels) > 20
+    assert not [ln for ln in labels if "residual_chain" in ln and "rewrite adjoint" not in ln and "linear_scan" in ln]
+
+
+def test_dump_renders_svg_with_the_graphviz_package(tmp_path, monkeypatch):
+    import types
+
+    seen = []
+    fake = types.ModuleType("graphviz")
+
+    class Source:
+        def __init__(self, text):
+            seen.append(text)
+
+        def pipe(self, format):
+            assert format == "svg"
+            return b"<svg>" + seen[-1].encode() + b"</svg>"
+
+    fake.Source = Source
+    monkeypatch.setitem(sys.modules, "graphviz", fake)
+    rc = cli.main(["dump", f"{EXAMPLES / 'relu_resnet.py'}:make", "--input", "randn(4,16)", "--out", str(tmp_path)])
+    assert rc == 0 and len(seen) == 1 and seen[0].startswith("digraph")
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "graph_0.svg" in names and "graph_0.dot" not in names
+    assert (tmp_path / "graph_0.svg").read_bytes().startswith(b"<svg>digraph")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot program is not installed (optional)")
+def test_dump_renders_a_real_svg_with_the_dot_program(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "graphviz", None)
+    rc = cli.main(["dump", f"{EXAMPLES / 'relu_resnet.py'}:make", "--input", "randn(4,16)", "--out", str(tmp_path)])
+    assert rc == 0 and b"<svg" in (tmp_path / "graph_0.svg").read_bytes()
 
 
 def test_demo_dispatches_to_the_demo_module(monkeypatch):
@@ -94,3 +148,23 @@ def test_demo_dispatches_to_the_demo_module(monkeypatch):
     monkeypatch.setattr(adjoint_compile, "demo", fake, raising=False)
     assert cli.main(["demo", "--quick"]) == 0
     assert seen["argv"] == ["--quick"]
+
+
+def test_help_says_what_each_command_does_and_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    for words in ("explain  print what the backend recognizes", "dump     the same", "demo     train",
+                  "path/to/file.py:factory", "examples:"):
+        assert words in out
+    from adjoint_compile import demo
+
+    parsers = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices
+    for p in (parsers["explain"], parsers["dump"], demo.parser()):
+        undocumented = [a.dest for a in p._actions if not a.help]
+        assert undocumented == [], undocumented
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--seq-len SEQ_LEN     sequence length T" in out and "--shard-size" in out

@@ -205,3 +205,13 @@ def bfs_inputs(start: fx.Node, budget: int, expand: Callable[[fx.Node], bool]) -
 def fresh_name(gm: "torch.fx.GraphModule", prefix: str) -> str:
     """``prefix`` numbered by how many submodules of ``gm`` already carry it (``adjoint_region_0``, ``_1``, ...)."""
     return f"{prefix}_{sum(1 for k, _ in gm.named_children() if k.startswith(prefix + '_'))}"
+
+
+def source_line(node: fx.Node) -> str | None:
+    """``file:line`` of the user's code that made ``node`` (the last frame of its stack trace), or None."""
+    for ln in reversed((node.meta.get("stack_trace") or "").strip().splitlines()):
+        ln = ln.strip()
+        if ln.startswith('File "'):
+            path, _, rest = ln[len('File "'):].partition('", line ')
+            return f"{path}:{rest.split(',')[0]}"
+    return None

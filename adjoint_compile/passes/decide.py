@@ -170,13 +170,16 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
             # NB: the lowering's grouping replaces recognition's neighbourhood groups for what was lowered
             r.group = shared.index(out.call) if out.call in shared else None
             r.details.update({"region_call": out.call, "shard_size": out.shard_size, "region_nodes": out.nodes,
-                              "expected_memory_bytes": dict(out.memory), **out.details})
+                              "members": sorted(out.members), "expected_memory_bytes": dict(out.memory),
+                              **out.details})
             if out.window is not None:
                 r.details["window"] = out.window
             continue
         r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
         if isinstance(out, NotLowered) and out.memory:
             r.details["expected_memory_bytes"] = dict(out.memory)
+        if isinstance(out, NotLowered) and out.covered:
+            r.details["covered"] = True
         if r.kind == "residual_chain" and calls and r.nodes:
             _chain_inside(r, inside, calls, any(isinstance(o, Lowered) and o.rewrite == "truncated" for o in outcomes))
 
@@ -189,6 +192,7 @@ def _chain_inside(r: Region, inside: set[str], calls: list[str], truncated: bool
         exact = "adjoint (truncated along time only)" if truncated else "exact adjoint"
         r.reason = (f"all of its nodes run inside the sharded region ({where}), whose {exact} already carries "
                     f"∂L/∂Y_k-1 through every layer (exactly, in every mode)")
+        r.details["covered"] = True
     elif n:
         r.reason += f"; {n} of its {len(r.nodes)} nodes run inside sharded regions ({where})"
     r.details["nodes_in_sharded_regions"] = n

@@ -79,7 +79,8 @@ def _taken(gm: fx.GraphModule, r: Region, outcomes: list[Lowered | NotLowered | 
     chains = [o.call for o in outcomes if isinstance(o, Lowered) and o.rewrite == "highway"]
     where = f"the Highway-BP chain {', '.join(chains)}" if chains else "a Highway-BP region"
     outcomes[i] = NotLowered(f"runs inside the blocks of {where}: differentiated there by linear_scan's own exact "
-                             f"adjoint (a reverse scan over all steps, not sharded; J = 0, so exact in highway mode)")
+                             f"adjoint (a reverse scan over all steps, not sharded; J = 0, so exact in highway mode)",
+                             covered=True)
     return True
 
 
