@@ -1,7 +1,8 @@
 """adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences, gated recurrences and residual
 chains a different backward: adjoint-sharded (exact), truncated-adjoint or Highway-BP; sequences split over
-torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See README.md (what users get; its
-Architecture section maps the pipeline's stages to files) and docs/DESIGN.md (the design: contract, pipeline, math)."""
+torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See README.md (what users get),
+docs/architecture.md (the pipeline's stages and their files) and docs/DESIGN.md (the design: contract, pipeline,
+math)."""
 from __future__ import annotations
 
 from . import backend, ops

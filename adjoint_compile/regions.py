@@ -174,7 +174,7 @@ class ResidualLayer:
     #: the layer's input x and output f(x).
     x: fx.Node
     out: fx.Node
-    #: one of Highway-BP Table 1's forms: "add", "relu_add", "pre_ln", "post_ln", "gated", "lstm".
+    #: one of the Highway-BP decompositions (DESIGN.md §3): "add", "relu_add", "pre_ln", "post_ln", "gated", "lstm".
     form: str
     #: the nodes of the expensive block g_i (everything that is not the cheap residual function r_i).
     block: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)

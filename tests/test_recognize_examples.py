@@ -1,4 +1,4 @@
-"""The five example models in examples/: what explain() recognizes in each (the README shows these reports)."""
+"""The five example models in examples/: what explain() recognizes in each (docs/known-scans.md shows these reports)."""
 from __future__ import annotations
 
 import importlib.util

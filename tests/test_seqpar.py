@@ -269,7 +269,7 @@ def test_a_rank_that_raises_makes_the_others_fail_within_the_group_timeout(tmp_p
 
 
 def test_the_example_runs_under_torchrun(tmp_path):
-    """examples/sequence_parallel.py at a tiny size, launched as the README says (torchrun, two processes)."""
+    """examples/sequence_parallel.py at a tiny size, launched as docs/sequence-parallel.md says (torchrun, two processes)."""
     import subprocess
     import sys
 

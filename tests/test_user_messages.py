@@ -81,7 +81,7 @@ def test_an_options_error_says_only_our_message():
 
 
 def test_mode_and_options_together_is_torchs_own_error():
-    """The README says so: torch.compile refuses ``mode=`` with ``options=`` before any backend sees them."""
+    """docs/options.md says so: torch.compile refuses ``mode=`` with ``options=`` before any backend sees them."""
     with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
         torch.compile(ScanModel(), backend="adjoint", mode="max-autotune", options={"shard_size": 3})
 

@@ -1,4 +1,4 @@
-"""Residual chains along depth (DESIGN.md §3–4, Highway-BP Table 1): consecutive layers f_i(x) = r_i(x, g_i(x)).
+"""Residual chains along depth (DESIGN.md §3–4, the Highway-BP decompositions): consecutive layers f_i(x) = r_i(x, g_i(x)).
 
 A layer is found at a sum-like node ``s`` (add, sub, addcmul) that is affine in one of its atoms ``x`` with the
 rest depending on ``x``: ``s = C ⊙ x + O`` where ``O`` (or ``C``) is computed from ``x`` by the block g. Its form:
@@ -241,7 +241,7 @@ def _pre_norm(x: fx.Node, block: set[fx.Node]) -> bool:
 
 
 def _lstm_like(x: fx.Node, block: set[fx.Node], seeds: list[fx.Node], C: Any, O: Any) -> bool:
-    """LSTM form: the gates reach the cell x only through h = o ⊙ tanh(x) (Highway-BP Table 1's [a ⊙ c + b, h])."""
+    """LSTM form: the gates reach the cell x only through h = o ⊙ tanh(x) (Highway-BP's LSTM form [a ⊙ c + b, h])."""
     hs = []
     for t in x.users:
         if t in block and _name(t) == "tanh":

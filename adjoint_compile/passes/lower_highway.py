@@ -11,9 +11,9 @@ After::
     scan = self.highway_region_0(h0, xs, W, b)   # same results; its backward is Highway-BP with k iterations
     out = scan[1]
 
-The split f(h) = r(h, g(h)) of each carry is read from the step sub-graph (Highway-BP Table 1): a gated carry
+The split f(h) = r(h, g(h)) of each carry is read from the step sub-graph (the Highway-BP decompositions, DESIGN.md §3): a gated carry
 h' = z1 ⊙ h + z2 (z depending on the state) has g = [z1, z2], r = z1 ⊙ h + z2 and K = diag(z1); a carry that is not
-affine in itself (an LSTM's h beside its cell c) has g = its new value and r = z (K = 0), as Table 1's LSTM.  Every
+affine in itself (an LSTM's h beside its cell c) has g = its new value and r = z (K = 0), as in Highway-BP's LSTM form.  Every
 per-step output must be a new state (the usual ``return h, h.clone()``); anything else, or a random op in the step
 (its recomputation in the backward would draw new numbers), keeps ordinary autograd with the reason.
 """
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["lower_highway", "PATHS"]
 
-#: what k means, for reports (README "Highway-BP").
+#: what k means, for reports (docs/highway.md).
 PATHS = "gradient = the sum over all backward paths through at most {k} Jacobian(s) of the blocks g"
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson")

@@ -1,4 +1,4 @@
-"""Highway-BP (DESIGN.md §3; seed 004): an iterative, parallel backward for a chain of steps f_i(x) = r_i(x, g_i(x)).
+"""Highway-BP (DESIGN.md §3, after the Highway backpropagation paper): an iterative, parallel backward for a chain of steps f_i(x) = r_i(x, g_i(x)).
 
 K_i = ∂r_i/∂x is cheap (diagonal, scalar or identity: a tensor; dense: a VJP), J_i = ∂r_i/∂z · ∂g_i/∂x is the
 expensive part (a VJP of the block g_i).  With G_i = ∂L_i/∂x_i the direct gradients of the states x_1..x_L::

@@ -1,19 +1,19 @@
 """Per-example gradient norms and the DP-SGD clipped sum in one backward (``options={"per_sample_clip": C}``).
 
-Book-keeping style (Bu et al.; seed 002's squared-norm functions): every use of a parameter with an activation is
+Book-keeping style (Bu et al.; the ghost-clipping papers' squared-norm functions): every use of a parameter with an activation is
 one autograd.Function here (passes/lower_per_sample.py puts them in the graph). Its backward returns the input
 gradient as usual but, for the parameter, no summed gradient: it records what the example norms and the clipped
 sum need (a :class:`Record`). At the end of the backward (an engine final callback) :func:`_finalize` adds the
 records' squared norms per example over all parameters, takes c_n = min(1, C / ‖g_n‖) and writes
 ``p.grad += Σ_n c_n g_n`` for every parameter; the [B] norms go to each graph's :class:`Clipper`.
 
-Records, by the layer kind that made them (seed 002 §D and the Gram vs direct trade-off of ghost clipping):
+Records, by the layer kind that made them (the Gram vs direct trade-off of ghost clipping):
 
 - :class:`LinearRecord` (a matmul of a parameter with an activation, ``nn.Linear`` on [B, T, D] included): the
   Gram form ⟨ζζᵀ, ggᵀ⟩ costs B·T²·(i+o) and B·T² memory, the direct form ‖ζ_nᵀ g_n‖² B·T·i·o and B·i·o; the Gram
   form is used when 2·T² < i·o (mixed ghost clipping's rule), otherwise the per-example gradient is formed at once
   and kept instead of ζ and g when it is the smaller of the two;
-- :class:`EmbeddingRecord`: the rows an example's tokens hit, summed per distinct (example, token) (seed 002's
+- :class:`EmbeddingRecord`: the rows an example's tokens hit, summed per distinct (example, token) (ghost clipping's
   n_j(x) counts), O(B·T·D) without a [B, V, D] tensor;
 - :class:`DirectRecord`: a per-example gradient [B, *p.shape]: bias adds, layer-norm affine, element-wise uses
   (small: the parameter's size per example), tied parameters (uses summed before the norm) and the generic

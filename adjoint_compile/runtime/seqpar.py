@@ -1,4 +1,4 @@
-"""Sequence parallelism across processes (DESIGN.md §6; seed 003's scheme): the distributed ops a graph runs when
+"""Sequence parallelism across processes (DESIGN.md §6; the scheme of sequence-parallel Mamba-2 implementations): the distributed ops a graph runs when
 ``options={"sequence_parallel": group}`` splits one sequence over the ranks of a ``torch.distributed`` group.
 
 Rank r holds the contiguous steps [o_r, o_r + n_r) of the sequence (n_r >= 1; the slices may differ in length).

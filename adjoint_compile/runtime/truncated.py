@@ -1,4 +1,4 @@
-"""The truncated adjoint of a linear scan inside a shard (DESIGN.md §3 "Truncated adjoint"; seed 000 §4.3).
+"""The truncated adjoint of a linear scan inside a shard (DESIGN.md §3 "Truncated adjoint"; the adjoint-sharding paper's truncated adjoint).
 
 Semantics (0-indexed steps, h_{-1} = h0, window W): with g_t the cotangent h_t receives directly from the rest of
 the graph (readouts, later layers, previous-state readouts of h_t),
