@@ -35,7 +35,7 @@ from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.lower import lower, lowered_calls
-from .passes.lower_per_sample import PerSampleLowering, lower_per_sample
+from .passes.lower_per_sample import PerSampleLowering, guard_parameters, lower_per_sample
 from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
@@ -245,6 +245,9 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
         # compiler
         result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
         calls += result.per_sample.calls
+    if opts.per_sample_clip is not None and compile:
+        # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)
+        guard_parameters(gm, example_inputs)
     if compile:
         result.fn = _Specializing(result, opts) if symbolic else stitch(captured, calls, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive

@@ -31,9 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import PerSampleError
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Clipper", "Site", "ps_linear", "ps_embedding", "ps_elementwise", "ps_generic", "gram_is_cheaper"]
+__all__ = ["Clipper", "Site", "ps_linear", "ps_embedding", "ps_elementwise", "ps_generic", "gram_is_cheaper",
+           "guard_parameter"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,6 +148,8 @@ _steps = 0
 def _record(param: Tensor, rec: Record, site: Site) -> None:
     global _pending
     task = torch._C._current_graph_task_id()
+    # NB: before the parameter's AccumulateGrad runs (it is downstream of this op): what its guard compares with
+    param._adjoint_ps_snap = (task, *_grad_state(param))
     with _LOCK:
         if _pending is None or _pending[0] != task:
             _pending = (task, [])
@@ -191,6 +196,41 @@ def _finalize() -> None:
     for cl in clippers:
         cl.last_norms, cl.step = norms.detach(), _steps
     log.debug("per_sample_clip: %d parameter(s), %d record(s), B=%d", len(parts), len(pending), norms.shape[0])
+
+
+# --- never unclipped in silence -------------------------------------------------------------------------------------
+
+def _unclipped(name: str) -> Callable[[Tensor], None]:
+    def hook(p: Tensor) -> None:
+        # NB: the book-keeping ops return no gradient for a parameter (the engine still runs its AccumulateGrad,
+        # with nothing to add) and _finalize writes p.grad itself: p.grad changed since this backward's book-keeping
+        # saw it means autograd accumulated a gradient from a use outside the backend's calls
+        snap = getattr(p, "_adjoint_ps_snap", None)
+        if snap is not None and snap == (torch._C._current_graph_task_id(), *_grad_state(p)):
+            return
+        raise PerSampleError(
+            f"adjoint-compile per_sample_clip: the parameter {name} {tuple(p.shape)} received an unclipped gradient: "
+            "a use of it ran outside the per-example book-keeping (dynamo's recompile limit or another eager "
+            "fallback, a graph break that ran it eagerly, or the uncompiled model). Clipping would be bypassed; "
+            "pad batches to a few fixed sizes (or compile with dynamic=True), keep parameter uses inside the "
+            "compiled graph, and run an unclipped backward on a copy of the model")
+    return hook
+
+
+def _grad_state(p: Tensor) -> tuple[int, int]:
+    g = p.grad
+    return (0, 0) if g is None else (id(g), g._version)
+
+
+def guard_parameter(p: Tensor, name: str) -> None:
+    """From now on, an ordinary autograd accumulation into ``p.grad`` raises :class:`PerSampleError`."""
+    # NB: the mark holds the parameter's id: copy.deepcopy carries attributes over but not hooks
+    if not isinstance(p, torch.nn.Parameter) or not p.requires_grad or getattr(p, "_adjoint_ps_guard", None) == id(p):
+        return
+    if isinstance(p, torch._subclasses.FakeTensor):
+        return
+    p.register_post_accumulate_grad_hook(_unclipped(name))
+    p._adjoint_ps_guard = id(p)
 
 
 # --- the ops --------------------------------------------------------------------------------------------------------
