@@ -138,6 +138,57 @@ def test_attention_projections():
     assert sum(u["kind"] == "linear" for u in _uses(rep)) == 4
 
 
+class MHA(nn.Module):
+    """nn.MultiheadAttention as users write it: self-attention, or cross-attention on a projected memory (``cross``:
+    the packed in_proj_weight by row slices, or separate q/k/v weights when ``kdim`` differs)."""
+
+    def __init__(self, batch_first: bool = True, bias: bool = True, kdim: int | None = None, cross: bool = False,
+                 mask: str = "", need_weights: bool = False) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, bias=bias, kdim=kdim, vdim=kdim)
+        self.mem = nn.Linear(8, kdim or 8) if cross or kdim else None
+        self.bf, self.mask, self.need_weights = batch_first, mask, need_weights
+
+    def forward(self, x):
+        m = self.mem(torch.tanh(x)) if self.mem is not None else x
+        T = x.shape[1 if self.bf else 0]
+        kw: dict = {}
+        if self.mask == "causal":
+            kw = {"attn_mask": nn.Transformer.generate_square_subsequent_mask(T), "is_causal": True}
+        elif self.mask == "bool":
+            kw = {"attn_mask": torch.ones(T, T, dtype=torch.bool).triu(1)}
+        elif self.mask == "padding":
+            B = x.shape[0 if self.bf else 1]
+            kw = {"key_padding_mask": torch.arange(T).expand(B, T) >= T - 1}
+        out, w = self.mha(x, m, m, need_weights=self.need_weights, **kw)
+        return out if w is None else out + w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"batch_first": False}, {"kdim": 5}, {"cross": True},
+                                {"mask": "causal"}, {"mask": "bool", "batch_first": False}, {"mask": "padding"},
+                                {"need_weights": True, "kdim": 6}, {"need_weights": True, "mask": "causal"}],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "plain")
+def test_multihead_attention(kw):
+    """nn.MultiheadAttention (dynamo keeps it one multi_head_attention_forward call): its projections' per-example
+    gradients, exact against vmap(grad), for both layouts, with and without bias, kdim/vdim, masks and weights."""
+    torch.manual_seed(21)
+    model = MHA(**kw)
+    T, B = 5, 3
+    bf = kw.get("batch_first", True)
+    x = torch.randn(B, T, 8) if bf else torch.randn(T, B, 8)
+    rep = check(model, x, bd=0 if bf else 1)
+    att = [u for u in _uses(rep) if u["kind"] == "attention"]
+    assert len(att) == 1 and any("in_proj" in p or "q_proj" in p for p in att[0]["params"]), att
+
+
+def test_multihead_attention_refuses_bias_kv():
+    model = nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
+    f = torch.compile(lambda x: model(x, x, x, need_weights=False)[0], backend="adjoint",
+                      options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(Exception, match="bias_k"):
+        f(torch.randn(3, 4, 8))
+
+
 def test_low_rank_factor_pair():
     torch.manual_seed(5)
 

@@ -21,6 +21,7 @@ the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import operator
 from collections.abc import Sequence
@@ -273,7 +274,9 @@ class _Lowerer:
         if isinstance(region, ShardedRegion) and region.per_sample is not None:
             self._region(n, region)
             return
-        if n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
+        if n.target is F.multi_head_attention_forward:
+            new = self._attention(n)
+        elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
         elif (n.target in MATMULS or (n.op == "call_method" and name == "matmul")) and len(args) == 2 and \
@@ -311,6 +314,40 @@ class _Lowerer:
                               "form": "per-example gradients summed over the shards (one masked VJP per example "
                                       "per shard: B backward passes of each shard)",
                               "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
+
+    def _attention(self, n: fx.Node) -> fx.Node:
+        """``nn.MultiheadAttention``'s one call: projections with book-keeping around the attention (its [T, B, E]
+        layout puts the examples on axis 1)."""
+        a = inspect.signature(F.multi_head_attention_forward).bind(*n.args, **n.kwargs)
+        a.apply_defaults()
+        args = dict(a.arguments)
+        for extra in ("bias_k", "bias_v", "static_k", "static_v"):
+            if args[extra] is not None:
+                raise _refuse(n, f"uses {extra}: not supported under per_sample_clip (per-example gradients of the "
+                                 "attention's projections only)")
+        if args["add_zero_attn"]:
+            raise _refuse(n, "uses add_zero_attn: not supported under per_sample_clip")
+        for key in ("query", "key", "value"):
+            v = _val(args[key])
+            if not (isinstance(v, torch.Tensor) and v.dim() == 3 and int(v.shape[1]) == self.batch):
+                raise _refuse(n, f"takes a {key} of shape {tuple(getattr(v, 'shape', ()))} without the {self.batch} "
+                                 "examples on its axis 1 ([T, B, E]: batch_first inputs, transposed by the module, "
+                                 "or sequence-first ones with batch_dim=1): its gradient cannot be attributed to "
+                                 "examples")
+        names = tuple(k for k, v in args.items() if isinstance(v, fx.Node))
+        consts = {k: v for k, v in args.items() if not isinstance(v, fx.Node)}
+        params = [args[k] for k in names if self.kind_of.get(args[k]) == "P"]
+        if not all(_direct_param(p, self.kind_of) for p in params):
+            raise _refuse(n, "takes a projection weight computed from parameters: per_sample_clip supports "
+                             "nn.MultiheadAttention's own parameters")
+        site = self._site(n, "attention", params)
+        site.batch_dim = 1
+        if site.tied and not args["use_separate_proj_weight"]:
+            raise _refuse(n, "shares its packed in_proj_weight with another use: not supported under "
+                             "per_sample_clip")
+        return self._call(n, PerSampleCall(site, "attention", names=names, consts=consts),
+                          tuple(args[k] for k in names), "attention", params,
+                          form="q/k/v/out projections (gram or direct per slice), attention without parameters")
 
     def _affine(self, n: fx.Node) -> list[Any]:
         return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
