@@ -194,6 +194,36 @@ def test_multihead_attention_refuses_bias_kv():
         f(torch.randn(3, 4, 8))
 
 
+class _Logits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_transformers_tiny_gpt2_and_llama(arch):
+    """transformers' GPT-2 (Conv1D projections: addmm on flattened tokens; tied head) and Llama (grouped-query
+    attention through scaled_dot_product_attention, RMSNorm, rotary embeddings), tiny random configs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(22)
+    common = {"vocab_size": 17, "bos_token_id": 0, "eos_token_id": 1}
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=16, n_embd=8, n_layer=2, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, **common)
+        lm = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, max_position_embeddings=16, **common)
+        lm = transformers.LlamaForCausalLM(cfg)
+    lm.config._attn_implementation = "sdpa"
+    rep = check(_Logits(lm), torch.randint(0, 17, (3, 5)), clip=1.0)
+    kinds = {u["kind"] for u in _uses(rep)}
+    assert {"embedding", "elementwise"} <= kinds and kinds & {"linear", "matmul"}, kinds
+
+
 def test_low_rank_factor_pair():
     torch.manual_seed(5)
 

@@ -215,8 +215,8 @@ def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
     return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
 
 
-def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int) -> None:
-    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n))):
+def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = True) -> None:
+    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n)))[:2 if output else 1]:
         if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise _refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
@@ -276,6 +276,8 @@ class _Lowerer:
             return
         if n.target is F.multi_head_attention_forward:
             new = self._attention(n)
+        elif (flat := self._flat_addmm(n)) is not None:
+            new = self._addmm(n, flat)
         elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
@@ -349,6 +351,30 @@ class _Lowerer:
                           tuple(args[k] for k in names), "attention", params,
                           form="q/k/v/out projections (gram or direct per slice), attention without parameters")
 
+    def _flat_addmm(self, n: fx.Node) -> fx.Node | None:
+        """``addmm(b, x.view(-1, d), W)`` (transformers' Conv1D, GPT-2's projections): the activation before the
+        flattening when it keeps the examples on an axis the flattening merges; else None."""
+        if n.target is not torch.addmm or len(n.args) != 3 or n.kwargs or not all(
+                _direct_param(a, self.kind_of) for a in (n.args[0], n.args[2])):
+            return None
+        v = n.args[1]
+        if not (isinstance(v, fx.Node) and _name(v) in ("view", "reshape") and v.args and
+                isinstance(v.args[0], fx.Node) and self.kind_of.get(v.args[0]) in ("A", "M")):
+            return None
+        x, xv, vv = v.args[0], _val(v.args[0]), _val(v)
+        if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and vv.dim() == 2 and
+                xv.dim() - 1 > self.bd and xv.shape[-1] == vv.shape[1] and int(xv.shape[self.bd]) == self.batch):
+            return None
+        return x
+
+    def _addmm(self, n: fx.Node, x: fx.Node) -> fx.Node:
+        lin = self._linear(n, x, n.args[2], n.args[0], transposed=True, flat=True)
+        with self.gm.graph.inserting_before(n):
+            flat = self.gm.graph.call_method("reshape", (lin, -1, int(_val(n).shape[-1])))
+        flat.meta.update(n.meta)
+        self.kind_of[flat] = "A"
+        return flat
+
     def _affine(self, n: fx.Node) -> list[Any]:
         return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
 
@@ -358,8 +384,9 @@ class _Lowerer:
         out = _val(n)
         return isinstance(out, torch.Tensor) and out.dim() - _val(p).dim() > self.bd
 
-    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
-        _check_batched(n, x, self.bd, self.batch)
+    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, flat: bool = False) -> fx.Node:
+        """``flat``: n's output is the linear's with the leading axes flattened (``_addmm``)."""
+        _check_batched(n, x, self.bd, self.batch, output=not flat)
         xv, wv = _val(x), _val(w)
         steps = max(1, xv.numel() // max(1, self.batch * xv.shape[-1]))
         d_in, d_out = (wv.shape[0], wv.shape[1]) if transposed else (wv.shape[1], wv.shape[0])
