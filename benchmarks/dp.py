@@ -257,6 +257,7 @@ def main() -> None:
     with_opacus = importlib.util.find_spec("opacus") is not None
     spec = importlib.util.spec_from_file_location("example_selective_ssm", ROOT / "examples" / "selective_ssm.py")
     ssm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ssm  # NB: Opacus' ModuleValidator.fix deep-copies by pickling: the class must import
     spec.loader.exec_module(ssm)
     cases = [("transformer (vocab 128, d 64, 4 heads, 2 blocks)", Transformer, lambda: torch.randint(0, 128, (16, 32))),
              ("transformer (vocab 256, d 128, 4 heads, 2 blocks)", lambda: Transformer(256, 128, 4, 2),
