@@ -576,10 +576,15 @@ def _ssm_module():
 
 
 @pytest.mark.parametrize("B,T,layers", [(1, 7, 1), (3, 7, 2), (3, 1, 1), (5, 7, 1)])
-def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
+def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers, monkeypatch):
     """The demo SSM under per_sample_clip with shard_size=3: its scan region is sharded (rewrite "adjoint"); every
     parameter the region uses (A_log through A = -exp(A_log), the projections, D_skip, the norms) gets exact
     per-example norms (against vmap(grad)) and the clipped sum (against a per-example loop)."""
+    from adjoint_compile.runtime import sharded_ps
+
+    calls = []
+    real = sharded_ps._expanded_grads
+    monkeypatch.setattr(sharded_ps, "_expanded_grads", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(12)
     model = _ssm_module().make(d_model=4, d_state=2, n_layers=layers)
     x = torch.randn(B, T, 4)
@@ -592,6 +597,7 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers):
             (r.rewrite, r.reason) for r in recs]
         return
     assert recs and all(r.rewrite == "adjoint" for r in recs), [(r.rewrite, r.reason) for r in recs]
+    assert calls, "the per-example expanded parameters (one backward per shard) were not used"
     sharded = [u for u in _uses(rep) if u["kind"] == "sharded region"]
     assert sharded and any("a_log" in p.lower() for u in sharded for p in u["params"])
     text = str(ac.explain(model, x, options={"per_sample_clip": clip, "shard_size": 3}))
@@ -604,6 +610,7 @@ def test_sharded_region_batched_vjps_and_their_fallback(monkeypatch, per_vjp, ba
     cannot run (one masked VJP per example): the same result."""
     from adjoint_compile.runtime import sharded_ps
 
+    monkeypatch.setattr(sharded_ps, "_EXPANDED", [False])
     monkeypatch.setattr(sharded_ps, "_BATCHED", [batched])
     monkeypatch.setattr(sharded_ps, "EXAMPLES_PER_VJP", per_vjp)
     torch.manual_seed(3)

@@ -313,8 +313,8 @@ class _Lowerer:
         ps.site = self._site(n, "sharded", params)
         self.out.uses.append({"node": n.name, "op": str(n.target), "kind": "sharded region", "call": str(n.target),
                               "params": [p.name for p in params], "tied": ps.site.tied, "at": _where(n),
-                              "form": "per-example gradients summed over the shards (one masked VJP per example "
-                                      "per shard: B backward passes of each shard)",
+                              "form": "per-example gradients summed over the shards (parameters expanded per "
+                                      "example: one more backward per shard; else one masked VJP per example)",
                               "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
 
     def _attention(self, n: fx.Node) -> fx.Node:
