@@ -33,12 +33,12 @@ import torch.nn.functional as F
 
 from ..errors import PerSampleError
 from ..options import Options
-from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper, guard_parameter
+from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ..runtime.sharded import ShardedRegion
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds", "guard_parameters"]
+__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds"]
 
 #: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
 REDUCTIONS = frozenset("sum mean nansum nanmean".split())
@@ -493,32 +493,3 @@ def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Op
     log.info("per_sample_clip: %d parameter use(s) lowered (B=%d): %s", len(low.out.uses), batch,
              [(u["node"], u["kind"], u.get("form")) for u in low.out.uses])
     return low.out
-
-
-
-def _frame_modules() -> list[tuple[str, torch.nn.Module]]:
-    """The modules among the locals of the frame dynamo is compiling (``self`` of a compiled module's forward, or of
-    a graph break's resumed frame): their parameters are guarded even when this graph does not use them."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-    except (AttributeError, ImportError):  # NB: no frame under way (explain() on a bare graph)
-        return []
-    return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
-
-
-def guard_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
-    """Make every parameter of the compiled frame raise :class:`PerSampleError` when an ordinary autograd backward
-    accumulates into its ``.grad`` (a use that bypassed the book-keeping); returns how many are guarded."""
-    n = 0
-    for _, mod in _frame_modules():
-        for pname, p in mod.named_parameters():
-            guard_parameter(p, pname)
-            n += 1
-    holders = [m for m in gm.graph.nodes if m.op == "placeholder"]
-    for m, ex in zip(holders, example_inputs):
-        if isinstance(ex, torch.nn.Parameter):
-            ga = m.meta.get("grapharg")
-            guard_parameter(ex, getattr(getattr(ga, "source", None), "name", m.name) if ga is not None else m.name)
-            n += 1
-    return n
