@@ -604,6 +604,30 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers, monkeypa
     assert "sharded exact adjoint" in text and "sharded region of" in text, text
 
 
+def test_sharded_region_parameters_not_expandable_fall_back_to_masked_vjps(monkeypatch):
+    """A region whose parameter reaches the examples through an op the per-example expansion does not take (here:
+    exp, taken out of its list) falls back to one masked VJP per example: the same exact result."""
+    from adjoint_compile.runtime import sharded_ps
+
+    refused = []
+    real = sharded_ps._expanded_grads
+
+    def spy(*a):
+        try:
+            return real(*a)
+        except sharded_ps._NotExpandable as e:
+            refused.append(str(e))
+            raise
+    monkeypatch.setattr(sharded_ps, "_expanded_grads", spy)
+    monkeypatch.setattr(sharded_ps, "_CHAIN", sharded_ps._CHAIN - {"exp"})
+    torch.manual_seed(3)
+    model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
+    x = torch.randn(3, 5, 4)
+    rep = check(model, x, clip=float(vmap_norms(model, (x,)).median()), shard_size=2)
+    assert any(r.rewrite == "adjoint" for r in rep.regions)
+    assert refused and "exp" in refused[0], refused
+
+
 @pytest.mark.parametrize("per_vjp,batched", [(2, True), (2, False), (5, True)])
 def test_sharded_region_batched_vjps_and_their_fallback(monkeypatch, per_vjp, batched):
     """Examples batched per VJP (is_grads_batched, in chunks: 2+2+1 and 5), and the fallback when a batched VJP
