@@ -207,7 +207,7 @@ class _Logits(nn.Module):
 def test_transformers_tiny_gpt2_and_llama(arch):
     """transformers' GPT-2 (Conv1D projections: addmm on flattened tokens; tied head) and Llama (grouped-query
     attention through scaled_dot_product_attention, RMSNorm, rotary embeddings), tiny random configs."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the dev extra: tests run the real implementations
     torch.manual_seed(22)
     common = {"vocab_size": 17, "bos_token_id": 0, "eos_token_id": 1}
     if arch == "gpt2":
