@@ -42,6 +42,7 @@ from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
 from .analysis.fx import source_line
 from .regions import Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
+from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .runtime.verify import copy_graph_module, graph_fidelity
 
@@ -222,6 +223,34 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
     return result
 
 
+def _frame_modules() -> list[tuple[str, torch.nn.Module]]:
+    """The modules among the locals of the frame dynamo is compiling (``self`` of a compiled module's forward, or of
+    a graph break's resumed frame): their parameters are guarded even when this graph does not use them."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, ImportError):  # NB: no frame under way (explain() on a bare graph)
+        return []
+    return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
+
+
+def guard_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Make every parameter of the compiled frame raise :class:`PerSampleError` when an ordinary autograd backward
+    accumulates into its ``.grad`` (a use that bypassed the book-keeping); returns how many are guarded."""
+    n = 0
+    for _, mod in _frame_modules():
+        for pname, p in mod.named_parameters():
+            guard_parameter(p, pname)
+            n += 1
+    holders = [m for m in gm.graph.nodes if m.op == "placeholder"]
+    for m, ex in zip(holders, example_inputs):
+        if isinstance(ex, torch.nn.Parameter):
+            ga = m.meta.get("grapharg")
+            guard_parameter(ex, getattr(getattr(ga, "source", None), "name", m.name) if ga is not None else m.name)
+            n += 1
+    return n
+
+
 def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, *,
                  compile: bool = True) -> CompiledGraph:
     """capture -> recognize -> decide -> lower -> stitch on ``gm`` (modified in place).
@@ -248,6 +277,9 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
         # compiler
         result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
         calls += result.per_sample.calls
+    if opts.per_sample_clip is not None and compile:
+        # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)
+        guard_parameters(gm, example_inputs)
     if compile:
         result.fn = _Specializing(result, opts) if symbolic else stitch(captured, calls, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive

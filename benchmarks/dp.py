@@ -54,11 +54,23 @@ class Attention(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D))
 
 
-class Block(nn.Module):
+class MHA(nn.Module):
+    """nn.MultiheadAttention as users write it (no mask: Opacus' DPMultiheadAttention refuses a 2D one with
+    batch_first)."""
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
+        self.mha = nn.MultiheadAttention(d, heads, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, mha: bool = False) -> None:
+        super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.att = Attention(d, heads)
+        self.att = MHA(d, heads) if mha else Attention(d, heads)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x):
@@ -67,15 +79,30 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2, mha: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(d, heads, mha) for _ in range(layers)))
         self.lnf = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, i):
         return self.head(self.lnf(self.blocks(self.emb(i))))
+
+
+class GPT2Logits(nn.Module):
+    """transformers' GPT-2 with a tiny random config (no download): Conv1D projections, tied head."""
+
+    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=d, n_layer=layers, n_head=heads, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+        self.lm = GPT2LMHeadModel(cfg)
+        self.lm.config._attn_implementation = "sdpa"
+
+    def forward(self, i):
+        return self.lm(input_ids=i).logits
 
 
 def per_example_loss(out: torch.Tensor) -> torch.Tensor:
@@ -145,7 +172,10 @@ def builders(model: nn.Module, x: torch.Tensor, inner: str, norms: dict[str, tor
         from opacus.optimizers import DPOptimizerFastGradientClipping
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-        m = copy.deepcopy(model)
+        from opacus.validators import ModuleValidator
+
+        # NB: nn.MultiheadAttention becomes Opacus' DPMultiheadAttention (same weights): its supported form
+        m = ModuleValidator.fix(copy.deepcopy(model))
         gm = GradSampleModuleFastGradientClipping(m, max_grad_norm=CLIP, loss_reduction="sum",
                                                   use_ghost_clipping=True)
         opt = DPOptimizerFastGradientClipping(torch.optim.SGD(m.parameters(), lr=0.0), noise_multiplier=0.0,
@@ -219,6 +249,7 @@ def main() -> None:
                     help="torch threads (1: on a shared 2-core machine, two threads contending made every small op "
                          "10-30x slower)")
     ap.add_argument("--case", type=int, default=None, help="run one case (index) in this process")
+    ap.add_argument("--cases", default=None, help="comma-separated case indices to run (default: all)")
     args = ap.parse_args()
     prepare_cpu_measurement()
     torch.set_num_threads(args.threads)
@@ -226,10 +257,15 @@ def main() -> None:
     with_opacus = importlib.util.find_spec("opacus") is not None
     spec = importlib.util.spec_from_file_location("example_selective_ssm", ROOT / "examples" / "selective_ssm.py")
     ssm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ssm  # NB: Opacus' ModuleValidator.fix deep-copies by pickling: the class must import
     spec.loader.exec_module(ssm)
     cases = [("transformer (vocab 128, d 64, 4 heads, 2 blocks)", Transformer, lambda: torch.randint(0, 128, (16, 32))),
              ("transformer (vocab 256, d 128, 4 heads, 2 blocks)", lambda: Transformer(256, 128, 4, 2),
               lambda: torch.randint(0, 256, (32, 64))),
+             ("transformer with nn.MultiheadAttention (vocab 128, d 64, 4 heads, 2 blocks)",
+              lambda: Transformer(mha=True), lambda: torch.randint(0, 128, (16, 32))),
+             ("transformers' GPT-2, tiny config (vocab 128, d 64, 4 heads, 2 layers)", GPT2Logits,
+              lambda: torch.randint(0, 128, (16, 32))),
              ("selective SSM (d_model 16, d_state 4, 2 layers)", lambda: ssm.make(16, 4, 2),
               lambda: torch.randn(8, 128, 16)),
              # NB: long T: where the sharded region's memory saving shows (the region is sharded under per_sample_clip)
@@ -242,7 +278,10 @@ def main() -> None:
     # NB: one process per case: CPU peak memory is only faithful before any step time was taken in the process
     # (adjoint_compile.measure)
     results = []
+    pick = None if args.cases is None else {int(c) for c in args.cases.split(",")}
     for i, (name, _, _) in enumerate(cases):
+        if pick is not None and i not in pick:
+            continue
         print(f"== {name}", flush=True)
         out = subprocess.run([sys.executable, __file__, "--case", str(i), "--inner", args.inner, "--repeats",
                               str(args.repeats), "--threads", str(args.threads)], capture_output=True, text=True)

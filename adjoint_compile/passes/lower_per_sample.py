@@ -21,6 +21,7 @@ the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import operator
 from collections.abc import Sequence
@@ -214,8 +215,8 @@ def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
     return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
 
 
-def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int) -> None:
-    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n))):
+def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = True) -> None:
+    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n)))[:2 if output else 1]:
         if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise _refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
@@ -273,7 +274,11 @@ class _Lowerer:
         if isinstance(region, ShardedRegion) and region.per_sample is not None:
             self._region(n, region)
             return
-        if n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
+        if n.target is F.multi_head_attention_forward:
+            new = self._attention(n)
+        elif (flat := self._flat_addmm(n)) is not None:
+            new = self._addmm(n, flat)
+        elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
         elif (n.target in MATMULS or (n.op == "call_method" and name == "matmul")) and len(args) == 2 and \
@@ -308,9 +313,67 @@ class _Lowerer:
         ps.site = self._site(n, "sharded", params)
         self.out.uses.append({"node": n.name, "op": str(n.target), "kind": "sharded region", "call": str(n.target),
                               "params": [p.name for p in params], "tied": ps.site.tied, "at": _where(n),
-                              "form": "per-example gradients summed over the shards (one masked VJP per example "
-                                      "per shard: B backward passes of each shard)",
+                              "form": "per-example gradients summed over the shards (parameters expanded per "
+                                      "example: one more backward per shard; else one masked VJP per example)",
                               "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
+
+    def _attention(self, n: fx.Node) -> fx.Node:
+        """``nn.MultiheadAttention``'s one call: projections with book-keeping around the attention (its [T, B, E]
+        layout puts the examples on axis 1)."""
+        a = inspect.signature(F.multi_head_attention_forward).bind(*n.args, **n.kwargs)
+        a.apply_defaults()
+        args = dict(a.arguments)
+        for extra in ("bias_k", "bias_v", "static_k", "static_v"):
+            if args[extra] is not None:
+                raise _refuse(n, f"uses {extra}: not supported under per_sample_clip (per-example gradients of the "
+                                 "attention's projections only)")
+        if args["add_zero_attn"]:
+            raise _refuse(n, "uses add_zero_attn: not supported under per_sample_clip")
+        for key in ("query", "key", "value"):
+            v = _val(args[key])
+            if not (isinstance(v, torch.Tensor) and v.dim() == 3 and int(v.shape[1]) == self.batch):
+                raise _refuse(n, f"takes a {key} of shape {tuple(getattr(v, 'shape', ()))} without the {self.batch} "
+                                 "examples on its axis 1 ([T, B, E]: batch_first inputs, transposed by the module, "
+                                 "or sequence-first ones with batch_dim=1): its gradient cannot be attributed to "
+                                 "examples")
+        names = tuple(k for k, v in args.items() if isinstance(v, fx.Node))
+        consts = {k: v for k, v in args.items() if not isinstance(v, fx.Node)}
+        params = [args[k] for k in names if self.kind_of.get(args[k]) == "P"]
+        if not all(_direct_param(p, self.kind_of) for p in params):
+            raise _refuse(n, "takes a projection weight computed from parameters: per_sample_clip supports "
+                             "nn.MultiheadAttention's own parameters")
+        site = self._site(n, "attention", params)
+        site.batch_dim = 1
+        if site.tied and not args["use_separate_proj_weight"]:
+            raise _refuse(n, "shares its packed in_proj_weight with another use: not supported under "
+                             "per_sample_clip")
+        return self._call(n, PerSampleCall(site, "attention", names=names, consts=consts),
+                          tuple(args[k] for k in names), "attention", params,
+                          form="q/k/v/out projections (gram or direct per slice), attention without parameters")
+
+    def _flat_addmm(self, n: fx.Node) -> fx.Node | None:
+        """``addmm(b, x.view(-1, d), W)`` (transformers' Conv1D, GPT-2's projections): the activation before the
+        flattening when it keeps the examples on an axis the flattening merges; else None."""
+        if n.target is not torch.addmm or len(n.args) != 3 or n.kwargs or not all(
+                _direct_param(a, self.kind_of) for a in (n.args[0], n.args[2])):
+            return None
+        v = n.args[1]
+        if not (isinstance(v, fx.Node) and _name(v) in ("view", "reshape") and v.args and
+                isinstance(v.args[0], fx.Node) and self.kind_of.get(v.args[0]) in ("A", "M")):
+            return None
+        x, xv, vv = v.args[0], _val(v.args[0]), _val(v)
+        if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and vv.dim() == 2 and
+                xv.dim() - 1 > self.bd and xv.shape[-1] == vv.shape[1] and int(xv.shape[self.bd]) == self.batch):
+            return None
+        return x
+
+    def _addmm(self, n: fx.Node, x: fx.Node) -> fx.Node:
+        lin = self._linear(n, x, n.args[2], n.args[0], transposed=True, flat=True)
+        with self.gm.graph.inserting_before(n):
+            flat = self.gm.graph.call_method("reshape", (lin, -1, int(_val(n).shape[-1])))
+        flat.meta.update(n.meta)
+        self.kind_of[flat] = "A"
+        return flat
 
     def _affine(self, n: fx.Node) -> list[Any]:
         return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
@@ -321,8 +384,9 @@ class _Lowerer:
         out = _val(n)
         return isinstance(out, torch.Tensor) and out.dim() - _val(p).dim() > self.bd
 
-    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
-        _check_batched(n, x, self.bd, self.batch)
+    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, flat: bool = False) -> fx.Node:
+        """``flat``: n's output is the linear's with the leading axes flattened (``_addmm``)."""
+        _check_batched(n, x, self.bd, self.batch, output=not flat)
         xv, wv = _val(x), _val(w)
         steps = max(1, xv.numel() // max(1, self.batch * xv.shape[-1]))
         d_in, d_out = (wv.shape[0], wv.shape[1]) if transposed else (wv.shape[1], wv.shape[0])
@@ -429,4 +493,3 @@ def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Op
     log.info("per_sample_clip: %d parameter use(s) lowered (B=%d): %s", len(low.out.uses), batch,
              [(u["node"], u["kind"], u.get("form")) for u in low.out.uses])
     return low.out
-

@@ -31,9 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import PerSampleError
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Clipper", "Site", "ps_linear", "ps_embedding", "ps_elementwise", "ps_generic", "gram_is_cheaper"]
+__all__ = ["Clipper", "Site", "ps_linear", "ps_embedding", "ps_elementwise", "ps_generic", "gram_is_cheaper",
+           "guard_parameter"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +62,13 @@ class Site:
     #: the parameter appears in more than one use (here or in another graph): its uses' per-example gradients are
     #: summed before the norm, so each use keeps its per-example gradient (not the Gram form)
     tied: bool = False
+    #: the example axis of this use's activations when it is not the graph's (``multi_head_attention_forward``
+    #: works on [T, B, E] whatever the model's layout)
+    batch_dim: int | None = None
+
+    @property
+    def bd(self) -> int:
+        return self.clipper.batch_dim if self.batch_dim is None else self.batch_dim
 
 
 def gram_is_cheaper(steps: int, d_in: int, d_out: int) -> bool:
@@ -135,21 +145,24 @@ class EmbeddingRecord(Record):
 # --- the records of the backward under way ------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-#: the backward under way: its graph task id and its (param, record, site) triples. NB: module-global, not
+#: the backward under way: its graph task id and its (param, record, site, rows) records (rows: the slice of the
+#: parameter's first axis the record is for, None: all of it). NB: module-global, not
 #: thread-local: on a GPU the engine runs backward functions on its device threads. Keyed by the graph task so that
 #: a backward that raised half-way (its final callback never ran) leaves nothing behind for the next one
-_pending: tuple[int, list[tuple[Tensor, Record, Site]]] | None = None
+_pending: tuple[int, list[tuple[Tensor, Record, Site, tuple[int, int] | None]]] | None = None
 _steps = 0
 
 
-def _record(param: Tensor, rec: Record, site: Site) -> None:
+def _record(param: Tensor, rec: Record, site: Site, rows: tuple[int, int] | None = None) -> None:
     global _pending
     task = torch._C._current_graph_task_id()
+    # NB: before the parameter's AccumulateGrad runs (it is downstream of this op): what its guard compares with
+    param._adjoint_ps_snap = (task, *_grad_state(param))
     with _LOCK:
         if _pending is None or _pending[0] != task:
             _pending = (task, [])
             torch.autograd.Variable._execution_engine.queue_callback(_finalize)
-        _pending[1].append((param, rec, site))
+        _pending[1].append((param, rec, site, rows))
 
 
 def _finalize() -> None:
@@ -159,14 +172,21 @@ def _finalize() -> None:
         _pending = None
     if not pending:
         return
-    groups: dict[int, tuple[Tensor, list[Record]]] = {}
-    for p, rec, _ in pending:
-        groups.setdefault(id(p), (p, []))[1].append(rec)
-    clippers = list({id(s.clipper): s.clipper for _, _, s in pending}.values())
+    # NB: disjoint row slices of one parameter (the packed q/k/v projection of attention) have no cross terms in
+    # the norm: each slice is its own group
+    groups: dict[tuple[int, tuple[int, int] | None], tuple[Tensor, list[Record]]] = {}
+    for p, rec, _, rows in pending:
+        groups.setdefault((id(p), rows), (p, []))[1].append(rec)
+    sliced = {i for i, r in groups if r is not None}
+    if any((i, None) in groups for i in sliced):
+        raise RuntimeError("adjoint-compile per_sample_clip: a parameter used both whole and by row slices in one "
+                           "backward (e.g. an attention's packed in_proj_weight shared with another layer) is not "
+                           "supported")
+    clippers = list({id(s.clipper): s.clipper for _, _, s, _ in pending}.values())
     clip = min(c.clip for c in clippers)
-    parts: list[tuple[Tensor, Record]] = []
+    parts: list[tuple[Tensor, Record, tuple[int, int] | None]] = []
     sq: Tensor | None = None
-    for p, recs in groups.values():
+    for (_, rows), (p, recs) in groups.items():
         # NB: a parameter used more than once: ‖Σ_u G_u,n‖² has cross terms, so the uses' per-example gradients are
         # summed first
         rec = recs[0] if len(recs) == 1 else DirectRecord(sum(r.per_example() for r in recs))
@@ -175,15 +195,19 @@ def _finalize() -> None:
             raise RuntimeError(f"adjoint-compile per_sample_clip: parameter uses in one backward disagree on the "
                                f"batch size ({s.shape[0]} vs {sq.shape[0]} examples)")
         sq = s if sq is None else sq + s.to(sq.device)
-        parts.append((p, rec))
+        parts.append((p, rec, rows))
     assert sq is not None
     norms = sq.sqrt()
     if math.isinf(clip):
         c = torch.ones_like(norms)
     else:
         c = torch.where(norms > clip, clip / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
-    for p, rec in parts:
-        g = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(p.shape)
+    for p, rec, rows in parts:
+        if rows is None:
+            g = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(p.shape)
+        else:
+            g = p.new_zeros(p.shape)
+            g[rows[0]:rows[1]] = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(g[rows[0]:rows[1]].shape)
         # NB: accumulate like autograd does, so gradient accumulation over micro-batches works
         p.grad = g if p.grad is None else p.grad + g
     global _steps
@@ -191,6 +215,41 @@ def _finalize() -> None:
     for cl in clippers:
         cl.last_norms, cl.step = norms.detach(), _steps
     log.debug("per_sample_clip: %d parameter(s), %d record(s), B=%d", len(parts), len(pending), norms.shape[0])
+
+
+# --- never unclipped in silence -------------------------------------------------------------------------------------
+
+def _unclipped(name: str) -> Callable[[Tensor], None]:
+    def hook(p: Tensor) -> None:
+        # NB: the book-keeping ops return no gradient for a parameter (the engine still runs its AccumulateGrad,
+        # with nothing to add) and _finalize writes p.grad itself: p.grad changed since this backward's book-keeping
+        # saw it means autograd accumulated a gradient from a use outside the backend's calls
+        snap = getattr(p, "_adjoint_ps_snap", None)
+        if snap is not None and snap == (torch._C._current_graph_task_id(), *_grad_state(p)):
+            return
+        raise PerSampleError(
+            f"adjoint-compile per_sample_clip: the parameter {name} {tuple(p.shape)} received an unclipped gradient: "
+            "a use of it ran outside the per-example book-keeping (dynamo's recompile limit or another eager "
+            "fallback, a graph break that ran it eagerly, or the uncompiled model). Clipping would be bypassed; "
+            "pad batches to a few fixed sizes (or compile with dynamic=True), keep parameter uses inside the "
+            "compiled graph, and run an unclipped backward on a copy of the model")
+    return hook
+
+
+def _grad_state(p: Tensor) -> tuple[int, int]:
+    g = p.grad
+    return (0, 0) if g is None else (id(g), g._version)
+
+
+def guard_parameter(p: Tensor, name: str) -> None:
+    """From now on, an ordinary autograd accumulation into ``p.grad`` raises :class:`PerSampleError`."""
+    # NB: the mark holds the parameter's id: copy.deepcopy carries attributes over but not hooks
+    if not isinstance(p, torch.nn.Parameter) or not p.requires_grad or getattr(p, "_adjoint_ps_guard", None) == id(p):
+        return
+    if isinstance(p, torch._subclasses.FakeTensor):
+        return
+    p.register_post_accumulate_grad_hook(_unclipped(name))
+    p._adjoint_ps_guard = id(p)
 
 
 # --- the ops --------------------------------------------------------------------------------------------------------
@@ -201,18 +260,28 @@ def _to_front(x: Tensor, batch_dim: int) -> Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+def _rows(p: Tensor | None, rows: tuple[int, int] | None) -> Tensor | None:
+    return p if p is None or rows is None else p[rows[0]:rows[1]]
+
+
 class _Linear(torch.autograd.Function):
+    """``w_rows`` / ``b_rows``: the use takes rows [r0, r1) of the parameter (a packed projection's slice)."""
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site) -> Tensor:
-        ctx.save_for_backward(x, w)
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site,
+                w_rows: tuple[int, int] | None = None, b_rows: tuple[int, int] | None = None) -> Tensor:
+        wv, bv = _rows(w, w_rows), _rows(b, b_rows)
+        ctx.save_for_backward(x, wv)
         # NB: the parameters themselves (not their saved copies): their .grad is written at the end of the backward
-        ctx.w, ctx.bias, ctx.transposed, ctx.site = w, b, transposed, site
-        return x @ w if transposed else torch.nn.functional.linear(x, w, b)
+        ctx.w, ctx.bias, ctx.transposed, ctx.site, ctx.rows = w, b, transposed, site, (w_rows, b_rows)
+        if transposed:
+            return x @ wv if bv is None else x @ wv + bv
+        return torch.nn.functional.linear(x, wv, bv)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        site, bd = ctx.site, ctx.site.clipper.batch_dim
+        site, bd = ctx.site, ctx.site.bd
         gx = (g @ w.t() if ctx.transposed else g @ w) if ctx.needs_input_grad[0] else None
         z, gf = _to_front(x, bd), _to_front(g, bd)
         if ctx.needs_input_grad[1]:
@@ -224,10 +293,10 @@ class _Linear(torch.autograd.Function):
                     rec = DirectRecord(rec.per_example())
                 else:
                     rec = _DirectNorm(rec)
-            _record(ctx.w, rec, site)
+            _record(ctx.w, rec, site, ctx.rows[0])
         if ctx.bias is not None and ctx.needs_input_grad[2]:
-            _record(ctx.bias, DirectRecord(gf.sum(1)), site)
-        return gx, None, None, None, None
+            _record(ctx.bias, DirectRecord(gf.sum(1)), site, ctx.rows[1])
+        return gx, None, None, None, None, None, None
 
 
 class _DirectNorm(Record):
@@ -247,9 +316,11 @@ class _DirectNorm(Record):
         return self.rec.clipped_sum(c)
 
 
-def ps_linear(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site) -> Tensor:
-    """``linear(x, w, b)`` (or ``x @ w`` when ``transposed``) with per-example book-keeping for w and b."""
-    return _Linear.apply(x, w, b, transposed, site)
+def ps_linear(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool, site: Site,
+              w_rows: tuple[int, int] | None = None, b_rows: tuple[int, int] | None = None) -> Tensor:
+    """``linear(x, w, b)`` (or ``x @ w + b`` when ``transposed``) with per-example book-keeping for w and b (rows
+    [r0, r1) of them when ``w_rows`` / ``b_rows`` are given)."""
+    return _Linear.apply(x, w, b, transposed, site, w_rows, b_rows)
 
 
 class _Embedding(torch.autograd.Function):
@@ -262,7 +333,7 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[None, ...]:
         (idx,) = ctx.saved_tensors
-        bd = ctx.site.clipper.batch_dim
+        bd = ctx.site.bd
         i = idx.movedim(bd, 0).reshape(idx.shape[bd], -1)
         gf = _to_front(g, bd)
         if ctx.padding_idx is not None:
@@ -295,7 +366,7 @@ class _Elementwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, p = ctx.saved_tensors
-        op, bd = ctx.op, ctx.site.clipper.batch_dim
+        op, bd = ctx.op, ctx.site.bd
         gx = None
         if ctx.needs_input_grad[0]:
             gx = (g * p if op == "mul" else -g if op == "rsub" else g).sum_to_size(ctx.xshape)
@@ -326,7 +397,7 @@ class _Generic(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         args = ctx.saved_tensors
-        fn, dims, is_param, bd = ctx.fn, ctx.dims, ctx.is_param, ctx.site.clipper.batch_dim
+        fn, dims, is_param, bd = ctx.fn, ctx.dims, ctx.is_param, ctx.site.bd
         grads: list[Tensor | None] = [None] * len(args)
         want = [i for i, a in enumerate(args) if not is_param[i] and ctx.needs_input_grad[4 + i]]
         if want:
@@ -364,16 +435,70 @@ def ps_generic(fn: Callable[..., Tensor], dims: tuple[int | None, ...], is_param
     return _Generic.apply(fn, dims, is_param, site, *args)
 
 
+def ps_attention(site: Site, a: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    """``F.multi_head_attention_forward`` on batched [T, B, E] inputs (``a``: its arguments by name; no bias_k /
+    bias_v / add_zero_attn / static_k / static_v): the in- and out-projections with per-example book-keeping (the
+    packed in_proj_weight by row slices: q, k and v occupy disjoint rows), the attention itself as torch computes
+    it (scaled_dot_product_attention, or the explicit softmax when the weights are asked for)."""
+    F = torch.nn.functional
+    q, k, v, E, H = a["query"], a["key"], a["value"], a["embed_dim_to_check"], a["num_heads"]
+    T, B, _ = q.shape
+    S, hd = k.shape[0], E // H
+    b_in = a["in_proj_bias"]
+    if a["use_separate_proj_weight"]:
+        ws = [(a["q_proj_weight"], None), (a["k_proj_weight"], None), (a["v_proj_weight"], None)]
+    else:
+        ws = [(a["in_proj_weight"], (i * E, (i + 1) * E)) for i in range(3)]
+    if not a["use_separate_proj_weight"] and q is k and k is v:
+        qp, kp, vp = ps_linear(q, a["in_proj_weight"], b_in, False, site).chunk(3, dim=-1)
+    else:
+        qp, kp, vp = (ps_linear(x, w, b_in, False, site, rows, (i * E, (i + 1) * E))
+                      for i, (x, (w, rows)) in enumerate(zip((q, k, v), ws)))
+    qh, kh, vh = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (qp, kp, vp))  # [B, H, L, hd]
+    attn_mask, kpm, need_weights, is_causal = a["attn_mask"], a["key_padding_mask"], a["need_weights"], a["is_causal"]
+    dropout_p = a["dropout_p"] if a["training"] else 0.0
+    kpm = F._canonical_mask(mask=kpm, mask_name="key_padding_mask", other_type=F._none_or_dtype(attn_mask),
+                            other_name="attn_mask", target_type=q.dtype)
+    if is_causal and attn_mask is None:
+        raise RuntimeError("Need attn_mask if specifying the is_causal hint")
+    if is_causal and kpm is None and not need_weights:
+        mask = None
+    else:
+        is_causal = False
+        mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=q.dtype, check_other=False)
+        if mask is not None:
+            mask = mask.view(B, H, T, S) if mask.dim() == 3 else mask.view(1, 1, T, S)
+        if kpm is not None:
+            kpm = kpm.view(B, 1, 1, S)
+            mask = kpm if mask is None else mask + kpm
+    weights = None
+    if need_weights:
+        scores = (qh * math.sqrt(1.0 / hd)) @ kh.transpose(-2, -1)
+        w = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+        if dropout_p > 0.0:
+            w = F.dropout(w, p=dropout_p)
+        out = w @ vh
+        weights = w.mean(dim=1) if a["average_attn_weights"] else w
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, mask, dropout_p, is_causal)
+    out = out.permute(2, 0, 1, 3).reshape(T, B, E)
+    return ps_linear(out, a["out_proj_weight"], a["out_proj_bias"], False, site), weights
+
+
 class PerSampleCall(torch.nn.Module):
     """The graph's call of one parameter use (passes/lower_per_sample.py): a partition of its own, run eagerly,
     because the inner compiler would trace through the autograd.Function and drop its book-keeping."""
 
     def __init__(self, site: Site, kind: str, *, transposed: bool = False, padding_idx: int | None = None,
                  op: str = "", fn: torch.nn.Module | None = None, dims: tuple[int | None, ...] = (),
-                 is_param: tuple[bool, ...] = ()) -> None:
+                 is_param: tuple[bool, ...] = (), names: tuple[str, ...] = (),
+                 consts: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.site, self.kind, self.transposed, self.padding_idx, self.op = site, kind, transposed, padding_idx, op
         self.fn, self.dims, self.is_param = fn, dims, is_param
+        #: "attention": the names of the tensor arguments (in call order) and the other arguments' values
+        self.names, self.consts = names, consts or {}
 
     def forward(self, *args: Any) -> Tensor:
         if self.kind == "linear":
@@ -383,5 +508,7 @@ class PerSampleCall(torch.nn.Module):
             return ps_embedding(args[0], args[1], self.padding_idx, self.site)
         if self.kind == "elementwise":
             return ps_elementwise(args[0], args[1], self.op, self.site)
+        if self.kind == "attention":
+            return ps_attention(self.site, {**self.consts, **dict(zip(self.names, args))})
         assert self.fn is not None
         return ps_generic(self.fn, self.dims, self.is_param, self.site, *args)

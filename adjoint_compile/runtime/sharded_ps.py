@@ -1,24 +1,29 @@
 """Per-example parameter gradients inside a sharded region (``per_sample_clip`` with the exact adjoint; issue 14).
 
-Each shard's backward recomputes the shard once and pulls back, per example n, the cotangents masked to example n
-(zeros for every other example): since examples do not interact inside a region (batch-mixing ops are refused by
-passes/lower_per_sample.py), that VJP's parameter part is example n's gradient of the shard. The [B, *p.shape]
-gradients are summed over the shards (the direct form adds up over shards; the Gram form would not), so nothing of
-length T is kept, and handed to runtime/per_sample.py as one :class:`~.per_sample.DirectRecord` per parameter.
+Each shard's backward recomputes the shard once with every parameter p made per example: p + z_p with z_p a zero
+[B, *p.shape] input, re-viewed as [B, 1, ..., *p.shape] where it meets the examples (element-wise ops, a norm's
+affine, a linear's weight as one batched matmul): one backward with the whole cotangents gives the gradient of z_p,
+the per-example gradients of p (examples do not interact inside a region: batch-mixing ops are refused by
+passes/lower_per_sample.py). The [B, *p.shape] gradients are summed over the shards (the direct form adds up over
+shards; the Gram form would not), so nothing of length T is kept, and handed to runtime/per_sample.py as one
+:class:`~.per_sample.DirectRecord` per parameter.
 
-NB: not ``torch.func.vmap`` over the examples: the shard programs are specialized to the batch size (a
-``reshape(B, L, D*N)`` in the region), so a vmapped per-example call would not run; B masked VJPs over one
-recomputation cost B backward passes of the shard instead of one. ``EXAMPLES_PER_VJP`` > 1 batches them
-(``is_grads_batched``); on CPU that was not faster and cost memory, so the default is one VJP per example.
+A region whose parameters meet the examples any other way (the rewrite is checked op by op; :class:`_NotExpandable`)
+takes masked VJPs instead: per example n, the cotangents masked to example n, one backward each (B backward passes
+of the shard). NB: not ``torch.func.vmap`` over the examples: the shard programs are specialized to the batch size
+(a ``reshape(B, L, D*N)`` in the region). ``EXAMPLES_PER_VJP`` > 1 batches the masked VJPs (``is_grads_batched``);
+on CPU that was not faster and cost memory, so the default is one VJP per example.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import Tensor
 
 from .per_sample import DirectRecord, Site, _record
@@ -48,6 +53,16 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
     want = [i for i in ps.params if isinstance(xs[i], Tensor)]
     if not want:
         return {}
+    # NB: kept on the program: ``ps`` is a fresh copy per call (the parameters wanted this time)
+    if _EXPANDED[0] and getattr(prog, "ps_expandable", None) is not False:
+        try:
+            got = _expanded_grads(prog, ps, L, xs, carries, first_shard, gos, adjs, t0, autocast, want)
+        except _NotExpandable as e:
+            prog.ps_expandable = False
+            log.info("per_sample_clip: region parameters not expandable per example (%s); masked VJPs", e)
+        else:
+            prog.ps_expandable = True
+            return got
     with torch.enable_grad():
         x_in = [x.detach().requires_grad_(i in want) if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
         cs = [None if c is None else c.detach() for c in carries]
@@ -91,6 +106,172 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
         out[i] = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
     return out
 
+
+class _NotExpandable(Exception):
+    pass
+
+
+#: ops a parameter may pass through before it meets the examples (an extra leading example axis changes nothing)
+_CHAIN = frozenset("exp neg sigmoid tanh softplus log relu silu abs sqrt rsqrt reciprocal clamp float to".split())
+#: element-wise ops where a parameter value meets an example's value (broadcasting from the right)
+_MEET = frozenset("mul add sub truediv div".split())
+_MEET_FNS = {operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add, torch.sub, torch.div}
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -> fx.GraphModule:
+    """The L-step program with every parameter p replaced by ``p + z_p`` (z_p: a zero [B, *p.shape] input) and
+    re-viewed as [B, 1, ..., *shape] where it meets the examples: the gradient of z_p is the per-example gradient
+    of p, from one backward with the whole cotangents."""
+    key = (L, B, ps.params)
+    cache = prog.__dict__.setdefault("ps_expanded", {})
+    if key in cache:
+        return cache[key]
+    gm = fx.GraphModule(prog.program(L), _copy_graph(prog.program(L)))
+    g = gm.graph
+    holders = [n for n in g.nodes if n.op == "placeholder"]
+    last = holders[-1]
+    zs = []
+    for i in ps.params:
+        with g.inserting_after(last):
+            z = g.placeholder(f"per_example_{i}")
+        last = z
+        zs.append(z)
+    chain: set[fx.Node] = set()
+    done: set[fx.Node] = set()
+    todo: list[fx.Node] = []
+    for i, z in zip(ps.params, zs):
+        p = holders[i]
+        users = list(p.users)
+        with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+            pb = g.call_function(operator.add, (p, z))
+        pb.meta = dict(p.meta)  # NB: the parameter's shape: the re-views at the meeting points read it
+        chain.add(pb)
+        todo += users
+        for u in users:
+            u.replace_input_with(p, pb)
+    while todo:
+        u = todo.pop()
+        name = _target_name(u)
+        if u in chain or u in done:
+            continue
+        done.add(u)
+        ins = [a for a in u.all_input_nodes]
+        if all(a in chain for a in ins) and name in _CHAIN and u.op in ("call_function", "call_method") and \
+                not u.kwargs.get("dim"):
+            chain.add(u)
+            todo += list(u.users)
+            continue
+        out = u.meta.get("val", u.meta.get("example_value"))
+        if not isinstance(out, Tensor) or int(out.shape[0]) != B:
+            raise _NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
+        if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
+            u = _split_affine(g, u, chain)
+            ins = [a for a in u.all_input_nodes]
+        elif u.target in (torch.nn.functional.linear, torch._C._nn.linear) and u.args[0] not in chain:
+            _batched_linear(g, u, chain, B)
+            continue
+        elif name not in _MEET or not (u.op == "call_method" or u.target in _MEET_FNS) or len(u.args) != 2:
+            raise _NotExpandable(f"{u.name} ({name}) uses a parameter value")
+        for a in ins:
+            if a in chain:
+                pv = a.meta.get("val", a.meta.get("example_value"))
+                nd = pv.dim() if isinstance(pv, Tensor) else 0
+                if out.dim() - 1 < nd:
+                    raise _NotExpandable(f"{u.name}: the parameter value has more axes than an example")
+                with g.inserting_before(u):
+                    v = g.call_method("view", (a, B, *([1] * (out.dim() - 1 - nd)), *list(pv.shape)))
+                u.replace_input_with(a, v)
+    g.lint()
+    gm.recompile()
+    cache[key] = gm
+    return gm
+
+
+_NORMS = {torch.rms_norm: 2, torch.nn.functional.rms_norm: 2, torch.layer_norm: 3, torch.nn.functional.layer_norm: 3}
+
+
+def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
+    """``norm(x, shape, w, [b,] eps)`` -> ``norm(x, shape, None, [None,] eps) * w (+ b)``; returns the node whose
+    inputs are the parameter values (the caller re-views them)."""
+    n_aff = _NORMS[u.target] - 1
+    args = list(u.args) + [None] * (2 + n_aff + 1 - len(u.args))
+    w, b = args[2], args[3] if n_aff == 2 else None
+    if any(a is not None and a not in chain for a in (w, b)):
+        raise _NotExpandable(f"{u.name}: a norm's affine mixes parameters and examples")
+    with g.inserting_before(u):
+        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []), *args[2 + n_aff:]))
+        out = plain if w is None else g.call_function(operator.mul, (plain, w))
+        if b is not None:
+            out = g.call_function(operator.add, (out, b))
+    for m in (plain, out):
+        m.meta = dict(u.meta)
+    u.replace_all_uses_with(out)
+    g.erase_node(u)
+    if b is not None and w is not None:  # NB: two meeting nodes: re-view w in the product here, b by the caller
+        mul = out.args[0]
+        pv = w.meta.get("val", w.meta.get("example_value"))
+        o = u.meta.get("val", u.meta.get("example_value"))
+        with g.inserting_before(mul):
+            v = g.call_method("view", (w, o.shape[0], *([1] * (o.dim() - 1 - pv.dim())), *list(pv.shape)))
+        mul.replace_input_with(w, v)
+    return out
+
+
+def _batched_linear(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int) -> None:
+    """``linear(x, W, b)`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched matmul."""
+    args = list(u.args) + [u.kwargs.get("bias")] * (3 - len(u.args))
+    x, w, b = args[:3]
+    out = u.meta.get("val", u.meta.get("example_value"))
+    if w not in chain or (b is not None and b not in chain) or out.dim() < 3:
+        raise _NotExpandable(f"{u.name}: a linear whose weight is not a parameter value, or on vectors")
+    pad = [1] * (out.dim() - 3)
+    with g.inserting_before(u):
+        wt = g.call_method("transpose", (g.call_method("view", (w, B, *pad, *w.meta["val"].shape)), -1, -2))
+        y = g.call_function(torch.matmul, (x, wt))
+        if b is not None:
+            y = g.call_function(operator.add, (y, g.call_method("view", (b, B, *pad, 1, b.meta["val"].shape[0]))))
+    y.meta = dict(u.meta)
+    u.replace_all_uses_with(y)
+    g.erase_node(u)
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return g
+
+
+def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any], carries: Sequence[Any],
+                    first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any], t0: int, autocast: tuple,
+                    want: list[int]) -> dict[int, Tensor]:
+    if ps.out_bdims and any(d != 0 for d in (*ps.out_bdims, *ps.carry_bdims)):
+        raise _NotExpandable("the examples are not on axis 0")
+    B = next(g.shape[0] for g in [*gos, *adjs] if g is not None)
+    gm = _expanded_program(prog, ps, L, B)
+    with torch.enable_grad():
+        x_in = [x.detach() if isinstance(x, Tensor) else x for x in xs]
+        zs = [torch.zeros(B, *x_in[i].shape, dtype=x_in[i].dtype, device=x_in[i].device, requires_grad=i in want)
+              for i in ps.params]
+        cs = [None if c is None else c.detach() for c in carries]
+        prevs = [None if first_shard else cs[k] for k in prog.shift_scans]
+        with autocast_as(autocast):
+            res = gm(*x_in, *cs, *prevs, *prog._offset(t0), *zs)
+        pairs = [(y, g) for y, g in zip(res, [*gos, *adjs]) if g is not None and y.requires_grad]
+        wrt = [z for i, z in zip(ps.params, zs) if i in want]
+        if not pairs:
+            return {}
+        got = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    return {i: (g if g is not None else torch.zeros_like(z)) for i, z, g in zip(want, wrt, got)}
+
+
+#: whether the per-example expansion of the parameters is tried (tests switch it off to reach the masked VJPs)
+_EXPANDED = [True]
 
 #: examples per VJP (> 1: batched with is_grads_batched). NB: 1: on the SSM of benchmarks/dp.py (B=8, T=128, CPU)
 #: 4 and 8 were no faster than one VJP per example (40-55 and 35-40 ms against 28-45 ms, noisy) and held 3.4x and
