@@ -32,6 +32,9 @@ class TimeLocalInfo:
     #: previous-state readouts ``cat([first, h[:, :-1]], dim=d)`` of a scan output ``h``: cat node -> the parts.
     #: Within a shard, the step before the shard's first one is the scan's carry, so the shift stays time-local.
     shifts: dict[fx.Node, "Shift"] = dataclasses.field(default_factory=dict)
+    #: causal convolutions along time joined to regions (``analyze(..., halo=True)``): conv node -> the parts.
+    #: Within a shard, the ``halo`` steps before the shard's first one are carried from the shard on its left.
+    convs: dict[fx.Node, "CausalConv"] = dataclasses.field(default_factory=dict)
 
     def carries_step(self, n: fx.Node) -> bool:
         return self.step_dim.get(n) is not None
@@ -59,6 +62,17 @@ class Shift:
     scan: fx.Node
     dim: int
 
+
+@dataclasses.dataclass(frozen=True)
+class CausalConv:
+    """``out = conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` along x's last dim (its step dim ``dim``),
+    with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step."""
+
+    conv: fx.Node
+    sliced: fx.Node
+    input: fx.Node
+    halo: int
+    dim: int
 
 
 Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]

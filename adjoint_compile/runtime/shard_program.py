@@ -13,11 +13,17 @@ and :meth:`ShardProgram.program` is F_L as an FX graph::
     (region inputs, each step-carrying one sliced to L steps at its step dim,
      carry_0..carry_{K-1}          the state before the shard, scan k's state shape (its output without the step dim),
                                    or None for the sequence's h0 = zeros,
+     halo_0..halo_{C-1}            per causal conv along time, the p steps of its input before the shard (None in the
+                                   sequence's first shard: zeros, the conv's own padding),
      prev_0..prev_{J-1}            per previous-state readout cat([first, h^k[:, :-1]]): the carry of scan k,
                                    or None in the sequence's first shard (the readout then gives its own ``first``),
      [step_offset])                the shard's first step s as an int64 scalar, only when the region has hashed
                                    dropouts (their masks are a function of each element's position in the full tensor)
-    -> (outputs, each with L steps at its step dim, ..., final state of scan 0, ..., of scan K-1)
+    -> (outputs, each with L steps at its step dim, ..., final state of scan 0, ..., of scan K-1,
+        last p input steps of conv 0, ..., of conv C-1)
+
+The carries (K scan states, then C conv halos) flow left to right in the forward and their cotangents right to left
+in the backward: a conv's halo cotangent is what the shard on its left adds to its last p input steps.
 
 Region graphs come from dynamo with literal sizes: view/reshape/expand arguments equal to T at the step position
 are rewritten to L, and the L-step program is run on fake tensors node by node: every node must have its
@@ -43,7 +49,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..analysis.fx import is_linear_scan, scan_args
-from ..analysis.time_local import TimeLocalInfo, analyze
+from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
@@ -85,6 +91,21 @@ def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> to
     """The step before a shard's first one in a previous-state readout: the carried state, or ``first`` in the
     sequence's first shard (where the readout gives its own ``first``)."""
     return first if prev is None else prev.unsqueeze(d).to(first.dtype)
+
+
+def _with_halo(halo: torch.Tensor | None, x: torch.Tensor, p: int, d: int) -> torch.Tensor:
+    """A causal conv's shard input with the p steps before it: the carried halo, or zeros (the conv's padding) in the
+    sequence's first shard."""
+    if halo is None:
+        shp = list(x.shape)
+        shp[d] = p
+        halo = x.new_zeros(shp)
+    return torch.cat([halo.to(x.dtype), x], d)
+
+
+def _halo_out(xp: torch.Tensor, p: int, d: int) -> torch.Tensor:
+    """The halo the next shard reads: the last p steps of this shard's padded conv input."""
+    return xp.narrow(d, xp.shape[d] - p, p)
 
 
 def _ev(n: fx.Node) -> Any:
@@ -224,13 +245,16 @@ class ShardProgram:
         seeds = {p: d for p, d in zip(self.placeholders, self.in_step_dims) if d is not None}
         for s in self.scans:
             seeds[s] = scan_args(s)["dim"]
-        info = analyze(self.region_gm, seeds)
+        # NB: causal convs are carried by the exact sweep only; the truncated adjoint's ν carries scans alone
+        info = analyze(self.region_gm, seeds, halo=self.window is None)
         for n in self.region_gm.graph.nodes:
             if n in info.mixing and n.op != "placeholder":
                 raise UnsupportedRegion(f"node {n.name} mixes steps: {info.mixing[n]}")
         self.info: TimeLocalInfo = info
         #: for each previous-state readout, the index of the scan whose carry it reads in later shards
         self.shift_scans = [self.scans.index(sh.scan) for sh in info.shifts.values()]
+        #: the causal convs along time, whose halos are carried after the scans' states
+        self.convs = list(info.convs.values())
         self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
         for n, d in zip(self.out_nodes, self.out_step_dims):
             if d is None:
@@ -242,11 +266,21 @@ class ShardProgram:
                              f"at {self.out_step_dims}")
         self.scan_dims = [info.step_dim[s] for s in self.scans]
         self.carry_shapes = []
+        self.carry_dtypes = []
         for s, d in zip(self.scans, self.scan_dims):
             shp = list(_ev(s).shape)
             del shp[d]
             self.carry_shapes.append(tuple(shp))
-        self.shard_size = shard_size or default_shard_size(self.T, max(math.prod(c) for c in self.carry_shapes))
+            self.carry_dtypes.append(_ev(s).dtype)
+        for cc in self.convs:
+            shp = list(_ev(cc.input).shape)
+            shp[cc.dim] = cc.halo
+            self.carry_shapes.append(tuple(shp))
+            self.carry_dtypes.append(_ev(cc.input).dtype)
+        #: scan states, then conv halos: the carries a sweep hands from shard to shard
+        self.n_carries = len(self.carry_shapes)
+        self.shard_size = shard_size or default_shard_size(
+            self.T, max(math.prod(c) for c in self.carry_shapes[:len(self.scans)]))
         self.specialized = {}
         # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
         # alternating between two devices compiles twice, not on every switch
@@ -282,11 +316,18 @@ class ShardProgram:
         for n in self.placeholders:
             env[n] = g.node_copy(n, env.__getitem__)
         carries = [g.placeholder(f"carry_{k}") for k in range(len(self.scans))]
+        halos = [g.placeholder(f"halo_{j}") for j in range(len(self.convs))]
+        conv_of = {cc.conv: j for j, cc in enumerate(self.convs)}
+        slice_of = {cc.sliced: cc.conv for cc in self.convs}
+        padded: list[fx.Node] = []
         shifts = list(self.info.shifts.items())
         prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
         t0 = g.placeholder("step_offset") if self.random else None
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
+                continue
+            if n in slice_of:  # NB: the conv of a padded shard input gives L steps: nothing to cut
+                env[n] = env[slice_of[n]]
                 continue
             new = g.node_copy(n, env.__getitem__)
             env[n] = new
@@ -295,6 +336,14 @@ class ShardProgram:
                 with g.inserting_before(new):
                     head = g.call_function(_prev_or_first, (prevs[shifts.index((n, sh))], env[sh.first], sh.dim))
                 new.args = ([head, env[sh.sliced]], *new.args[1:])
+            if n in conv_of:
+                cc = self.convs[conv_of[n]]
+                a = conv_args(new)
+                with g.inserting_before(new):
+                    xp = g.call_function(_with_halo, (halos[conv_of[n]], a["input"], cc.halo, cc.dim))
+                padded.append(xp)
+                new.args = (xp, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
+                new.kwargs = {}
             if n in self.random:
                 # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None): place it in the sequence
                 a = list(new.args) + [None] * (7 - len(new.args))
@@ -309,6 +358,7 @@ class ShardProgram:
             else:
                 new.kwargs = {**new.kwargs, "h0": carries[k]}
         finals = [g.call_function(torch.select, (env[s], d, -1)) for s, d in zip(self.scans, self.scan_dims)]
+        finals += [g.call_function(_halo_out, (xp, cc.halo, cc.dim)) for xp, cc in zip(padded, self.convs)]
         g.output(tuple(env[n] for n in self.out_nodes) + tuple(finals))
         return fx.GraphModule(self.region_gm, g), env
 
@@ -350,8 +400,9 @@ class ShardProgram:
                 if d is not None:
                     shp[d] = L
                 args.append(torch.empty(shp, dtype=v.dtype, device=v.device))
-            for s, shp in zip(self.scans, self.carry_shapes):
-                args.append(torch.empty(shp, dtype=_ev(s).dtype, device=_ev(s).device))
+            dev = _ev(self.scans[0]).device
+            for shp, dt in zip(self.carry_shapes, self.carry_dtypes):
+                args.append(torch.empty(shp, dtype=dt, device=dev))
             args += [args[len(self.placeholders) + k] for k in self.shift_scans]
             if self.random:
                 args.append(torch.zeros((), dtype=torch.int64))
@@ -379,8 +430,8 @@ class ShardProgram:
         return [(s, min(s + self.shard_size, self.T)) for s in range(0, self.T, self.shard_size)]
 
     def initial_carries(self, inputs: Sequence[Any]) -> list[Any]:
-        """The first shard's carries: per scan, its h0 input, or None (zeros)."""
-        return [None if i is None else inputs[i] for i in self.h0_input]
+        """The first shard's carries: per scan, its h0 input, or None (zeros); per conv, None (its zero padding)."""
+        return [None if i is None else inputs[i] for i in self.h0_input] + [None] * len(self.convs)
 
     def shard_inputs(self, inputs: Sequence[Any], s: int, L: int) -> list[Any]:
         """The region inputs for steps [s, s+L): step-carrying ones sliced, step-free ones whole.
