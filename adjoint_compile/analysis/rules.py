@@ -331,6 +331,13 @@ def along_dim(dim_pos: int, dim_kw: str = "dim", default: Any = None) -> Rule:
     return rule
 
 
+def repeat_interleave(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """``x.repeat_interleave(repeats, dim)``: local along any dim but the step (no dim: a flattening, mixing)."""
+    if ctx.sd(ctx.arg(1, "repeats")) is not None:
+        return None, "repeat_interleave with per-step repeats"
+    return along_dim(2)(node, ctx)
+
+
 def norm_layer(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     x, shape = ctx.arg(0, "input"), ctx.arg(1, "normalized_shape")
     for extra in nodes_in((node.args[2:], {k: v for k, v in node.kwargs.items() if k != "input"})):

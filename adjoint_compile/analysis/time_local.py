@@ -87,6 +87,7 @@ _by_name(["unbind"], lr.split_like(1, drop=True))
 _by_name(ops.CATS, lr.cat(False))
 _by_name(["stack"], lr.cat(True))
 _by_name(ops.CONVS, r.conv)
+_by_name(ops.REPEATS, r.repeat_interleave)
 _by_name(["pad"], r.pad)
 # NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
 _by_name(["hashed_dropout"], r.same_shape)
