@@ -120,7 +120,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
-    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)
+    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
         # too: at short T they outweigh what sharding saves
@@ -128,6 +128,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
                                                   for i in mod.per_sample.params)
         memory["sharded"] += memory["per_example"]
     why = declines(memory, -(-T // S))
+    if not why and S >= T and rewrite == "adjoint":
+        # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
+        # changes the gradients the user asked for)
+        why = f"one shard: T={T} ≤ shard {mod._plan.wanted_shard_size}; set shard_size to shard it"
     if why:
         raise Declined(why, memory)
 
@@ -196,12 +200,13 @@ def _per_step_read(u: fx.Node) -> bool:
 
 
 def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo, T: int, S: int,
-                    inputs: list[fx.Node] = (), outputs: list[fx.Node] = ()) -> dict[str, int]:
+                    inputs: list[fx.Node] = (), outputs: list[fx.Node] = (), halos: int = 0) -> dict[str, int]:
     """What the region keeps for backward, estimated from the example shapes (bytes).
 
     ``autograd``: every step-carrying intermediate of the region, the most ordinary autograd can save (it saves a
-    subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states at the ⌈T/S⌉ - 1
-    shard boundaries plus one shard's intermediates while it is recomputed in backward. ``inputs``: the region's
+    subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states and the conv halos
+    (``halos``: bytes per boundary) at the ⌈T/S⌉ - 1 shard boundaries plus one shard's intermediates while it is
+    recomputed in backward. ``inputs``: the region's
     step-carrying inputs (saved either way). ``kept_outside``: full-length outputs read step by step outside the
     region (``unbind``, or two or more one-step reads: a bare scan whose states T unrolled ops read): what those
     ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
@@ -209,7 +214,7 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     S = min(S, T)  # NB: a shard_size over T is one shard of T steps
     per_region = sum(_own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
-    boundaries = (-(-T // S) - 1) * states
+    boundaries = (-(-T // S) - 1) * (states + halos)
     members = set(nodes)
     kept = sum(_nbytes(_ev(o)) for o in outputs if info.step_dim.get(o) is not None and
                sum(u not in members and _per_step_read(u) for u in o.users) >= 2 or

@@ -57,7 +57,7 @@ from .truncated import nu_shape, truncate_program
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size"]
+__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size", "wanted_shard_size"]
 
 _SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 
@@ -79,12 +79,17 @@ def default_shard_size(T: int, step_elements: int = 0) -> int:
     elements per step) so that each shard has enough work to amortize per-op overhead; one shard's memory is then
     still bounded by a constant, independent of T.
     """
+    return min(wanted_shard_size(T, step_elements), T)
+
+
+def wanted_shard_size(T: int, step_elements: int = 0) -> int:
+    """:func:`default_shard_size` before it is cut to T (a region of fewer steps runs as one shard of T)."""
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"T={T!r}: expected a number of steps >= 1")
     S = max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
     if step_elements > 0:
         S = max(S, -(-MIN_SHARD_ELEMENTS // step_elements))
-    return min(S, T)
+    return S
 
 
 def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:
@@ -219,6 +224,11 @@ class ShardProgram:
 
     # ---------------------------------------------------------------------------------------------- preparation
 
+    def halo_bytes(self) -> int:
+        """Bytes of one shard boundary's conv halos (the carries after the scans' states)."""
+        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes[len(self.scans):],
+                                                              self.carry_dtypes[len(self.scans):]))
+
     def prepare(self, inputs: Sequence[Any], shard_size: int | None) -> int:
         """Propagate (fake) full-length shapes, analyse the step axis, check that the region is time-local, choose
         the shard size (``shard_size``, or :func:`default_shard_size` when None) and build and check the programs
@@ -279,8 +289,10 @@ class ShardProgram:
             self.carry_dtypes.append(_ev(cc.input).dtype)
         #: scan states, then conv halos: the carries a sweep hands from shard to shard
         self.n_carries = len(self.carry_shapes)
-        self.shard_size = shard_size or default_shard_size(
+        #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
+        self.wanted_shard_size = shard_size or wanted_shard_size(
             self.T, max(math.prod(c) for c in self.carry_shapes[:len(self.scans)]))
+        self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
         self.specialized = {}
         # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
         # alternating between two devices compiles twice, not on every switch
