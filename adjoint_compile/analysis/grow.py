@@ -14,7 +14,7 @@ import torch.fx as fx
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
 from .optable import POINTWISE, op_name
-from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, rule_for
+from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, padded_causal_conv, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,10 @@ def _through_conv(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
         m = causal_conv(n.args[0])
         if m is not None and m[0] is n and d == len(step_shape(n)) - 1:
             return {n.args[0]: d}
-    if causal_conv(n) is not None and d == len(step_shape(n)) - 1:
+    if (causal_conv(n) is not None or padded_causal_conv(n) is not None) and d == len(step_shape(n)) - 1:
         return {conv_args(n)["input"]: d}
+    if len(n.users) == 1 and (m := padded_causal_conv(next(iter(n.users)))) is not None and m[0] is n:
+        return {n.args[0]: d} if d == len(step_shape(n)) - 1 else None
     return None
 
 

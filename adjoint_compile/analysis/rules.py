@@ -65,14 +65,16 @@ class Shift:
 
 @dataclasses.dataclass(frozen=True)
 class CausalConv:
-    """``out = conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` along x's last dim (its step dim ``dim``),
-    with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step."""
+    """``out = conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` (``sliced`` is the cut) or
+    ``out = conv1d(F.pad(x, (p, 0)), w, b, dilation=...)`` (``pad`` is the pad) along x's last dim (its step dim
+    ``dim``), with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step."""
 
     conv: fx.Node
-    sliced: fx.Node
+    sliced: fx.Node | None
     input: fx.Node
     halo: int
     dim: int
+    pad: fx.Node | None = None
 
 
 Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]

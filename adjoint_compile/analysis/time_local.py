@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from . import layout_rules as lr
 from . import optable as ops
@@ -41,7 +42,7 @@ from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_lab
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TimeLocalInfo", "Shift", "CausalConv", "analyze", "causal_conv", "conv_args", "drops_last_step", "rule_for",
+__all__ = ["TimeLocalInfo", "Shift", "CausalConv", "analyze", "causal_conv", "conv_args", "padded_causal_conv", "drops_last_step", "rule_for",
            "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -214,21 +215,52 @@ def causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
     return (user, p) if _keeps_first(user, xs[-1], -1) else None
 
 
+def _left_pad(node: fx.Node) -> int | None:
+    """p when ``node`` is ``F.pad(x, (p, 0))`` with zeros (p > 0) along x's last dim only."""
+    if not (node.op == "call_function" and node.target in (F.pad, torch._C._nn.pad)):
+        return None
+    names = ("input", "pad", "mode", "value")
+    a = {**dict(zip(names, node.args)), **node.kwargs}
+    pad = a.get("pad")
+    if (not isinstance(a.get("input"), fx.Node) or a.get("mode", "constant") != "constant"
+            or a.get("value") not in (None, 0, 0.0) or not isinstance(pad, (list, tuple)) or len(pad) != 2
+            or not all(isinstance(v, int) for v in pad) or pad[1] != 0 or pad[0] <= 0):
+        return None
+    return pad[0]
+
+
+def padded_causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the pad before it, halo p) when ``node`` is ``conv1d(F.pad(x, (p, 0)), w, b, stride=1, padding=0,
+    dilation)`` with p = dilation·(k-1) > 0: a causal conv along x's last dim written with an explicit pad."""
+    a = conv_args(node)
+    if a is None or not isinstance(a["input"], fx.Node) or len(a["input"].users) != 1:
+        return None
+    ws = step_shape(a["weight"]) if isinstance(a["weight"], fx.Node) else None
+    stride, pad, dil = _one(a["stride"]), _one(a["padding"]), _one(a["dilation"])
+    p = _left_pad(a["input"])
+    if p is None or ws is None or len(ws) != 3 or stride != 1 or pad != 0 or not isinstance(dil, int):
+        return None
+    return (a["input"], p) if p == dil * (ws[-1] - 1) else None
+
+
 def _conv_in_region(node: fx.Node, info: TimeLocalInfo) -> CausalConv | None:
     """``node`` as a causal conv whose input carries the step axis at its last dim and whose weight and bias are
     step-free: a shard computes it from its own steps and the p steps before it (the halo)."""
-    m = causal_conv(node)
-    if m is None:
-        return None
-    sliced, p = m
     a = conv_args(node)
-    x, s = a["input"], step_shape(a["input"])
+    if (m := causal_conv(node)) is not None:
+        (sliced, p), pad, x = m, None, a["input"]
+    elif (m := padded_causal_conv(node)) is not None:
+        (pad, p), sliced = m, node
+        x = pad.args[0] if pad.args else pad.kwargs["input"]
+    else:
+        return None
+    s = step_shape(x)
     d = info.step_dim.get(x)
     if (d is None or d != len(s) - 1 or x in info.mixing or info.step_dim.get(a["weight"]) is not None
             or (isinstance(a["bias"], fx.Node) and info.step_dim.get(a["bias"]) is not None)
             or (info.length is not None and step_shape(sliced)[d] != info.length)):
         return None
-    return CausalConv(conv=node, sliced=sliced, input=x, halo=p, dim=d)
+    return CausalConv(conv=node, sliced=None if pad is not None else sliced, input=x, halo=p, dim=d, pad=pad)
 
 
 def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
@@ -308,12 +340,20 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
             if a in pending_slices and node not in info.shifts:
                 info.step_dim[a] = None
                 info.mixing[a] = "slicing along the step dim (not part of a previous-state readout)"
+        if halo and node.op == "call_function" and _left_pad(node) is not None and len(node.users) == 1 and (
+                padded_causal_conv(next(iter(node.users))) is not None):
+            # NB: tentatively local (T + p steps); the conv after it, when it joins, cuts it back to T
+            info.step_dim[node] = info.step_dim.get(node.args[0] if node.args else node.kwargs.get("input"))
+            continue
         if halo and (cc := _conv_in_region(node, info)) is not None:
             info.step_dim[node] = cc.dim
             info.convs[node] = cc
             continue
+        if halo and (m := padded_causal_conv(node)) is not None and m[0] not in info.mixing:
+            info.step_dim[m[0]] = None  # NB: the tentatively local pad before a conv that does not join
+            info.mixing[m[0]] = "pad along the step dim (before a conv that cannot join a region)"
         if (node.op == "call_function" and node.target is operator.getitem and node.args
-                and node.args[0] in info.convs):
+                and node.args[0] in info.convs and info.convs[node.args[0]].sliced is node):
             info.step_dim[node] = info.convs[node.args[0]].dim
             continue
         inputs = nodes_in((node.args, node.kwargs))

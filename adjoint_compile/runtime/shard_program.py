@@ -330,7 +330,9 @@ class ShardProgram:
         carries = [g.placeholder(f"carry_{k}") for k in range(len(self.scans))]
         halos = [g.placeholder(f"halo_{j}") for j in range(len(self.convs))]
         conv_of = {cc.conv: j for j, cc in enumerate(self.convs)}
-        slice_of = {cc.sliced: cc.conv for cc in self.convs}
+        # NB: a conv of a padded shard input gives L steps: the cut after it, or the pad before it, goes
+        skip = {cc.sliced: cc.conv for cc in self.convs if cc.sliced is not None}
+        skip.update({cc.pad: cc.input for cc in self.convs if cc.pad is not None})
         padded: list[fx.Node] = []
         shifts = list(self.info.shifts.items())
         prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
@@ -338,8 +340,8 @@ class ShardProgram:
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
                 continue
-            if n in slice_of:  # NB: the conv of a padded shard input gives L steps: nothing to cut
-                env[n] = env[slice_of[n]]
+            if n in skip:
+                env[n] = env[skip[n]]
                 continue
             new = g.node_copy(n, env.__getitem__)
             env[n] = new
