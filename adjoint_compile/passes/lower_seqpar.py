@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..analysis.fx import example_value, is_linear_scan, scan_args
 from ..analysis.rules import op_label, step_shape
