@@ -128,9 +128,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
                                                   for i in mod.per_sample.params)
         memory["sharded"] += memory["per_example"]
     why = declines(memory, -(-T // S))
-    if not why and S >= T and rewrite == "adjoint":
+    if not why and S >= T and rewrite == "adjoint" and opts.sequence_parallel is None:
         # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
-        # changes the gradients the user asked for)
+        # changes the gradients the user asked for; under sequence_parallel every rank must lower the same regions,
+        # whatever the length of its slice)
         why = f"one shard: T={T} ≤ shard {mod._plan.wanted_shard_size}; set shard_size to shard it"
     if why:
         raise Declined(why, memory)
