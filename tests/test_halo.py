@@ -201,24 +201,16 @@ def _hf_loss(y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,shard", [("mamba", 1), ("mamba", 3), ("mamba", 4), ("mamba2", 1), ("mamba2", 5)])
 def test_transformers_mamba_stacks_are_one_region(kind, shard):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "mamba":
-        cfg = transformers.MambaConfig(vocab_size=32, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
-                                       conv_kernel=4)
-        base = transformers.MambaModel(cfg)
-    else:
-        cfg = transformers.Mamba2Config(vocab_size=32, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                        num_heads=4, head_dim=8, n_groups=1, expand=2, chunk_size=8)
-        base = transformers.Mamba2Model(cfg)
+    from test_real_models_modes import _hf
 
-    class Hidden(nn.Module):
+    model, call, ids = _hf(kind)  # tiny configs, 2 layers, T = 21
+
+    class Logits(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.base = base
+            self.model = model
 
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.base(input_ids=ids).last_hidden_state
+        def forward(self, i: torch.Tensor) -> torch.Tensor:
+            return call(self.model, i)
 
-    ids = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(1))
-    _one_region(_check(Hidden(), ids, {"shard_size": shard}, loss=_hf_loss), 2, shard)
+    _one_region(_check(Logits(), ids, {"shard_size": shard}, loss=_hf_loss), 2, shard)
