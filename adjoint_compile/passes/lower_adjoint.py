@@ -114,6 +114,12 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
+    for n, d in [*zip(inputs, in_dims), *zip(outputs, out_dims)]:
+        v = _ev(n)
+        if d is not None and isinstance(v, torch.Tensor) and v.shape[d] != T:
+            # NB: a causal conv's padded input or output, cut apart from the conv by the region's edge
+            raise UnsupportedRegion(f"{n.name} has {v.shape[d]} steps, not T={T}: a causal conv without its pad "
+                                    f"or slice in the region")
     rewrite, window = _rewrite(opts)
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window)
     if ps_kinds is not None:
