@@ -1,5 +1,5 @@
-"""A Mamba-like stack with the causal depthwise conv before each scan: the conv mixes steps, so each layer is its
-own sharded region.
+"""A Mamba-like stack with the causal depthwise conv before each scan: in mode="exact" the whole stack is one sharded
+region (each shard reads the conv's k-1 input steps before it from the shard on its left).
 
 One layer (:class:`MambaBlock`), on u [B, T, d_model]:
 
@@ -9,9 +9,9 @@ One layer (:class:`MambaBlock`), on u [B, T, d_model]:
     h_t   = exp(Δ_t ⊙ A) ⊙ h_{t-1} + (Δ_t ⊙ x_t) ⊗ B_t   # ac.ops.linear_scan over T on [B, T, D*N]
     out   = out_proj(((h ⊙ C).sum(-1) + D_skip ⊙ x) ⊙ silu(z))
 
-:class:`MambaStack` joins K layers with pre-norm residuals. The backend grows one region per scan: it ends where
-the conv begins (the conv keeps ordinary autograd; it saves one [B, T, D] input, not a [B, T, D, N] state) and
-takes the rest of the layer, the residual and the next layer's projections up to its conv.
+:class:`MambaStack` joins K layers with pre-norm residuals. The backend grows one region around all the scans,
+convs included: what it keeps for the backward is the scan states and k-1 steps of each conv's input at every shard
+boundary, and nothing of length T.
 
     python examples/mamba_conv.py             # prints adjoint_compile.explain(...)
 """

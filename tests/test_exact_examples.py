@@ -43,7 +43,9 @@ def test_selective_ssm_stack_gradients_equal_autograd(shard):
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     got = _step(f, model, x, w)
     res = ac.report(f).compiled[-1]
-    assert res.lowered and all(r.rewrite == "adjoint" for r in res.regions if r.kind == "linear_recurrence")
+    want = "adjoint" if shard < 37 else "none"  # NB: one shard of all 37 steps saves nothing: declined
+    assert all(r.rewrite == want for r in res.regions if r.kind == "linear_recurrence")
+    assert bool(res.lowered) == (want == "adjoint")
     assert len(got) == len(ref) > 20
     for a, b in zip(got, ref):
         assert _rel(a, b) <= 1e-5
@@ -121,7 +123,7 @@ def test_the_residual_chain_swallowed_by_the_sharded_region_says_so():
 
     torch.manual_seed(0)
     model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=3)
-    report = ac.explain(model, torch.randn(2, 16, 8), options={"inner": "eager"})
+    report = ac.explain(model, torch.randn(2, 16, 8), options={"inner": "eager", "shard_size": 4})
     rows = report.to_dict()["regions"]
     chains = [r for r in rows if r["kind"] == "residual_chain"]
     assert chains and all(r["rewrite"] == "none" for r in chains)
@@ -137,10 +139,10 @@ def test_the_residual_chain_swallowed_by_the_sharded_region_says_so():
     assert other and all("shards recurrences only" in r["reason"] for r in other)
 
 
-@pytest.mark.parametrize("shard", [1, 6, 64])
-def test_mamba_with_causal_conv_every_layer_is_its_own_sharded_region(shard):
-    """The conv between layers mixes steps: each scan gets a region of its own (the upstream side of the conv path
-    is left to the next region, rather than dropping the scan), with exact gradients through all of them."""
+@pytest.mark.parametrize("shard", [1, 6, 36])
+def test_mamba_with_causal_conv_is_one_sharded_region(shard):
+    """The causal conv between layers joins the region (each shard carries its halo): the three scans run in one
+    sharded region, with exact gradients through all of them."""
     spec = importlib.util.spec_from_file_location("example_mamba_conv", ROOT / "examples" / "mamba_conv.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -153,6 +155,6 @@ def test_mamba_with_causal_conv_every_layer_is_its_own_sharded_region(shard):
     res = ac.report(f).compiled[-1]
     rec = [r for r in res.regions if r.kind == "linear_recurrence"]
     assert len(rec) == 3 and all(r.rewrite == "adjoint" for r in rec), [r.reason for r in rec]
-    assert len(res.lowered) == 3
+    assert len(res.lowered) == 1
     for a, b in zip(got, ref):
         assert _rel(a, b) <= 1e-5

@@ -52,7 +52,8 @@ def test_explain_one_scan_per_layer_whatever_T_and_path():
     sizes = []
     for T, assoc in ((16, False), (64, True)):
         model = _mamba(assoc)
-        rep = ac.explain(lambda i: model(i).logits, torch.randint(0, 32, (2, T)), options={"inner": "eager"})
+        rep = ac.explain(lambda i: model(i).logits, torch.randint(0, 32, (2, T)),
+                         options={"inner": "eager", "shard_size": 8})
         lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
         assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == T for r in lin), str(rep)
         assert all(CAPTURED in r.reason for r in lin), str(rep)
@@ -108,7 +109,8 @@ CAPTURED2 = "captured by adjoint-compile's polyfill for transformers' mamba2_chu
 
 def test_mamba2_explain():
     model = _mamba2()
-    rep = ac.explain(lambda i: model(i).logits, torch.randint(0, 32, (2, 16)), options={"inner": "eager"})
+    rep = ac.explain(lambda i: model(i).logits, torch.randint(0, 32, (2, 16)),
+                     options={"inner": "eager", "shard_size": 8})
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == 16 and CAPTURED2 in r.reason
                                  for r in lin), str(rep)

@@ -61,6 +61,6 @@ def test_exact_mode_still_shards_the_stack():
     """The negative twin: in exact mode the scans' sharded region absorbs the chain (exact across layers)."""
     torch.manual_seed(22)
     m = runpy.run_path(str(ROOT / "examples" / "selective_ssm.py"))["make"](n_layers=3)
-    rep = ac.explain(m, torch.randn(2, 7, 16))
+    rep = ac.explain(m, torch.randn(2, 7, 16), options={"shard_size": 3})
     assert {r.rewrite for r in rep.regions if r.kind == "linear_recurrence"} == {"adjoint"}
     assert all("run inside the sharded region" in r.reason for r in rep.regions if r.kind == "residual_chain")

@@ -104,7 +104,7 @@ def test_polyfills_survive_dynamo_reset_and_late_imports():
 
 
 def test_explain_names_the_implementation():
-    rep = ac.explain(_mamba(pscan=True, d_model=16), torch.randn(1, 64, 16))
+    rep = ac.explain(_mamba(pscan=True, d_model=16), torch.randn(1, 64, 16), options={"shard_size": 16})
     scans = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert [(r.source, r.rewrite, r.length) for r in scans] == [("registered_scan", "adjoint", 64)] * 2
     assert rep.to_dict()["regions"][0]["details"]["implementation"] == "mambapy.pscan.PScan"

@@ -100,13 +100,17 @@ def test_form_rewritten_and_exact(form, T, shard):
     if form == "generic" and T == 1:  # no combine is ever called: the tree is the identity, nothing to recognize
         assert not recs
         return
+    if T == 1:  # one shard: declined, ordinary autograd
+        assert [(r.source, r.rewrite) for r in recs] == [(FORMS[form], "none")], str(ac.report(f))
+        assert recs[0].reason == "one shard: T=1 ≤ shard 1; set shard_size to shard it"
+        return
     assert [(r.source, r.rewrite) for r in recs] == [(FORMS[form], "adjoint")], str(ac.report(f))
     assert res.lowered
 
 
 def test_explain_reports_the_form():
     torch.manual_seed(0)
-    rep = ac.explain(Form("log_space"), torch.randn(2, 9, D))
+    rep = ac.explain(Form("log_space"), torch.randn(2, 9, D), options={"shard_size": 3})
     (r,) = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert (r.source, r.length, r.rewrite) == ("log_space_scan", 9, "adjoint")
     assert "log_space_scan" in str(rep) and not rep.rejections

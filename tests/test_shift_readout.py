@@ -57,11 +57,14 @@ def test_previous_state_readout_is_sharded_with_exact_gradients(first, T, shard)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     out, g = _grads(f, model, x, h0)
     res = ac.report(f).compiled[-1]
-    assert res.lowered, [r.reason for r in res.regions]
-    region = res.captured.gm.get_submodule(res.lowered[0]) if "." not in res.lowered[0] else None
-    # the whole readout is inside the region: its only output is the layer's output
-    assert region is not None and len(region._plan.info.shifts) == 1
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    if T <= shard:  # one shard saves nothing: declined (the gradients below are then ordinary autograd's)
+        assert not res.lowered and any(r.reason.startswith("one shard: T=1") for r in res.regions)
+    else:
+        assert res.lowered, [r.reason for r in res.regions]
+        region = res.captured.gm.get_submodule(res.lowered[0]) if "." not in res.lowered[0] else None
+        # the whole readout is inside the region: its only output is the layer's output
+        assert region is not None and len(region._plan.info.shifts) == 1
     assert len(g) == len(ref_g)
     for a, b in zip(g, ref_g):
         assert (a is None) == (b is None)
@@ -149,10 +152,13 @@ def test_pad_style_previous_state_readout_is_sharded_with_exact_gradients(form, 
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     out, g = _grads(f, model, x, None)
     res = ac.report(f).compiled[-1]
-    assert res.lowered, [r.reason for r in res.regions]
-    nodes = [n for m in res.captured.gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
-    assert not any(n.target in _PADS for n in nodes)
-    assert any(n.meta.get("adjoint_compile", {}).get("pass") == "canonical_shifts" for n in nodes)
+    if T <= shard:  # one shard saves nothing: declined
+        assert not res.lowered and any(r.reason.startswith("one shard: T=1") for r in res.regions)
+    else:
+        assert res.lowered, [r.reason for r in res.regions]
+        nodes = [n for m in res.captured.gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+        assert not any(n.target in _PADS for n in nodes)
+        assert any(n.meta.get("adjoint_compile", {}).get("pass") == "canonical_shifts" for n in nodes)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ import torch.fx as fx
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
 from .optable import POINTWISE, op_name
-from .time_local import TimeLocalInfo, analyze, rule_for
+from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, padded_causal_conv, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,22 @@ def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
     return best[0][1]
 
 
+def _through_conv(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
+    """The walk back through a causal conv along time (:func:`~.time_local.causal_conv`): its slice wants the conv,
+    the conv its input, at the same (last) dim."""
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        m = causal_conv(n.args[0])
+        if m is not None and m[0] is n and d == len(step_shape(n)) - 1:
+            return {n.args[0]: d}
+    if (causal_conv(n) is not None or padded_causal_conv(n) is not None) and d == len(step_shape(n)) - 1:
+        return {conv_args(n)["input"]: d}
+    if len(n.users) == 1 and (m := padded_causal_conv(next(iter(n.users)))) is not None and m[0] is n:
+        return {n.args[0]: d} if d == len(step_shape(n)) - 1 else None
+    return None
+
+
 def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
-                    extra: dict[fx.Node, int] | None = None) -> dict[fx.Node, int]:
+                    extra: dict[fx.Node, int] | None = None, halo: bool = False) -> dict[fx.Node, int]:
     """The scans (at their ``dim``) and the sources of their ``a`` and ``b`` (and of ``extra``: node -> step dim)
     along the step axis, by the walk :func:`infer_seeds` describes."""
     seeds: dict[fx.Node, int] = {}
@@ -165,7 +179,8 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             continue
         done.add(n)
         d = want[n]
-        inv = _inverse(n, d, T) if n.op in ("call_function", "call_method") else None
+        inv = (halo and _through_conv(n, d)) or (
+            _inverse(n, d, T) if n.op in ("call_function", "call_method") else None)
         if not inv:
             seeds[n] = d
             continue
@@ -198,23 +213,23 @@ def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, 
     return found
 
 
-def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
+def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], halo: bool = False) -> dict[fx.Node, int]:
     """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
     ``a`` and ``b`` along the step axis (:func:`_backward_seeds`), then the sources of the step-free operands that
     readouts broadcast against the steps (:func:`_readout_operands`), until none is left (at most 4 rounds).
 
     Walks back from every scan's a and b through ops whose rule can be inverted exactly (broadcasting aligns a
     per-step operand with the step axis; Linear passes it to its input, never to its weight; views map it by the
-    row-major rule).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
+    row-major rule; with ``halo``, a causal conv along time passes it to its input).  A node where the walk stops (a placeholder, a conv along time, an op without a rule) becomes a
     seed itself: its output is a step-carrying input of any region after it.  The forward :func:`analyze` then checks
     everything; a node asked for at two different dims keeps the first and is logged.
     """
     extra: dict[fx.Node, int] = {}
-    seeds = _backward_seeds(gm, scan_nodes)
+    seeds = _backward_seeds(gm, scan_nodes, halo=halo)
     for _ in range(4):
-        more = {a: k for a, k in _readout_operands(gm, analyze(gm, seeds)).items() if a not in extra}
+        more = {a: k for a, k in _readout_operands(gm, analyze(gm, seeds, halo)).items() if a not in extra}
         if not more:
             break
         extra.update(more)
-        seeds = _backward_seeds(gm, scan_nodes, extra)
+        seeds = _backward_seeds(gm, scan_nodes, extra, halo)
     return seeds

@@ -65,6 +65,8 @@ MOVEDIMS = _names("movedim moveaxis")
 SPLITS = _names("split chunk tensor_split")
 CATS = _names("cat concat concatenate")
 CONVS = _names("conv1d conv2d conv3d conv_transpose1d conv_transpose2d")
+#: repeat each element along one dim (Mamba-2's groups of B and C spread over the heads)
+REPEATS = _names("repeat_interleave")
 #: ops with a rule of their own.
 SINGLE = _names("""linear einsum norm normalize flip roll topk permute unsqueeze squeeze select narrow index_select
 unbind stack getitem""")
@@ -118,7 +120,7 @@ BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FE
 #: every name of the table.
 KNOWN: frozenset[str] = frozenset().union(
     POINTWISE, SAME_SHAPE, METADATA, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
-    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, SINGLE, EXPLICIT.values(), LINEAR_IN_CARRY, SUM_OPS,
+    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, REPEATS, SINGLE, EXPLICIT.values(), LINEAR_IN_CARRY, SUM_OPS,
     NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
 
 _SPELLED: dict[Any, str] = dict(EXPLICIT)

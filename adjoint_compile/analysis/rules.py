@@ -32,6 +32,9 @@ class TimeLocalInfo:
     #: previous-state readouts ``cat([first, h[:, :-1]], dim=d)`` of a scan output ``h``: cat node -> the parts.
     #: Within a shard, the step before the shard's first one is the scan's carry, so the shift stays time-local.
     shifts: dict[fx.Node, "Shift"] = dataclasses.field(default_factory=dict)
+    #: causal convolutions along time joined to regions (``analyze(..., halo=True)``): conv node -> the parts.
+    #: Within a shard, the ``halo`` steps before the shard's first one are carried from the shard on its left.
+    convs: dict[fx.Node, "CausalConv"] = dataclasses.field(default_factory=dict)
 
     def carries_step(self, n: fx.Node) -> bool:
         return self.step_dim.get(n) is not None
@@ -59,6 +62,19 @@ class Shift:
     scan: fx.Node
     dim: int
 
+
+@dataclasses.dataclass(frozen=True)
+class CausalConv:
+    """``out = conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` (``sliced`` is the cut) or
+    ``out = conv1d(F.pad(x, (p, 0)), w, b, dilation=...)`` (``pad`` is the pad) along x's last dim (its step dim
+    ``dim``), with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step."""
+
+    conv: fx.Node
+    sliced: fx.Node | None
+    input: fx.Node
+    halo: int
+    dim: int
+    pad: fx.Node | None = None
 
 
 Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]
@@ -315,6 +331,13 @@ def along_dim(dim_pos: int, dim_kw: str = "dim", default: Any = None) -> Rule:
         return d, None
 
     return rule
+
+
+def repeat_interleave(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """``x.repeat_interleave(repeats, dim)``: local along any dim but the step (no dim: a flattening, mixing)."""
+    if ctx.sd(ctx.arg(1, "repeats")) is not None:
+        return None, "repeat_interleave with per-step repeats"
+    return along_dim(2)(node, ctx)
 
 
 def norm_layer(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:

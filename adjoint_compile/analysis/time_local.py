@@ -32,16 +32,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from . import layout_rules as lr
 from . import optable as ops
 from . import rules as r
 from .fx import example_value, is_linear_scan, nodes_in
-from .rules import Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_label, step_shape
+from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_label, step_shape
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TimeLocalInfo", "Shift", "analyze", "drops_last_step", "rule_for", "slice_items"]
+__all__ = ["TimeLocalInfo", "Shift", "CausalConv", "analyze", "causal_conv", "conv_args", "padded_causal_conv", "drops_last_step", "rule_for",
+           "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
 # rule table: op name (optable) -> rule
@@ -86,6 +88,7 @@ _by_name(["unbind"], lr.split_like(1, drop=True))
 _by_name(ops.CATS, lr.cat(False))
 _by_name(["stack"], lr.cat(True))
 _by_name(ops.CONVS, r.conv)
+_by_name(ops.REPEATS, r.repeat_interleave)
 _by_name(["pad"], r.pad)
 # NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
 _by_name(["hashed_dropout"], r.same_shape)
@@ -159,6 +162,107 @@ def drops_last_step(sliced: fx.Node, d: int) -> bool:
     return True
 
 
+_CONV1D = (torch.conv1d, torch.nn.functional.conv1d)
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _one(v: Any) -> Any:
+    return v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v
+
+
+def conv_args(node: fx.Node) -> dict[str, Any] | None:
+    """A conv1d call's arguments by name (defaults filled in), or None for another node."""
+    if not (node.op == "call_function" and node.target in _CONV1D):
+        return None
+    out = dict(_CONV_DEFAULTS)
+    out.update(zip(_CONV_ARGS, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _keeps_first(sliced: fx.Node, length: int, dim: int) -> bool:
+    """``sliced`` is ``x[..., :length]`` (or ``:-p``) along ``dim`` (the last), full slices elsewhere."""
+    items = slice_items(sliced)
+    if items is None:
+        return False
+    s = step_shape(sliced.args[0])
+    for j, i in enumerate(items):
+        if i.start not in (None, 0) or i.step not in (None, 1):
+            return False
+        stop = None if i.stop is None else (i.stop if i.stop >= 0 else s[j] + i.stop)
+        if j == dim % len(s) and stop != length:
+            return False
+        if j != dim % len(s) and stop not in (None, s[j]) and not (i.stop is None):
+            return False
+    return True
+
+
+def causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the slice after it, halo p) when ``node`` is a causal conv1d along its input's last dim:
+    ``conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` with p = dilation·(k-1) > 0."""
+    a = conv_args(node)
+    if a is None or not isinstance(a["input"], fx.Node) or len(node.users) != 1:
+        return None
+    xs, ws = step_shape(a["input"]), step_shape(a["weight"]) if isinstance(a["weight"], fx.Node) else None
+    stride, pad, dil = _one(a["stride"]), _one(a["padding"]), _one(a["dilation"])
+    if xs is None or ws is None or len(ws) != 3 or not all(isinstance(v, int) for v in (stride, pad, dil)):
+        return None
+    p = dil * (ws[-1] - 1)
+    if stride != 1 or pad != p or p <= 0:
+        return None
+    (user,) = node.users
+    return (user, p) if _keeps_first(user, xs[-1], -1) else None
+
+
+def _left_pad(node: fx.Node) -> int | None:
+    """p when ``node`` is ``F.pad(x, (p, 0))`` with zeros (p > 0) along x's last dim only."""
+    if not (node.op == "call_function" and node.target in (F.pad, torch._C._nn.pad)):
+        return None
+    names = ("input", "pad", "mode", "value")
+    a = {**dict(zip(names, node.args)), **node.kwargs}
+    pad = a.get("pad")
+    if (not isinstance(a.get("input"), fx.Node) or a.get("mode", "constant") != "constant"
+            or a.get("value") not in (None, 0, 0.0) or not isinstance(pad, (list, tuple)) or len(pad) != 2
+            or not all(isinstance(v, int) for v in pad) or pad[1] != 0 or pad[0] <= 0):
+        return None
+    return pad[0]
+
+
+def padded_causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the pad before it, halo p) when ``node`` is ``conv1d(F.pad(x, (p, 0)), w, b, stride=1, padding=0,
+    dilation)`` with p = dilation·(k-1) > 0: a causal conv along x's last dim written with an explicit pad."""
+    a = conv_args(node)
+    if a is None or not isinstance(a["input"], fx.Node) or len(a["input"].users) != 1:
+        return None
+    ws = step_shape(a["weight"]) if isinstance(a["weight"], fx.Node) else None
+    stride, pad, dil = _one(a["stride"]), _one(a["padding"]), _one(a["dilation"])
+    p = _left_pad(a["input"])
+    if p is None or ws is None or len(ws) != 3 or stride != 1 or pad != 0 or not isinstance(dil, int):
+        return None
+    return (a["input"], p) if p == dil * (ws[-1] - 1) else None
+
+
+def _conv_in_region(node: fx.Node, info: TimeLocalInfo) -> CausalConv | None:
+    """``node`` as a causal conv whose input carries the step axis at its last dim and whose weight and bias are
+    step-free: a shard computes it from its own steps and the p steps before it (the halo)."""
+    a = conv_args(node)
+    if (m := causal_conv(node)) is not None:
+        (sliced, p), pad, x = m, None, a["input"]
+    elif (m := padded_causal_conv(node)) is not None:
+        (pad, p), sliced = m, node
+        x = pad.args[0] if pad.args else pad.kwargs["input"]
+    else:
+        return None
+    s = step_shape(x)
+    d = info.step_dim.get(x)
+    if (d is None or d != len(s) - 1 or x in info.mixing or info.step_dim.get(a["weight"]) is not None
+            or (isinstance(a["bias"], fx.Node) and info.step_dim.get(a["bias"]) is not None)
+            or (info.length is not None and step_shape(sliced)[d] != info.length)):
+        return None
+    return CausalConv(conv=node, sliced=None if pad is not None else sliced, input=x, halo=p, dim=d, pad=pad)
+
+
 def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
     """The step dim when ``node`` drops the last step of a scan output and its only user may be a shift's cat."""
     if not (node.op == "call_function" and node.target is operator.getitem and node.args
@@ -205,12 +309,14 @@ class _PendingSlices:
                 and not any(sh.sliced is node for sh in self.info.shifts.values()))
 
 
-def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
+def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -> TimeLocalInfo:
     """Propagate the step axis through ``gm`` from ``seeds`` (``{node: step dim}``); classify every node.
 
     Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
-    is classified by its own rule (a scan whose a/b do not carry the step axis there is mixing).  Linear in the size
-    of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
+    is classified by its own rule (a scan whose a/b do not carry the step axis there is mixing).  With ``halo``, a
+    causal conv along time (:func:`causal_conv`) on a time-local input is time-local too, and so is the slice after
+    it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour.  Linear in the
+    size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
     info = TimeLocalInfo(step_dim={}, mixing={}, length=T)
@@ -234,6 +340,22 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> TimeLocalInfo:
             if a in pending_slices and node not in info.shifts:
                 info.step_dim[a] = None
                 info.mixing[a] = "slicing along the step dim (not part of a previous-state readout)"
+        if halo and node.op == "call_function" and _left_pad(node) is not None and len(node.users) == 1 and (
+                padded_causal_conv(next(iter(node.users))) is not None):
+            # NB: tentatively local (T + p steps); the conv after it, when it joins, cuts it back to T
+            info.step_dim[node] = info.step_dim.get(node.args[0] if node.args else node.kwargs.get("input"))
+            continue
+        if halo and (cc := _conv_in_region(node, info)) is not None:
+            info.step_dim[node] = cc.dim
+            info.convs[node] = cc
+            continue
+        if halo and (m := padded_causal_conv(node)) is not None and m[0] not in info.mixing:
+            info.step_dim[m[0]] = None  # NB: the tentatively local pad before a conv that does not join
+            info.mixing[m[0]] = "pad along the step dim (before a conv that cannot join a region)"
+        if (node.op == "call_function" and node.target is operator.getitem and node.args
+                and node.args[0] in info.convs and info.convs[node.args[0]].sliced is node):
+            info.step_dim[node] = info.convs[node.args[0]].dim
+            continue
         inputs = nodes_in((node.args, node.kwargs))
         if not any(info.step_dim.get(a) is not None for a in inputs) and seed is None:
             info.step_dim[node] = None  # step-free: parameter math and constants, whatever the op

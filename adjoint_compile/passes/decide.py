@@ -115,7 +115,8 @@ def declines(memory: dict[str, int], shards: int) -> str:
     The rewrite always costs time (each shard's forward is recomputed in the backward), so it must save memory:
     it is declined when what it keeps (boundary states, one shard's recomputed activations, and the full-length
     outputs that per-step ops outside the region keep alive because the region hands them over whole) exceeds what
-    ordinary autograd saves for the region's ops. A tie (one shard: nothing saved, nothing lost) is kept.
+    ordinary autograd saves for the region's ops (a region that runs as one shard is declined by the
+    lowering).
     """
     kept = memory["sharded"] + memory.get("kept_outside", 0)
     if kept <= memory["autograd"]:

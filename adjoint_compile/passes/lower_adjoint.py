@@ -114,13 +114,19 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
+    for n, d in [*zip(inputs, in_dims), *zip(outputs, out_dims)]:
+        v = _ev(n)
+        if d is not None and isinstance(v, torch.Tensor) and v.shape[d] != T:
+            # NB: a causal conv's padded input or output, cut apart from the conv by the region's edge
+            raise UnsupportedRegion(f"{n.name} has {v.shape[d]} steps, not T={T}: a causal conv without its pad "
+                                    f"or slice in the region")
     rewrite, window = _rewrite(opts)
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window)
     if ps_kinds is not None:
         mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
-    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs)
+    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
         # too: at short T they outweigh what sharding saves
@@ -128,6 +134,11 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
                                                   for i in mod.per_sample.params)
         memory["sharded"] += memory["per_example"]
     why = declines(memory, -(-T // S))
+    if not why and S >= T and rewrite == "adjoint" and opts.sequence_parallel is None:
+        # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
+        # changes the gradients the user asked for; under sequence_parallel every rank must lower the same regions,
+        # whatever the length of its slice)
+        why = f"one shard: T={T} ≤ shard {mod._plan.wanted_shard_size}; set shard_size to shard it"
     if why:
         raise Declined(why, memory)
 
@@ -196,12 +207,13 @@ def _per_step_read(u: fx.Node) -> bool:
 
 
 def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo, T: int, S: int,
-                    inputs: list[fx.Node] = (), outputs: list[fx.Node] = ()) -> dict[str, int]:
+                    inputs: list[fx.Node] = (), outputs: list[fx.Node] = (), halos: int = 0) -> dict[str, int]:
     """What the region keeps for backward, estimated from the example shapes (bytes).
 
     ``autograd``: every step-carrying intermediate of the region, the most ordinary autograd can save (it saves a
-    subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states at the ⌈T/S⌉ - 1
-    shard boundaries plus one shard's intermediates while it is recomputed in backward. ``inputs``: the region's
+    subset, so this is an upper bound on what sharding removes). ``sharded``: the scan states and the conv halos
+    (``halos``: bytes per boundary) at the ⌈T/S⌉ - 1 shard boundaries plus one shard's intermediates while it is
+    recomputed in backward. ``inputs``: the region's
     step-carrying inputs (saved either way). ``kept_outside``: full-length outputs read step by step outside the
     region (``unbind``, or two or more one-step reads: a bare scan whose states T unrolled ops read): what those
     ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
@@ -209,7 +221,7 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     S = min(S, T)  # NB: a shard_size over T is one shard of T steps
     per_region = sum(_own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
-    boundaries = (-(-T // S) - 1) * states
+    boundaries = (-(-T // S) - 1) * (states + halos)
     members = set(nodes)
     kept = sum(_nbytes(_ev(o)) for o in outputs if info.step_dim.get(o) is not None and
                sum(u not in members and _per_step_read(u) for u in o.users) >= 2 or
@@ -268,7 +280,10 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         return out
     scans = list(dict.fromkeys(scan_of.values()))
     try:
-        info = analyze(gm, infer_seeds(gm, scans))
+        # NB: causal convs join regions in the exact sweep only (runtime/sharded.py carries their halos); the other
+        # sweeps (truncated, per-example, sequence-parallel) carry scan states alone
+        halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
+        info = analyze(gm, infer_seeds(gm, scans, halo), halo)
     except ValueError as e:
         info, why = None, f"step analysis failed: {e}"
     else:

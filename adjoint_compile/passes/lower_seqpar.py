@@ -37,11 +37,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..analysis.fx import example_value, is_linear_scan, scan_args
 from ..analysis.rules import op_label, step_shape
-from ..analysis.time_local import analyze, slice_items
+from ..analysis.time_local import analyze, causal_conv as _causal_conv, conv_args as _conv_args
 from ..options import Options
 from ..runtime.seqpar import SeqHalo, SeqParState, fingerprint, resolve_group
 from ..runtime.seqpar_sharded import SeqShardedRegion, distribute_scans, unsharded_region
@@ -50,11 +49,6 @@ from ..runtime.sharded import ShardedRegion
 log = logging.getLogger(__name__)
 
 __all__ = ["SeqParPlan", "lower_seqpar"]
-
-_CONV1D = (torch.conv1d, F.conv1d)
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-
 
 @dataclasses.dataclass
 class SeqParPlan:
@@ -74,52 +68,6 @@ class SeqParPlan:
     halos: int = 0
     #: sharded regions run on this rank's slice (exact mode)
     regions: int = 0
-
-
-def _one(v: Any) -> Any:
-    return v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v
-
-
-def _conv_args(node: fx.Node) -> dict[str, Any] | None:
-    if not (node.op == "call_function" and node.target in _CONV1D):
-        return None
-    out = dict(_CONV_DEFAULTS)
-    out.update(zip(_CONV_ARGS, node.args))
-    out.update(node.kwargs)
-    return out
-
-
-def _keeps_first(sliced: fx.Node, length: int, dim: int) -> bool:
-    """``sliced`` is ``x[..., :length]`` (or ``:-p``) along ``dim`` (the last), full slices elsewhere."""
-    items = slice_items(sliced)
-    if items is None:
-        return False
-    s = step_shape(sliced.args[0])
-    for j, i in enumerate(items):
-        if i.start not in (None, 0) or i.step not in (None, 1):
-            return False
-        stop = None if i.stop is None else (i.stop if i.stop >= 0 else s[j] + i.stop)
-        if j == dim % len(s) and stop != length:
-            return False
-        if j != dim % len(s) and stop not in (None, s[j]) and not (i.stop is None):
-            return False
-    return True
-
-
-def _causal_conv(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """(the slice after it, halo p) when ``node`` is a causal conv1d along its input's last dim."""
-    a = _conv_args(node)
-    if a is None or not isinstance(a["input"], fx.Node) or len(node.users) != 1:
-        return None
-    xs, ws = step_shape(a["input"]), step_shape(a["weight"]) if isinstance(a["weight"], fx.Node) else None
-    stride, pad, dil = _one(a["stride"]), _one(a["padding"]), _one(a["dilation"])
-    if xs is None or ws is None or len(ws) != 3 or not all(isinstance(v, int) for v in (stride, pad, dil)):
-        return None
-    p = dil * (ws[-1] - 1)
-    if stride != 1 or pad != p or p <= 0:
-        return None
-    (user,) = node.users
-    return (user, p) if _keeps_first(user, xs[-1], -1) else None
 
 
 def _where(node: fx.Node) -> str:

@@ -13,11 +13,17 @@ and :meth:`ShardProgram.program` is F_L as an FX graph::
     (region inputs, each step-carrying one sliced to L steps at its step dim,
      carry_0..carry_{K-1}          the state before the shard, scan k's state shape (its output without the step dim),
                                    or None for the sequence's h0 = zeros,
+     halo_0..halo_{C-1}            per causal conv along time, the p steps of its input before the shard (None in the
+                                   sequence's first shard: zeros, the conv's own padding),
      prev_0..prev_{J-1}            per previous-state readout cat([first, h^k[:, :-1]]): the carry of scan k,
                                    or None in the sequence's first shard (the readout then gives its own ``first``),
      [step_offset])                the shard's first step s as an int64 scalar, only when the region has hashed
                                    dropouts (their masks are a function of each element's position in the full tensor)
-    -> (outputs, each with L steps at its step dim, ..., final state of scan 0, ..., of scan K-1)
+    -> (outputs, each with L steps at its step dim, ..., final state of scan 0, ..., of scan K-1,
+        last p input steps of conv 0, ..., of conv C-1)
+
+The carries (K scan states, then C conv halos) flow left to right in the forward and their cotangents right to left
+in the backward: a conv's halo cotangent is what the shard on its left adds to its last p input steps.
 
 Region graphs come from dynamo with literal sizes: view/reshape/expand arguments equal to T at the step position
 are rewritten to L, and the L-step program is run on fake tensors node by node: every node must have its
@@ -30,10 +36,9 @@ runtime may call :meth:`~ShardProgram.run` and :meth:`~ShardProgram.vjp` once pe
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,48 +48,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..analysis.fx import is_linear_scan, scan_args
-from ..analysis.time_local import TimeLocalInfo, analyze
+from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
+from .shard_parts import (MIN_SHARD_ELEMENTS, _halo_out, _prev_or_first, _with_halo, autocast_as, autocast_state,
+                          default_shard_size, wanted_shard_size)
 from .truncated import nu_shape, truncate_program
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size"]
+__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size", "wanted_shard_size"]
 
 _SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
-
-
-#: below this many state elements per shard (one scan's state times the shard's steps) a shard's fixed cost (two
-#: compiled program calls and a dozen scan calls, ~3 ms on 2 CPU cores) is a visible share of its work: measured on a
-#: 4-layer SSM stack at T = 8192 with 512 state elements per step, 0.41 s a step with 128-step shards, 0.30 s with
-#: 256, 0.25-0.30 s with 512 (plain compile: 0.22-0.26 s).
-MIN_SHARD_ELEMENTS = 2**18
-
-
-def default_shard_size(T: int, step_elements: int = 0) -> int:
-    """Steps per shard when ``options.shard_size`` is None: ``max(⌈√T⌉, ⌈MIN_SHARD_ELEMENTS / step_elements⌉)``,
-    at most T.
-
-    Memory is (T/S) saved boundary states + one shard's recomputed activations (S steps); with both per-step costs
-    of the same order, S = √T minimizes the sum (and the number of sequential shard VJPs stays √T).  Shards are
-    made at least ``MIN_SHARD_ELEMENTS / step_elements`` steps long (``step_elements``: the largest scan state's
-    elements per step) so that each shard has enough work to amortize per-op overhead; one shard's memory is then
-    still bounded by a constant, independent of T.
-    """
-    if not isinstance(T, int) or T < 1:
-        raise ValueError(f"T={T!r}: expected a number of steps >= 1")
-    S = max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
-    if step_elements > 0:
-        S = max(S, -(-MIN_SHARD_ELEMENTS // step_elements))
-    return min(S, T)
-
-
-def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:
-    """The step before a shard's first one in a previous-state readout: the carried state, or ``first`` in the
-    sequence's first shard (where the readout gives its own ``first``)."""
-    return first if prev is None else prev.unsqueeze(d).to(first.dtype)
 
 
 def _ev(n: fx.Node) -> Any:
@@ -101,29 +77,6 @@ def _h0_index(node: fx.Node) -> int | None:
 
 def _devices(args: Sequence[Any]) -> tuple:
     return tuple(a.device for a in args if isinstance(a, torch.Tensor))
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types whose autocast settings a shard program depends on
-
-
-def autocast_state() -> tuple:
-    """The autocast settings in effect, per device type: (device type, enabled, dtype).
-
-    A shard program traced or compiled under autocast has its casts baked in, so the settings are part of the
-    caches' keys; and a shard's recomputation in the backward runs under the forward's settings
-    (:func:`autocast_as`), as ``torch.utils.checkpoint`` does, so that the VJP is that of the forward that ran.
-    """
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
-
-
-@contextlib.contextmanager
-def autocast_as(state: tuple) -> Iterator[None]:
-    """Run under the autocast settings ``state`` (from :func:`autocast_state`)."""
-    with contextlib.ExitStack() as stack:
-        for (device, enabled, dtype), (_, now, now_dtype) in zip(state, autocast_state()):
-            if (enabled, dtype) != (now, now_dtype):
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-        yield
 
 
 def _layout(key: tuple) -> tuple:
@@ -198,6 +151,11 @@ class ShardProgram:
 
     # ---------------------------------------------------------------------------------------------- preparation
 
+    def halo_bytes(self) -> int:
+        """Bytes of one shard boundary's conv halos (the carries after the scans' states)."""
+        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes[len(self.scans):],
+                                                              self.carry_dtypes[len(self.scans):]))
+
     def prepare(self, inputs: Sequence[Any], shard_size: int | None) -> int:
         """Propagate (fake) full-length shapes, analyse the step axis, check that the region is time-local, choose
         the shard size (``shard_size``, or :func:`default_shard_size` when None) and build and check the programs
@@ -224,13 +182,16 @@ class ShardProgram:
         seeds = {p: d for p, d in zip(self.placeholders, self.in_step_dims) if d is not None}
         for s in self.scans:
             seeds[s] = scan_args(s)["dim"]
-        info = analyze(self.region_gm, seeds)
+        # NB: causal convs are carried by the exact sweep only; the truncated adjoint's ν carries scans alone
+        info = analyze(self.region_gm, seeds, halo=self.window is None)
         for n in self.region_gm.graph.nodes:
             if n in info.mixing and n.op != "placeholder":
                 raise UnsupportedRegion(f"node {n.name} mixes steps: {info.mixing[n]}")
         self.info: TimeLocalInfo = info
         #: for each previous-state readout, the index of the scan whose carry it reads in later shards
         self.shift_scans = [self.scans.index(sh.scan) for sh in info.shifts.values()]
+        #: the causal convs along time, whose halos are carried after the scans' states
+        self.convs = list(info.convs.values())
         self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
         for n, d in zip(self.out_nodes, self.out_step_dims):
             if d is None:
@@ -242,11 +203,23 @@ class ShardProgram:
                              f"at {self.out_step_dims}")
         self.scan_dims = [info.step_dim[s] for s in self.scans]
         self.carry_shapes = []
+        self.carry_dtypes = []
         for s, d in zip(self.scans, self.scan_dims):
             shp = list(_ev(s).shape)
             del shp[d]
             self.carry_shapes.append(tuple(shp))
-        self.shard_size = shard_size or default_shard_size(self.T, max(math.prod(c) for c in self.carry_shapes))
+            self.carry_dtypes.append(_ev(s).dtype)
+        for cc in self.convs:
+            shp = list(_ev(cc.input).shape)
+            shp[cc.dim] = cc.halo
+            self.carry_shapes.append(tuple(shp))
+            self.carry_dtypes.append(_ev(cc.input).dtype)
+        #: scan states, then conv halos: the carries a sweep hands from shard to shard
+        self.n_carries = len(self.carry_shapes)
+        #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
+        self.wanted_shard_size = shard_size or wanted_shard_size(
+            self.T, max(math.prod(c) for c in self.carry_shapes[:len(self.scans)]))
+        self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
         self.specialized = {}
         # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
         # alternating between two devices compiles twice, not on every switch
@@ -282,11 +255,20 @@ class ShardProgram:
         for n in self.placeholders:
             env[n] = g.node_copy(n, env.__getitem__)
         carries = [g.placeholder(f"carry_{k}") for k in range(len(self.scans))]
+        halos = [g.placeholder(f"halo_{j}") for j in range(len(self.convs))]
+        conv_of = {cc.conv: j for j, cc in enumerate(self.convs)}
+        # NB: a conv of a padded shard input gives L steps: the cut after it, or the pad before it, goes
+        skip = {cc.sliced: cc.conv for cc in self.convs if cc.sliced is not None}
+        skip.update({cc.pad: cc.input for cc in self.convs if cc.pad is not None})
+        padded: list[fx.Node] = []
         shifts = list(self.info.shifts.items())
         prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
         t0 = g.placeholder("step_offset") if self.random else None
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
+                continue
+            if n in skip:
+                env[n] = env[skip[n]]
                 continue
             new = g.node_copy(n, env.__getitem__)
             env[n] = new
@@ -295,6 +277,14 @@ class ShardProgram:
                 with g.inserting_before(new):
                     head = g.call_function(_prev_or_first, (prevs[shifts.index((n, sh))], env[sh.first], sh.dim))
                 new.args = ([head, env[sh.sliced]], *new.args[1:])
+            if n in conv_of:
+                cc = self.convs[conv_of[n]]
+                a = conv_args(new)
+                with g.inserting_before(new):
+                    xp = g.call_function(_with_halo, (halos[conv_of[n]], a["input"], cc.halo, cc.dim))
+                padded.append(xp)
+                new.args = (xp, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
+                new.kwargs = {}
             if n in self.random:
                 # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None): place it in the sequence
                 a = list(new.args) + [None] * (7 - len(new.args))
@@ -309,6 +299,7 @@ class ShardProgram:
             else:
                 new.kwargs = {**new.kwargs, "h0": carries[k]}
         finals = [g.call_function(torch.select, (env[s], d, -1)) for s, d in zip(self.scans, self.scan_dims)]
+        finals += [g.call_function(_halo_out, (xp, cc.halo, cc.dim)) for xp, cc in zip(padded, self.convs)]
         g.output(tuple(env[n] for n in self.out_nodes) + tuple(finals))
         return fx.GraphModule(self.region_gm, g), env
 
@@ -350,8 +341,9 @@ class ShardProgram:
                 if d is not None:
                     shp[d] = L
                 args.append(torch.empty(shp, dtype=v.dtype, device=v.device))
-            for s, shp in zip(self.scans, self.carry_shapes):
-                args.append(torch.empty(shp, dtype=_ev(s).dtype, device=_ev(s).device))
+            dev = _ev(self.scans[0]).device
+            for shp, dt in zip(self.carry_shapes, self.carry_dtypes):
+                args.append(torch.empty(shp, dtype=dt, device=dev))
             args += [args[len(self.placeholders) + k] for k in self.shift_scans]
             if self.random:
                 args.append(torch.zeros((), dtype=torch.int64))
@@ -379,8 +371,8 @@ class ShardProgram:
         return [(s, min(s + self.shard_size, self.T)) for s in range(0, self.T, self.shard_size)]
 
     def initial_carries(self, inputs: Sequence[Any]) -> list[Any]:
-        """The first shard's carries: per scan, its h0 input, or None (zeros)."""
-        return [None if i is None else inputs[i] for i in self.h0_input]
+        """The first shard's carries: per scan, its h0 input, or None (zeros); per conv, None (its zero padding)."""
+        return [None if i is None else inputs[i] for i in self.h0_input] + [None] * len(self.convs)
 
     def shard_inputs(self, inputs: Sequence[Any], s: int, L: int) -> list[Any]:
         """The region inputs for steps [s, s+L): step-carrying ones sliced, step-free ones whole.

@@ -81,7 +81,7 @@ class _ShardedFn(torch.autograd.Function):
         prog: ShardProgram = ctx.prog
         saved = ctx.saved_tensors
         inputs, flat = saved[: ctx.n_in], saved[ctx.n_in:]
-        K = len(prog.scans)
+        K = prog.n_carries
         needs = list(ctx.needs_input_grad[1:])
         ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
         # per_sample_clip: the parameters get per-example gradients (runtime/sharded_ps.py), not summed ones
