@@ -274,7 +274,17 @@ def report(compiled_model: Any) -> Report:
     for c in flat:
         _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
-    return Report.of(flat, opts)
+    return Report.of(flat, opts, _ddp_splits(flat))
+
+
+def _ddp_splits(flat: list[CompiledGraph]) -> list[GraphBreak]:
+    """One graph break per piece after the first of a graph DDPOptimizer split at DDP's gradient buckets (it marks
+    each piece it hands to the backend with its ``compile_subgraph_reason``)."""
+    pieces = [c for c in flat if "DDPOptimizer" in str(getattr(c.captured.gm, "compile_subgraph_reason", ""))]
+    return [GraphBreak(reason=f"DDPOptimizer split the graph at a DistributedDataParallel gradient bucket boundary "
+                              f"(piece {i + 2} of {len(pieces)}); a recurrence cut by a split is recognized in each "
+                              f"piece on its own; torch._dynamo.config.optimize_ddp = False keeps one graph")
+            for i in range(len(pieces) - 1)]
 
 
 def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
@@ -350,7 +360,8 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
         if _is_distributed(compiled_model._orig_mod):
             # NB: dynamo skips DistributedDataParallel's forward and FSDP2's hooks, and compiles the frames of the
             # modules they call (the wrapped model; with fully_shard, each sharded submodule's own forward)
-            roots += [inspect.unwrap(m.forward) for m in compiled_model._orig_mod.modules()]
+            roots += [f for m in compiled_model._orig_mod.modules()
+                      for f in _wrapped_functions(getattr(m.forward, "__func__", m.forward))]
     elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):
         roots = [inspect.unwrap(compiled_model._torchdynamo_orig_callable)]
     else:

@@ -60,14 +60,15 @@ def _regions(compiled):
                         if r.kind == "linear_recurrence"]}
 
 
-def _ddp_case(name, cap):
+def _ddp_case(name, cap, split=True):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _model(name)
     kw = {} if cap is None else {"bucket_cap_mb": cap}
     torch._dynamo.reset()
     f = torch.compile(DDP(model, **kw), backend="adjoint", options={"inner": "aot_eager"})
     x = _batch(name, dist.get_world_size()).chunk(dist.get_world_size())[dist.get_rank()]
-    _loss(f, x).backward()
+    with torch._dynamo.config.patch(optimize_ddp=split):
+        _loss(f, x).backward()
     return {"grads": {n: p.grad for n, p in model.named_parameters()}, **_regions(f)}
 
 
@@ -112,24 +113,36 @@ def _rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
-DIST_CASES = [("ddp", "ssm_big", 1), ("ddp", "ssm_big", None), ("ddp", "hf_mamba", None), ("fsdp", "ssm"),
-              ("fsdp", "hf_mamba")]
+#: (tool, model, bucket_cap_mb, DDPOptimizer on) -> (graphs, scan regions) ac.report shows on each rank
+DIST_CASES = {("ddp", "ssm_big", 1, True): (3, 2),  # split at the buckets, between the layers: each piece its scan
+              ("ddp", "ssm_big", 1, False): (1, 2),  # optimize_ddp=False: one graph
+              # the default 25 MiB, but DDP caps its first bucket at 1 MiB: two pieces
+              ("ddp", "ssm_big", None, True): (2, 2),
+              ("ddp", "hf_mamba", None, True): (1, 2),
+              # fully_shard: dynamo compiles each sharded layer's forward, one graph shared by both layers
+              ("fsdp", "ssm"): (1, 1), ("fsdp", "hf_mamba"): (3, 1)}
 
 
 def test_ddp_and_fsdp2_gradients_equal_single_process_autograd(tmp_path):
     world = 2
-    _spawn(_worker, world, (_port(), DIST_CASES, str(tmp_path)), timeout=240)
+    _spawn(_worker, world, (_port(), list(DIST_CASES), str(tmp_path)), timeout=240)
     errs = sorted(tmp_path.glob("*.err"))
     assert not errs, errs[0].read_text()
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for case in DIST_CASES:
+    for case, (graphs, regions) in DIST_CASES.items():
         want = _want(case[1], world)
+        steps = T
         for r in range(world):
             res = got[r][case]
-            print(case, r, res["graphs"], res["breaks"], [x[:3] for x in res["regions"]])
+            assert res["graphs"] == graphs and len(res["regions"]) == regions, (case, res["regions"], res["breaks"])
+            assert all(kind == "linear_recurrence" and rw == "adjoint" and n == steps
+                       for kind, rw, n, _ in res["regions"]), (case, res["regions"])
+            assert len(res["breaks"]) == (graphs - 1 if case[0] == "ddp" else 0), res["breaks"]
+            assert all("DDPOptimizer" in b for b in res["breaks"])
             assert res["grads"].keys() == want.keys()
             errs = {n: _rel(res["grads"][n], want[n]) for n in want}
             assert max(errs.values()) <= 1e-4, (case, errs)
+        assert not got[0]["warnings"], got[0]["warnings"]
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -176,3 +189,40 @@ def test_trainer_torch_compile_backend_adjoint_is_refused_by_accelerate():
                                           torch_compile_backend="adjoint", report_to=[])
     with pytest.raises(ValueError, match="ADJOINT"):
         transformers.Trainer(model=_hf_mamba(), args=args, train_dataset=_Tokens(2, 8))
+
+
+def _lightning_losses(backend, tmp_path):
+    L = pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
+
+    class LitSSM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _ssm(D)
+            self.losses = []
+
+        def training_step(self, batch, _):
+            loss = _loss(self.model, batch[0])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch._dynamo.reset()
+    lit = LitSSM()
+    lit.model.compile(backend=backend, **({"options": {"inner": "aot_eager"}} if backend == "adjoint" else {}))
+    x = torch.randn(6, 17, D, generator=torch.Generator().manual_seed(5))
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(lit, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2))
+    return lit.losses, lit.model
+
+
+def test_lightning_trains_with_the_backend_and_its_losses_equal_aot_eager(tmp_path):
+    got, model = _lightning_losses("adjoint", tmp_path)
+    rep = ac.report(model)
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == 17 for r in lin), str(rep)
+    want, _ = _lightning_losses("aot_eager", tmp_path)
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
+    assert got[2] < got[0]  # it trains
