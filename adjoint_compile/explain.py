@@ -282,8 +282,9 @@ def _ddp_splits(flat: list[CompiledGraph]) -> list[GraphBreak]:
     each piece it hands to the backend with its ``compile_subgraph_reason``)."""
     pieces = [c for c in flat if "DDPOptimizer" in str(getattr(c.captured.gm, "compile_subgraph_reason", ""))]
     return [GraphBreak(reason=f"DDPOptimizer split the graph at a DistributedDataParallel gradient bucket boundary "
-                              f"(piece {i + 2} of {len(pieces)}); a recurrence cut by a split is recognized in each "
-                              f"piece on its own; torch._dynamo.config.optimize_ddp = False keeps one graph")
+                              f"(piece {i + 2} of {len(pieces)}); a recurrence cut by a split is rewritten only where a "
+                              f"piece holds enough of it (a warning says so); "
+                              f"torch._dynamo.config.optimize_ddp = False keeps one graph")
             for i in range(len(pieces) - 1)]
 
 

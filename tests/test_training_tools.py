@@ -41,10 +41,29 @@ def _batch(name, world):
     g = torch.Generator().manual_seed(3)
     if name == "hf_mamba":
         return torch.randint(0, 32, (B * world, T), generator=g)
-    return torch.randn(B * world, T, D_BIG if name == "ssm_big" else D, generator=g)
+    return torch.randn(B * world, T, D if name == "ssm" else D_BIG, generator=g)
+
+
+class _Loop(torch.nn.Module):
+    """A gated recurrence written as a loop over steps, its gate's parameters used at every step: DDPOptimizer
+    counts them at each use and splits the unrolled loop every few steps when bucket_cap_mb=1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.inp, self.out = (torch.nn.Linear(D_BIG, D_BIG) for _ in range(3))
+
+    def forward(self, x):
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = torch.sigmoid(self.gate(x[:, t])) * h + self.inp(x[:, t])
+            hs.append(h)
+        return self.out(torch.stack(hs, 1))
 
 
 def _model(name):
+    if name == "loop":
+        torch.manual_seed(0)
+        return _Loop()
     return _hf_mamba() if name == "hf_mamba" else _ssm(D_BIG if name == "ssm_big" else D)
 
 
@@ -90,11 +109,11 @@ def _worker(rank, world, port, cases, out_dir):
     try:
         _init(rank, world, port, 60)
         res = {}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ac.AdjointCompileWarning)
-            for case in cases:
+        for case in cases:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ac.AdjointCompileWarning)
                 res[case] = _ddp_case(*case[1:]) if case[0] == "ddp" else _fsdp_case(case[1])
-        res["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ac.AdjointCompileWarning)]
+            res[case]["warnings"] = [str(w.message) for w in caught if w.category is ac.AdjointCompileWarning]
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:  # noqa: BLE001 - the parent reads it
         Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
@@ -119,6 +138,8 @@ DIST_CASES = {("ddp", "ssm_big", 1, True): (3, 2),  # split at the buckets, betw
               # the default 25 MiB, but DDP caps its first bucket at 1 MiB: two pieces
               ("ddp", "ssm_big", None, True): (2, 2),
               ("ddp", "hf_mamba", None, True): (1, 2),
+              ("ddp", "loop", 1, True): (None, 0),  # the loop cut into several pieces: none holds enough of it
+              ("ddp", "loop", 1, False): (1, 1),
               # fully_shard: dynamo compiles each sharded layer's forward, one graph shared by both layers
               ("fsdp", "ssm"): (1, 1), ("fsdp", "hf_mamba"): (3, 1)}
 
@@ -134,15 +155,18 @@ def test_ddp_and_fsdp2_gradients_equal_single_process_autograd(tmp_path):
         steps = T
         for r in range(world):
             res = got[r][case]
-            assert res["graphs"] == graphs and len(res["regions"]) == regions, (case, res["regions"], res["breaks"])
+            assert res["graphs"] == graphs or graphs is None and res["graphs"] > 2, (case, res["graphs"])
+            assert len(res["regions"]) == regions, (case, res["regions"], res["breaks"])
             assert all(kind == "linear_recurrence" and rw == "adjoint" and n == steps
                        for kind, rw, n, _ in res["regions"]), (case, res["regions"])
-            assert len(res["breaks"]) == (graphs - 1 if case[0] == "ddp" else 0), res["breaks"]
+            assert len(res["breaks"]) == (res["graphs"] - 1 if case[0] == "ddp" else 0), res["breaks"]
             assert all("DDPOptimizer" in b for b in res["breaks"])
             assert res["grads"].keys() == want.keys()
             errs = {n: _rel(res["grads"][n], want[n]) for n in want}
             assert max(errs.values()) <= 1e-4, (case, errs)
-        assert not got[0]["warnings"], got[0]["warnings"]
+            cut = case[1] == "loop" and case[3]
+            assert len(res["warnings"]) == cut, res["warnings"]
+            assert not cut or f"rewrite 0 of the {T} recurrence steps" in res["warnings"][0]
 
 
 class _Tokens(torch.utils.data.Dataset):
