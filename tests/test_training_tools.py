@@ -196,13 +196,20 @@ def _trainer_losses(backend, tmp_path, steps=512):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
 
 
-def test_trainer_trains_with_the_backend_and_its_losses_equal_aot_eager(tmp_path):
-    got, model = _trainer_losses("adjoint", tmp_path)
+def _trains_like_aot_eager(run, steps):
+    """3 steps with backend="adjoint": both layers' scans rewritten over all ``steps``, and the losses those of the
+    same run with aot_eager."""
+    got, model = run("adjoint")
     rep = ac.report(model)
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
-    assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == 512 for r in lin), str(rep)
-    want, _ = _trainer_losses("aot_eager", tmp_path)
+    assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == steps for r in lin), str(rep)
+    want, _ = run("aot_eager")
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
+    assert got[2] < got[0]  # it trains
+
+
+def test_trainer_trains_with_the_backend_and_its_losses_equal_aot_eager(tmp_path):
+    _trains_like_aot_eager(lambda backend: _trainer_losses(backend, tmp_path), 512)
 
 
 def test_trainer_torch_compile_backend_adjoint_is_refused_by_accelerate():
@@ -243,10 +250,4 @@ def _lightning_losses(backend, tmp_path):
 
 
 def test_lightning_trains_with_the_backend_and_its_losses_equal_aot_eager(tmp_path):
-    got, model = _lightning_losses("adjoint", tmp_path)
-    rep = ac.report(model)
-    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
-    assert len(lin) == 2 and all(r.rewrite == "adjoint" and r.length == 17 for r in lin), str(rep)
-    want, _ = _lightning_losses("aot_eager", tmp_path)
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
-    assert got[2] < got[0]  # it trains
+    _trains_like_aot_eager(lambda backend: _lightning_losses(backend, tmp_path), 17)
