@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from adjoint_compile import measure  # noqa: E402
-from sequence_parallel import B, D, LAYERS, N, _model  # noqa: E402
+from sequence_parallel import B, D, LAYERS, N, _model, step_and_peak  # noqa: E402
 
 WORLD = 2
 
@@ -41,17 +41,9 @@ def _rank(rank: int, port: int, T: int, backend: str, out: str) -> None:
     kw = {"options": {"inner": "aot_eager"}} if backend == "adjoint" else {}
     f = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend=backend, **kw)
 
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        (f(x) * w).sum().backward()
-
-    step()
-    dist.barrier()
-    with measure.track_peak("cpu") as m:
-        step()
+    _, peak = step_and_peak(model, f, x, w)
     rows = [None] * WORLD
-    dist.all_gather_object(rows, {"rank": rank, "peak_bytes": m["peak"]})
+    dist.all_gather_object(rows, {"rank": rank, "peak_bytes": peak})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()

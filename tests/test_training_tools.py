@@ -9,7 +9,6 @@ loss is a mean over its half, so the averaged gradient is the whole batch's mean
 from __future__ import annotations
 
 import os
-import traceback
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import adjoint_compile as ac
-from test_seqpar import _example, _init, _port, _spawn
+from test_seqpar import _example, _init, _port, _rank_errors, _spawn
 
 B, T, D, N = 2, 9, 6, 2
 D_BIG = 256  # two layers of 1 MiB of parameters each: bucket_cap_mb=1 splits the graph at the buckets
@@ -106,7 +105,7 @@ def _fsdp_case(name):
 
 def _worker(rank, world, port, cases, out_dir):
     torch.set_num_threads(1)
-    try:
+    with _rank_errors(rank, out_dir):
         _init(rank, world, port, 60)
         res = {}
         for case in cases:
@@ -115,11 +114,6 @@ def _worker(rank, world, port, cases, out_dir):
                 res[case] = _ddp_case(*case[1:]) if case[0] == "ddp" else _fsdp_case(case[1])
             res[case]["warnings"] = [str(w.message) for w in caught if w.category is ac.AdjointCompileWarning]
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:  # noqa: BLE001 - the parent reads it
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _want(name, world):
