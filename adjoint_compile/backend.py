@@ -304,12 +304,60 @@ def adjoint_backend(
         warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
                       f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
     original = copy_graph_module(gm) if opts.verify else None
+    ddp = _ddp_split_of(gm, opts)
     result = run_pipeline(gm, example_inputs, opts)
+    if ddp is not None:
+        _check_ddp_split(ddp, result)
     # NB: graphs with symbolic sizes are verified per specialization by their regions only
     # NB: and not under sequence_parallel, where plain autograd of one rank's graph is not the reference
     keep = (original is not None and bool(result.lowered) and not isinstance(result.fn, _Specializing)
             and opts.sequence_parallel is None)
     return CompiledGraphFn(result, original if keep else None)
+
+
+@dataclasses.dataclass
+class _DDPSplit:
+    """One graph DDPOptimizer split at DDP's gradient buckets: the recurrence steps rewritten in the whole graph,
+    and in its pieces so far."""
+
+    pieces: int
+    whole_steps: int
+    seen: int = 0
+    piece_steps: int = 0
+
+
+def _rewritten_steps(result: CompiledGraph) -> int:
+    return sum(r.length or 0 for r in result.regions if r.rewrite != "none" and r.kind != "residual_chain")
+
+
+def _ddp_split_of(gm: fx.GraphModule, opts: Options) -> _DDPSplit | None:
+    """For a piece of a graph DDPOptimizer split (it marks the pieces it hands to the backend), the record of the
+    whole graph, which the first piece analyzes (DDPOptimizer keeps its buckets, whose nodes are the whole graph's)."""
+    if "DDPOptimizer" not in str(getattr(gm, "compile_subgraph_reason", "")):
+        return None
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        chain = polyfills._compiler_chain(InstructionTranslator.current_tx().output.compiler_fn)
+        ddp = next(f.__self__ for f in chain if hasattr(getattr(f, "__self__", None), "buckets"))
+    except Exception:  # noqa: BLE001 - not under DDPOptimizer's compile after all: nothing to compare with
+        return None
+    if getattr(ddp, "_adjoint_split", (None,))[0] is not ddp.buckets:
+        whole = ddp.buckets[0].nodes[0].graph.owning_module
+        steps = _rewritten_steps(run_pipeline(copy_graph_module(whole), [], opts, compile=False))
+        ddp._adjoint_split = (ddp.buckets, _DDPSplit(len(ddp.buckets), steps))
+    return ddp._adjoint_split[1]
+
+
+def _check_ddp_split(split: _DDPSplit, piece: CompiledGraph) -> None:
+    """After the last piece: warn when the pieces rewrote fewer recurrence steps than the whole graph would have."""
+    split.seen += 1
+    split.piece_steps += _rewritten_steps(piece)
+    if split.seen == split.pieces and split.piece_steps < split.whole_steps:
+        warnings.warn(f"adjoint-compile: DDPOptimizer split the graph at DistributedDataParallel's gradient buckets "
+                      f"into {split.pieces} pieces and cut recurrences: the pieces rewrite {split.piece_steps} of "
+                      f"the {split.whole_steps} recurrence steps the whole graph would, the rest stays with "
+                      f"autograd. Set torch._dynamo.config.optimize_ddp = False (one graph; DDP then all-reduces "
+                      f"after the backward) or a larger bucket_cap_mb", AdjointCompileWarning, stacklevel=2)
 
 
 #: polyfills.active() looks for this mark on the compiler dynamo traces for

@@ -259,7 +259,18 @@ def report(compiled_model: Any) -> Report:
     for c in flat:
         _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
-    return Report.of(flat, opts)
+    return Report.of(flat, opts, _ddp_splits(flat))
+
+
+def _ddp_splits(flat: list[CompiledGraph]) -> list[GraphBreak]:
+    """One graph break per piece after the first of a graph DDPOptimizer split at DDP's gradient buckets (it marks
+    each piece it hands to the backend with its ``compile_subgraph_reason``)."""
+    pieces = [c for c in flat if "DDPOptimizer" in str(getattr(c.captured.gm, "compile_subgraph_reason", ""))]
+    return [GraphBreak(reason=f"DDPOptimizer split the graph at a DistributedDataParallel gradient bucket boundary "
+                              f"(piece {i + 2} of {len(pieces)}); a recurrence cut by a split is rewritten only where a "
+                              f"piece holds enough of it (a warning says so); "
+                              f"torch._dynamo.config.optimize_ddp = False keeps one graph")
+            for i in range(len(pieces) - 1)]
 
 
 def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
@@ -307,6 +318,16 @@ def _wrapped_functions(fn: Any) -> list[Any]:
     return out
 
 
+def _is_distributed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is wrapped in DistributedDataParallel or holds a module sharded by FSDP2's fully_shard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # NB: torch built without distributed
+        return False
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
+        isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     """The records of backend="adjoint" that dynamo holds for ``compiled_model``'s frames.
 
@@ -314,10 +335,19 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     ``__wrapped__`` set) and each graph break's continuation as a global ``__resume_at_*`` function; its cache entries
     for a code object list the names its transformed bytecode uses.
     """
-    if isinstance(compiled_model, OptimizedModule):
+    if isinstance(compiled_model, torch.nn.Module) and getattr(compiled_model, "_compiled_call_impl", None):
+        # NB: model.compile(backend="adjoint") compiles in place: dynamo compiles Module._call_impl's frame
+        roots = [inspect.unwrap(compiled_model.forward), torch.nn.Module._call_impl,
+                 *_wrapped_functions(compiled_model._compiled_call_impl)]
+    elif isinstance(compiled_model, OptimizedModule):
         # NB: dynamo compiles the module's forward, or for torch.nn's own modules (Sequential, ...) a wrapper
         # function around the module, which the compiled forward's __wrapped__ chain reaches
         roots = [inspect.unwrap(compiled_model._orig_mod.forward), *_wrapped_functions(compiled_model.forward)]
+        if _is_distributed(compiled_model._orig_mod):
+            # NB: dynamo skips DistributedDataParallel's forward and FSDP2's hooks, and compiles the frames of the
+            # modules they call (the wrapped model; with fully_shard, each sharded submodule's own forward)
+            roots += [f for m in compiled_model._orig_mod.modules()
+                      for f in _wrapped_functions(getattr(m.forward, "__func__", m.forward))]
     elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):
         roots = [inspect.unwrap(compiled_model._torchdynamo_orig_callable)]
     else:
@@ -338,8 +368,19 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
                 if name.startswith("__resume_at"):
                     todo.append(v)
                 elif name.startswith("__compiled_fn"):
-                    while v is not None and not isinstance(v, CompiledGraphFn):
-                        v = getattr(v, "__wrapped__", None)
-                    if v is not None:
-                        found[id(v.result)] = v.result
+                    found.update((id(r.result), r.result) for r in _records_in(v))
     return list(found.values())
+
+
+def _records_in(compiled_fn: Any) -> list[CompiledGraphFn]:
+    """The backend's records behind one ``__compiled_fn_*``: itself (under its ``__wrapped__`` chain), or, when
+    DDPOptimizer split the graph at DDP's bucket boundaries, one per piece (the split GraphModule's submodules each
+    hold the backend's result of one piece as ``submod``)."""
+    v = compiled_fn
+    while v is not None and not isinstance(v, CompiledGraphFn):
+        if isinstance(v, OptimizedModule):
+            v = v._orig_mod
+        if isinstance(v, fx.GraphModule):
+            return [r for m in v.modules() if hasattr(m, "submod") for r in _records_in(m.submod)]
+        v = getattr(v, "__wrapped__", None)
+    return [] if v is None else [v]

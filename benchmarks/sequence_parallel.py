@@ -20,6 +20,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,21 @@ def _model():
     return mod.SSMStack(D, N, LAYERS)
 
 
+def step_and_peak(model: torch.nn.Module, f: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[Any, int]:
+    """One training step of ``f`` (loss (f(x) * w).sum()) and its peak memory, measured after a warm-up step that
+    all ranks finish first."""
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        (f(x) * w).sum().backward()
+
+    step()
+    dist.barrier()
+    with measure.track_peak("cpu") as m:
+        step()
+    return step, m["peak"]
+
+
 def _rank(rank: int, world: int, port: int, T: int, sp: bool, inner: str, out: str) -> None:
     measure.prepare_cpu_measurement()  # NB: before any tensor exists (adjoint_compile/measure.py)
     torch.set_num_threads(1)
@@ -54,15 +70,7 @@ def _rank(rank: int, world: int, port: int, T: int, sp: bool, inner: str, out: s
     opts = {"inner": inner, **({"sequence_parallel": True} if sp else {})}
     f = torch.compile(model, backend="adjoint", options=opts)
 
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        (f(x) * w).sum().backward()
-
-    step()
-    dist.barrier()
-    with measure.track_peak("cpu") as m:
-        step()
+    step, peak = step_and_peak(model, f, x, w)
     dist.barrier()
     times = []
     measure.start_timing()
@@ -72,7 +80,7 @@ def _rank(rank: int, world: int, port: int, T: int, sp: bool, inner: str, out: s
         step()
         times.append(time.perf_counter() - t0)
     rows = [None] * world
-    dist.all_gather_object(rows, {"rank": rank, "steps": sl.stop - sl.start, "peak_bytes": m["peak"],
+    dist.all_gather_object(rows, {"rank": rank, "steps": sl.stop - sl.start, "peak_bytes": peak,
                                   "step_s": statistics.median(times)})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))

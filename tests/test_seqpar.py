@@ -11,6 +11,7 @@ seconds (dynamo compiles every model in every process; ``inner="aot_eager"`` ski
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -97,8 +98,20 @@ def _run_case(name, mode, x, w):
     return {"y": y.detach(), "x_grad": x.grad, **{k: p.grad for k, p in model.named_parameters()}}
 
 
-def _worker(rank, world, port, lengths, cases, out_dir):
+@contextlib.contextmanager
+def _rank_errors(rank, out_dir):
+    """Leaves this rank's error in ``out_dir`` for the parent to read, and the process group in any case."""
     try:
+        yield
+    except BaseException:  # noqa: BLE001 - the parent reads it
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker(rank, world, port, lengths, cases, out_dir):
+    with _rank_errors(rank, out_dir):
         _init(rank, world, port, 30)
         x, w = _data(sum(lengths))
         o = sum(lengths[:rank])
@@ -129,11 +142,6 @@ def _worker(rank, world, port, lengths, cases, out_dir):
         except ac.SequenceParallelError as e:
             res["disagree"] = str(e)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:  # noqa: BLE001 - the parent reads it
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _spawn(target, world, args, timeout):

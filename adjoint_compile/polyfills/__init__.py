@@ -143,7 +143,10 @@ def _compiler_chain(fn: Any) -> Iterator[Any]:
         if fn is None:
             return
         yield fn
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "compiler_fn", None)
+        # NB: under DistributedDataParallel dynamo compiles with DDPOptimizer's bound compile_fn, which hands each
+        # bucket's piece of the graph to the user's backend, its backend_compile_fn
+        fn = (getattr(fn, "__wrapped__", None) or getattr(fn, "compiler_fn", None)
+              or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None))
 
 
 @torch._dynamo.assume_constant_result
