@@ -76,3 +76,15 @@ def test_explain_does_not_warn_it_reports(caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         rep = ac.explain(residual_loop, torch.randn(2, 4), torch.randn(4, 4))
     assert rep.rejections and _warnings(caplog) == []
+
+
+def test_a_declined_scan_is_named_at_the_users_line_not_inside_the_package(caplog):
+    """A region of one shard is declined (it would save nothing); the warning points at the model's own line that
+    called ``ac.ops.linear_scan``, not at the op's wrapper."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _train(make_ssm(), torch.randn(2, 12, 16), options={})
+    (msg,) = _warnings(caplog)
+    declined = [ln for ln in msg.splitlines() if "one shard: T=12" in ln]
+    assert len(declined) == 2 and "set shard_size to shard it" in declined[0]
+    assert all("models/selective_ssm.py:" in ln and "ops.py" not in ln for ln in declined), declined

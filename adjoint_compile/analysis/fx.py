@@ -207,11 +207,18 @@ def fresh_name(gm: "torch.fx.GraphModule", prefix: str) -> str:
     return f"{prefix}_{sum(1 for k, _ in gm.named_children() if k.startswith(prefix + '_'))}"
 
 
+#: this package's own files, skipped when naming the user's line of a node (its models/ are example user code)
+_PACKAGE_DIR = __file__.rsplit("/analysis/", 1)[0] + "/"
+
+
 def source_line(node: fx.Node) -> str | None:
-    """``file:line`` of the user's code that made ``node`` (the last frame of its stack trace), or None."""
+    """``file:line`` of the user's code that made ``node``: the last frame of its stack trace outside this package
+    (``ac.ops.linear_scan``'s own frame is not the user's line), or None."""
     for ln in reversed((node.meta.get("stack_trace") or "").strip().splitlines()):
         ln = ln.strip()
         if ln.startswith('File "'):
             path, _, rest = ln[len('File "'):].partition('", line ')
+            if path.startswith(_PACKAGE_DIR) and not path.startswith(_PACKAGE_DIR + "models/"):
+                continue
             return f"{path}:{rest.split(',')[0]}"
     return None
