@@ -77,7 +77,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
-@pytest.mark.parametrize("shard", [1, 5, 37])
+@pytest.mark.parametrize("shard", [1, 5, 36])  # NB: 37 = T would be one shard, which is declined
 def test_dropout_inside_the_region_gives_autograds_gradients_for_the_same_masks(monkeypatch, inner, shard):
     torch.manual_seed(0)
     model = DropoutStack()
