@@ -59,6 +59,11 @@ class _Loop(torch.nn.Module):
         return self.out(torch.stack(hs, 1))
 
 
+#: the backend's options here: the sequences are short, and a region of one shard would be declined (it saves
+#: nothing), so ask for shards of 4 steps
+ADJOINT = {"inner": "aot_eager", "shard_size": 4}
+
+
 def _model(name):
     if name == "loop":
         torch.manual_seed(0)
@@ -67,8 +72,13 @@ def _model(name):
 
 
 def _loss(model, x):
-    y = model(x).logits if isinstance(x, torch.Tensor) and not x.is_floating_point() else model(x)
-    return y.float().pow(2).mean()
+    """The mean squared distance of the output to a fixed random target, the same for every example (so that DDP's
+    average over the ranks' local means is the whole batch's mean, and training lowers it). NB: not ``y.pow(2).mean()``: the models end in
+    an RMSNorm, whose squared output barely depends on its input, so those gradients are ~1e-9 and mostly float32
+    cancellation, in eager autograd too."""
+    y = (model(x).logits if isinstance(x, torch.Tensor) and not x.is_floating_point() else model(x)).float()
+    w = torch.randn(y.shape[1:], generator=torch.Generator().manual_seed(11))
+    return (y - w).pow(2).mean()
 
 
 def _regions(compiled):
@@ -83,7 +93,7 @@ def _ddp_case(name, cap, split=True):
     model = _model(name)
     kw = {} if cap is None else {"bucket_cap_mb": cap}
     torch._dynamo.reset()
-    f = torch.compile(DDP(model, **kw), backend="adjoint", options={"inner": "aot_eager"})
+    f = torch.compile(DDP(model, **kw), backend="adjoint", options=ADJOINT)
     x = _batch(name, dist.get_world_size()).chunk(dist.get_world_size())[dist.get_rank()]
     with torch._dynamo.config.patch(optimize_ddp=split):
         _loss(f, x).backward()
@@ -97,7 +107,7 @@ def _fsdp_case(name):
         fully_shard(layer)
     fully_shard(model)
     torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    f = torch.compile(model, backend="adjoint", options=ADJOINT)
     x = _batch(name, dist.get_world_size()).chunk(dist.get_world_size())[dist.get_rank()]
     _loss(f, x).backward()
     return {"grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}, **_regions(f)}
@@ -181,7 +191,7 @@ def _trainer_losses(backend, tmp_path, steps=512):
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
     torch._dynamo.reset()
     model = _hf_mamba()
-    model.compile(backend=backend, **({"options": {"inner": "aot_eager"}} if backend == "adjoint" else {}))
+    model.compile(backend=backend, **({"options": ADJOINT} if backend == "adjoint" else {}))
     args = transformers.TrainingArguments(output_dir=str(tmp_path / backend), max_steps=3, per_device_train_batch_size=2,
                                           use_cpu=True, logging_steps=1, report_to=[], save_strategy="no",
                                           learning_rate=1e-2, seed=0, disable_tqdm=True)
@@ -235,7 +245,7 @@ def _lightning_losses(backend, tmp_path):
 
     torch._dynamo.reset()
     lit = LitSSM()
-    lit.model.compile(backend=backend, **({"options": {"inner": "aot_eager"}} if backend == "adjoint" else {}))
+    lit.model.compile(backend=backend, **({"options": ADJOINT} if backend == "adjoint" else {}))
     x = torch.randn(6, 17, D, generator=torch.Generator().manual_seed(5))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
