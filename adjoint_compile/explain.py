@@ -337,12 +337,15 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     """
     if isinstance(compiled_model, torch.nn.Module) and getattr(compiled_model, "_compiled_call_impl", None):
         # NB: model.compile(backend="adjoint") compiles in place: dynamo compiles Module._call_impl's frame
-        roots = [inspect.unwrap(compiled_model.forward), torch.nn.Module._call_impl,
-                 *_wrapped_functions(compiled_model._compiled_call_impl)]
+        roots = [*_wrapped_functions(getattr(compiled_model.forward, "__func__", compiled_model.forward)),
+                 torch.nn.Module._call_impl, *_wrapped_functions(compiled_model._compiled_call_impl)]
     elif isinstance(compiled_model, OptimizedModule):
         # NB: dynamo compiles the module's forward, or for torch.nn's own modules (Sequential, ...) a wrapper
         # function around the module, which the compiled forward's __wrapped__ chain reaches
-        roots = [inspect.unwrap(compiled_model._orig_mod.forward), *_wrapped_functions(compiled_model.forward)]
+        # NB: every layer of a decorated forward (a library's decorator, e.g. transformers' output handling): dynamo
+        # compiles the outermost frame it enters, whose module globals hold the compiled graph
+        orig = compiled_model._orig_mod.forward
+        roots = [*_wrapped_functions(getattr(orig, "__func__", orig)), *_wrapped_functions(compiled_model.forward)]
         if _is_distributed(compiled_model._orig_mod):
             # NB: dynamo skips DistributedDataParallel's forward and FSDP2's hooks, and compiles the frames of the
             # modules they call (the wrapped model; with fully_shard, each sharded submodule's own forward)
