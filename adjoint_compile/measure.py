@@ -1,23 +1,26 @@
 """Measuring tools shared by the demo and the benchmarks (DESIGN.md §7).
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated``. On CPU (Linux) the growth of the process's peak resident
-memory over the block: the high-water mark is reset through ``/proc/self/clear_refs`` and read from ``VmHWM``. While
-a block is measured, glibc's mmap threshold is pinned at 64 KiB (and its trim threshold at 0) and ``malloc_trim``
-first hands every free heap page back, so that each tensor allocated inside the block is new resident memory
-(otherwise glibc reuses freed blocks and the figure depends on history).
+Peak memory (:func:`track_peak`) counts the bytes of live tensors, on every device the same way: on CUDA
+``torch.cuda.max_memory_allocated``; on CPU the profiler's memory events (``profile_memory=True``): every allocation
+and free of c10's CPU allocator inside the block, the buffers of inductor-compiled code and of this package's
+runtime included, summed in time order; the peak is the largest running sum: the most bytes allocated inside the
+block and live at once. (Tensors allocated before the block are not counted, nor are their frees: the profiler
+does not know their sizes.)
 
-Peak memory is measured with glibc's mmap threshold pinned at 64 KiB and its trim threshold at 0, set when the
-first measurement is prepared: every freed tensor then goes back to the OS at once, so RSS follows the live bytes.
-Step times are taken afterwards, with the thresholds set high (32 MiB mmap, 64 MiB trim: about where glibc's own
-dynamic thresholds settle in a training loop). NB: pinned low, every allocation over 64 KiB is a fresh mmap that
-page-faults on first touch, which slowed the sharded backward (many shard-sized tensors) ~2x more than plain
-compile; and once the heap has held freed blocks, RSS no longer follows the live bytes (fragmentation inflated a
-peak ~1.7x). So :func:`measure_steps` measures every method's memory first and every step time after, and
-:func:`track_peak` refuses to run on CPU once timing has begun.
+NB: not a TorchDispatchMode (like ``torch.distributed._tools.mem_tracker``): while one is active, dynamo runs a
+compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. The profiler does not
+change what dynamo compiles.
 
-NB: not a TorchDispatchMode (like ``torch.distributed._tools.mem_tracker``): while one is active,
-dynamo runs a compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. RSS sees
-everything — inductor's buffers, our runtime's — at the price of counting a little non-tensor memory too.
+``track_peak(..., count="rss")`` measures the growth of the process's peak resident memory instead (the
+high-water mark reset through ``/proc/self/clear_refs``, read from ``VmHWM``): it also sees memory that is not a
+tensor, but glibc keeps freed blocks resident, so it reads low once the heap holds them (a second training step
+at T = 65536 read 0 MiB). For it, :func:`prepare_cpu_measurement` pins glibc's mmap threshold at 64 KiB and its
+trim threshold at 0 (every freed tensor goes back to the OS at once) and :func:`start_timing` sets them high again
+for step times (32 MiB mmap, 64 MiB trim: about where glibc's own dynamic thresholds settle in a training loop).
+NB: pinned low, every allocation over 64 KiB is a fresh mmap that page-faults on first touch, which slowed the
+sharded backward ~2x more than plain compile, so :func:`measure_steps` measures every method's memory first and
+every step time after, and the RSS count refuses to run once timing has begun.
+
 Time: the median of repeats after a warm-up, with ``torch.cuda.synchronize`` on GPUs.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import ctypes
 import gc
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,9 +41,14 @@ from torch.utils.checkpoint import checkpoint
 
 
 @contextmanager
-def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
-    """``with track_peak(dev) as m: ...`` then ``m["peak"]`` is the peak bytes allocated inside the block."""
+def track_peak(device: torch.device | str, count: str = "tensors") -> Iterator[dict[str, int]]:
+    """``with track_peak(dev) as m: ...`` then ``m["peak"]`` is the peak bytes allocated inside the block.
+
+    ``count``: "tensors" (live tensor bytes; module docstring) or, on CPU, "rss" (resident memory growth).
+    """
     device = torch.device(device)
+    if count not in ("tensors", "rss"):
+        raise ValueError(f"count={count!r}: expected 'tensors' or 'rss'")
     result = {"peak": 0}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -48,6 +57,19 @@ def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
         yield result
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - base
+    elif count == "tensors":
+        from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():  # NB: kineto prints "profiler_start/stop" lines to fd 2 on every start and stop
+            prof.start()
+        try:
+            yield result
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+        result["peak"] = _peak_of_memory_events(prof)
     elif _rss_available():
         if _TIMING:
             raise RuntimeError("peak CPU memory cannot be measured after step times were taken in this process "
@@ -60,9 +82,35 @@ def track_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
         result["peak"] = max(0, _proc_status("VmHWM:") - base)
     else:
         raise RuntimeError(
-            "peak CPU memory needs Linux's /proc/self/clear_refs and glibc (see adjoint_compile.measure); "
-            "measure on a GPU with --device cuda instead"
+            "peak resident memory needs Linux's /proc/self/clear_refs and glibc (see adjoint_compile.measure); "
+            "use track_peak(..., count='tensors') instead"
         )
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ logging) inside the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _peak_of_memory_events(prof: Any) -> int:
+    """The largest running sum of the CPU allocator's memory events (allocations +, frees -) in time order."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
 
 
 def _proc_status(key: str) -> int:

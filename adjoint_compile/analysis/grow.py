@@ -14,7 +14,7 @@ import torch.fx as fx
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
 from .optable import POINTWISE, op_name
-from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, padded_causal_conv, rule_for
+from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, embedding_ids, padded_causal_conv, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
     Connectivity follows def-use edges in both directions between time-local ops (placeholders, step-free nodes and
     mixing nodes are not members: they are the region's inputs or its bounds).  The set is also made convex: a
     member reachable from another member through a non-member (e.g. ``y + cumsum(y)``) is dropped, so that the set
-    can be outlined into one call.  Returns ``(nodes in graph order, [(name, why) of bounding mixing nodes])``;
+    can be outlined into one call.  A sum over time of a member (``info.sums``: a loss) joins as a last node when
+    the set stays convex.  Returns ``(nodes in graph order, [(name, why) of bounding mixing nodes])``;
     ``([], bounds)`` when no scan is time-local.
     """
     cand = _region_candidates(gm, info)
@@ -75,6 +76,11 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
                 dropped = near
         cand -= dropped
         log.debug("region_around: dropping %s to keep the region convex", sorted(x.name for x in dropped))
+    # a sum over time of a member ends the region: its shards' sums add up (none of its users may be members)
+    for t, ts in info.sums.items():
+        if ts.input in members and not any(u in members for u in t.users) and reentry(
+                gm.graph.nodes, members | {t}) is None:
+            members.add(t)
     nodes = sorted(members, key=order.__getitem__)
     bounds: list[tuple[str, str]] = []
     seen: set[fx.Node] = set()
@@ -140,6 +146,16 @@ def _through_conv(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
     return None
 
 
+def _through_embedding(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
+    """The walk back through an embedding lookup: row t of its output is ids' element t (the output adds the
+    feature dim last)."""
+    m = embedding_ids(n)
+    s = step_shape(n)
+    if m is None or s is None or d >= len(s) - 1:
+        return None
+    return {m[0]: d}
+
+
 def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
                     extra: dict[fx.Node, int] | None = None, halo: bool = False) -> dict[fx.Node, int]:
     """The scans (at their ``dim``) and the sources of their ``a`` and ``b`` (and of ``extra``: node -> step dim)
@@ -179,7 +195,7 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             continue
         done.add(n)
         d = want[n]
-        inv = (halo and _through_conv(n, d)) or (
+        inv = (halo and (_through_conv(n, d) or _through_embedding(n, d))) or (
             _inverse(n, d, T) if n.op in ("call_function", "call_method") else None)
         if not inv:
             seeds[n] = d

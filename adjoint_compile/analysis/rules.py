@@ -35,6 +35,9 @@ class TimeLocalInfo:
     #: causal convolutions along time joined to regions (``analyze(..., halo=True)``): conv node -> the parts.
     #: Within a shard, the ``halo`` steps before the shard's first one are carried from the shard on its left.
     convs: dict[fx.Node, "CausalConv"] = dataclasses.field(default_factory=dict)
+    #: sums (and means) over the step axis of a time-local value (``analyze(..., halo=True)``): node -> the parts.
+    #: Their outputs carry no step axis; a region may end in them, adding up its shards' partial sums.
+    sums: dict[fx.Node, "TimeSum"] = dataclasses.field(default_factory=dict)
 
     def carries_step(self, n: fx.Node) -> bool:
         return self.step_dim.get(n) is not None
@@ -75,6 +78,17 @@ class CausalConv:
     halo: int
     dim: int
     pad: fx.Node | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeSum:
+    """``out = x.sum(dims)`` or ``x.mean(dims)`` over dims that include x's step dim ``dim`` (``dims`` None: all of
+    them): the sum of the shards' own sums; a mean is the sum of the shards' means, each weighted by L/T."""
+
+    node: fx.Node
+    input: fx.Node
+    dim: int
+    mean: bool
 
 
 Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]

@@ -38,12 +38,12 @@ from . import layout_rules as lr
 from . import optable as ops
 from . import rules as r
 from .fx import example_value, is_linear_scan, nodes_in
-from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, norm_dim, op_label, step_shape
+from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_arg, norm_dim, op_label, step_shape
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TimeLocalInfo", "Shift", "CausalConv", "analyze", "causal_conv", "conv_args", "padded_causal_conv", "drops_last_step", "rule_for",
-           "slice_items"]
+__all__ = ["TimeLocalInfo", "Shift", "CausalConv", "TimeSum", "analyze", "causal_conv", "conv_args", "embedding_ids",
+           "padded_causal_conv", "drops_last_step", "rule_for", "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
 # rule table: op name (optable) -> rule
@@ -263,6 +263,52 @@ def _conv_in_region(node: fx.Node, info: TimeLocalInfo) -> CausalConv | None:
     return CausalConv(conv=node, sliced=None if pad is not None else sliced, input=x, halo=p, dim=d, pad=pad)
 
 
+def embedding_ids(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(ids, weight) of ``F.embedding(ids, weight)`` when each output row depends on its own index alone (no
+    ``max_norm``, which renormalizes rows of the weight in place, no ``scale_grad_by_freq``, whose counts are over
+    the whole batch, no sparse gradient), or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is F.embedding:
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    elif node.target is torch.embedding:
+        names = ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse")
+    else:
+        return None
+    a = {**dict(zip(names, node.args)), **node.kwargs}
+    ids, w = a.get("input"), a.get("weight")
+    if (not isinstance(ids, fx.Node) or not isinstance(w, fx.Node) or a.get("max_norm") is not None
+            or a.get("scale_grad_by_freq") or a.get("sparse")):
+        return None
+    return ids, w
+
+
+def _embedding_in_region(node: fx.Node, info: TimeLocalInfo) -> int | None:
+    """The step dim of ``F.embedding(ids, weight)`` whose ids carry the step axis and whose weight is step-free: a
+    shard looks up its own steps' rows."""
+    m = embedding_ids(node)
+    if m is None or not info.is_time_local(m[0]) or info.step_dim.get(m[1]) is not None or m[1] in info.mixing:
+        return None
+    return info.step_dim[m[0]]
+
+
+def _time_sum(node: fx.Node, info: TimeLocalInfo) -> TimeSum | None:
+    """``node`` as a sum or mean over dims that include the step dim of a time-local value, or None."""
+    if node.op not in ("call_function", "call_method") or op_label(node) not in ("sum", "mean"):
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.kwargs.keys() - {"dim", "keepdim", "dtype"}:
+        return None
+    x = node.args[0]
+    s, d = step_shape(x), info.step_dim.get(x)
+    if s is None or d is None or x in info.mixing or len(node.args) > 3:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = dims_arg(dim, len(s))
+    if dims == [] or (dims is not None and d not in dims):
+        return None
+    return TimeSum(node=node, input=x, dim=d, mean=op_label(node) == "mean")
+
+
 def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
     """The step dim when ``node`` drops the last step of a scan output and its only user may be a shift's cat."""
     if not (node.op == "call_function" and node.target is operator.getitem and node.args
@@ -315,7 +361,9 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
     Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
     is classified by its own rule (a scan whose a/b do not carry the step axis there is mixing).  With ``halo``, a
     causal conv along time (:func:`causal_conv`) on a time-local input is time-local too, and so is the slice after
-    it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour.  Linear in the
+    it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour; an embedding
+    lookup of step-carrying indices is time-local; a sum or mean over the step dim of a time-local value is recorded
+    in ``info.sums`` (a region may end in it).  Linear in the
     size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
@@ -352,6 +400,14 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
         if halo and (m := padded_causal_conv(node)) is not None and m[0] not in info.mixing:
             info.step_dim[m[0]] = None  # NB: the tentatively local pad before a conv that does not join
             info.mixing[m[0]] = "pad along the step dim (before a conv that cannot join a region)"
+        if halo and (ts := _time_sum(node, info)) is not None:
+            # NB: no step axis and not mixing: a region may end in it (analysis/grow.py), summing its shards' sums
+            info.step_dim[node] = None
+            info.sums[node] = ts
+            continue
+        if halo and (d := _embedding_in_region(node, info)) is not None:
+            info.step_dim[node] = d
+            continue
         if (node.op == "call_function" and node.target is operator.getitem and node.args
                 and node.args[0] in info.convs and info.convs[node.args[0]].sliced is node):
             info.step_dim[node] = info.convs[node.args[0]].dim

@@ -144,6 +144,11 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
     if mem.get("kept_outside"):
         why += f" + {mib(mem['kept_outside'])} kept by per-step ops outside"
+    took = [f"{len(v)} embedding lookup(s)" for v in [out.details.get("embeddings")] if v] + [
+        f"{len(v)} sum(s) over time" for v in [out.details.get("sums_over_time")] if v]
+    if took:
+        # NB: what the region starts or ends with is never stored whole: its inputs' and outputs' [B, T, ...]
+        why += f"; takes in {' and '.join(took)}"
     if getattr(r, "rerolled_from", None):
         # NB: loops and scan ops are re-rolled; closed forms (log-space, cumprod) and registered scans are replaced
         how = "re-rolled" if r.source in ("scan", "associative_scan", "unrolled_loop") else "rewritten"

@@ -25,7 +25,7 @@ from ..analysis.fx import example_value as _ev
 from ..analysis.fx import fresh_name, is_convex, is_linear_scan
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
-from ..analysis.time_local import TimeLocalInfo, analyze
+from ..analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ..errors import UnsupportedRegion
 from ..options import Options, validate
 from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
@@ -92,7 +92,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     for n in nodes:
         if n.op not in ("call_function", "call_method"):
             raise UnsupportedRegion(f"node {n.name} ({n.op}) cannot be outlined")
-        if not info.is_time_local(n):
+        if not info.is_time_local(n) and n not in info.sums:
             raise UnsupportedRegion(f"node {n.name} is not time-local: {info.mixing.get(n, 'no step axis')}")
     scans = [n for n in nodes if is_linear_scan(n)]
     if not scans:
@@ -145,7 +145,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     name = fresh_name(gm, "adjoint_region")
     mod.label = name
     gm.add_submodule(name, mod)
+    sums = [n.name for n in nodes if n in info.sums]
+    lookups = [n.name for n in nodes if embedding_ids(n) is not None]
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
+            "sums_over_time": sums, "embeddings": lookups,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "memory": memory}
     with gm.graph.inserting_after(nodes[-1]):
@@ -319,7 +322,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                 mem = members if len(pieces) == 1 else frozenset(n.name for n in part)
                 result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
                                  nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
-                                 memory=dict(p["memory"]), bounds=list(bounds))
+                                 memory=dict(p["memory"]), bounds=list(bounds),
+                                 details={k: p[k] for k in ("sums_over_time", "embeddings") if p[k]})
             for x in scans_of:
                 done[x] = result
     for i, s in scan_of.items():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -193,9 +194,14 @@ class ShardProgram:
         #: the causal convs along time, whose halos are carried after the scans' states
         self.convs = list(info.convs.values())
         self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
-        for n, d in zip(self.out_nodes, self.out_step_dims):
-            if d is None:
+        #: per output, whether it is a sum over time (``info.sums``): a sweep adds up its shards' values
+        self.out_sums = [n in info.sums for n in self.out_nodes]
+        for n, d, is_sum in zip(self.out_nodes, self.out_step_dims, self.out_sums):
+            if d is None and not is_sum:
                 raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis")
+        for n, ts in info.sums.items():
+            if any(u.op != "output" for u in n.users):
+                raise UnsupportedRegion(f"node {n.name} sums over the step dim and is read inside the region")
         if self.out_step_dims_given is not None and [
             None if d is None else d % len(_ev(n).shape) for n, d in zip(self.out_nodes, self.out_step_dims_given)
         ] != self.out_step_dims:
@@ -292,6 +298,10 @@ class ShardProgram:
                 new.args, new.kwargs = tuple(a), {}
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
+            if n in self.info.sums and self.info.sums[n].mean and L != self.T:
+                # NB: a shard's mean weighted by L/T: the shards' values then add up to the mean over all T steps
+                with g.inserting_after(new):
+                    env[n] = g.call_function(operator.mul, (new, L / self.T))
         for k, s in enumerate(self.scans):
             new, i = env[s], _h0_index(s)
             if len(new.args) > i:

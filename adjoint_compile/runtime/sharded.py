@@ -57,13 +57,21 @@ class _ShardedFn(torch.autograd.Function):
             if outs is None:
                 outs = []
                 for y, d in zip(ys, prog.out_step_dims):
+                    if d is None:  # a sum over time: the shards' sums add up, in fp32 at least
+                        outs.append(y.new_zeros(y.shape, dtype=torch.promote_types(y.dtype, torch.float32)))
+                        continue
                     shp = list(y.shape)
                     shp[d] = T
                     outs.append(y.new_empty(shp))
             for o, y, d in zip(outs, ys, prog.out_step_dims):
-                o.narrow(d, s, e - s).copy_(y)
+                if d is None:
+                    o.add_(y)
+                else:
+                    o.narrow(d, s, e - s).copy_(y)
             # NB: clone: a select is a view that would keep the whole shard's state tensor alive until backward
             carries = [f.clone() for f in finals]
+        assert outs is not None
+        outs = [o.to(y.dtype) if d is None else o for o, y, d in zip(outs, ys, prog.out_step_dims)]
         ctx.prog, ctx.bounds = prog, bounds
         ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
         # NB: the parameters themselves (not their saved copies): their .grad is written at the end of the backward
@@ -104,7 +112,9 @@ class _ShardedFn(torch.autograd.Function):
             carries = prog.initial_carries(inputs) if k == 0 else list(flat[(k - 1) * K: k * K])
             xs = prog.shard_inputs(inputs, s, L)
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
-            gos = [None if g is None else g.narrow(d, s, L).contiguous() for g, d in zip(gouts, prog.out_step_dims)]
+            # a sum over time (d None) passes its whole cotangent to every shard
+            gos = [None if g is None else g.contiguous() if d is None else g.narrow(d, s, L).contiguous()
+                   for g, d in zip(gouts, prog.out_step_dims)]
             needs_c = [c is not None and (k > 0 or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
             if ps_want:
                 assert ps is not None
