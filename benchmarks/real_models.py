@@ -3,8 +3,13 @@ torch.compile (inductor): what is recognized and rewritten, the gradient error a
 memory of one training step, and the time of the first (compiling) step at two lengths.
 
     python benchmarks/real_models.py                      # quick sizes: memory at T=4096, first step at 1024, 4096
-    python benchmarks/real_models.py --mem-len 8192 --first-lens 1024 16384     # the issue's sizes (slow on CPU)
+    python benchmarks/real_models.py --mem-lens 8192 65536 --first-lens      # long sequences (slow on CPU)
     python benchmarks/real_models.py --targets mingru mambapy
+
+The model and its loss (a fixed random projection of the last hidden state, summed) are compiled as one module, as
+when a whole training step is compiled; ``--loss-outside`` compiles the model alone (its [B, T, D] output and that
+output's gradient then live outside the compiled code and grow with T). Peak memory is the most bytes of tensors
+live at once during one training step (:func:`adjoint_compile.measure.track_peak`), step time the median of 3.
 
 Every measurement (each method's memory, each first step) runs in a fresh process with its own time limit
 (``--timeout``), so compile caches and allocator state do not leak between them and a compile that does not finish
@@ -101,7 +106,27 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
     return (y.float() * r.to(y.device)).sum() / y.numel() ** 0.5
 
 
-def _child(target: str, what: str, T: int, method: str) -> dict[str, Any]:
+class WithLoss(nn.Module):
+    """The model and its loss as one module, as when a whole training step is compiled: ``forward(*inputs, r)``
+    is :func:`_loss` of the model's output with the projection ``r`` given (made once, like the labels)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        y = self.model(*args[:-1])
+        return (y.float() * args[-1]).sum() / y.numel() ** 0.5
+
+
+def _with_loss(model: nn.Module, inputs: tuple) -> tuple[nn.Module, tuple]:
+    with torch.no_grad():
+        shape = model(*inputs).shape
+    r = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float32)
+    return WithLoss(model), (*inputs, r)
+
+
+def _child(target: str, what: str, T: int, method: str, loss_inside: bool = True) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     from adjoint_compile.measure import compare_training_step, prepare_cpu_measurement
 
@@ -130,7 +155,10 @@ def _child(target: str, what: str, T: int, method: str) -> dict[str, Any]:
                 "rewritten": sum(r.rewrite != "none" for r in rec), "grad_rel_err": err, "eager_fp64_err": floor,
                 "reasons": sorted({r.reason[:120] for r in rec if r.rewrite == "none"})}
     if what == "memory":  # one method per process: a compile that does not finish costs only its own figure
-        rows = compare_training_step(model, inputs, _loss, "cpu", repeats=1, methods=(method,))
+        if loss_inside:
+            model, inputs = _with_loss(model, inputs)
+        rows = compare_training_step(model, inputs, (lambda loss: loss) if loss_inside else _loss, "cpu",
+                                     repeats=3, methods=(method,))
         return {"peak_bytes": rows[0]["peak_bytes"], "step_s": rows[0]["step_s"]}
     run = torch.compile(model) if method == "compile" else torch.compile(model, backend="adjoint")
     times = []
@@ -141,8 +169,9 @@ def _child(target: str, what: str, T: int, method: str) -> dict[str, Any]:
     return {"first_step_s": times[0], "second_step_s": times[1]}
 
 
-def _measure(target: str, what: str, T: int, method: str = "", timeout: int = 1800) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", target, what, str(T), method or "-"]
+def _measure(target: str, what: str, T: int, method: str = "", timeout: int = 1800,
+             extra: list[str] = ()) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", target, what, str(T), method or "-", *extra]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -161,55 +190,67 @@ def _mib(n: Any) -> str:
     return f"{n / 2**20:.1f} MiB" if isinstance(n, (int, float)) else "—"
 
 
-def _has_second(results: dict[str, Any]) -> bool:
-    return any("second_step_s" in x for r in results.values() for f in r.get("first", {}).values() for x in f.values())
+def _pair(a: dict[str, Any], c: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+    """``adjoint / compile (ratio)`` of one figure, or the error in its place."""
+    x, y = a.get(key), c.get(key)
+    show = [fmt(v) if v is not None else str(m.get("error", "?"))[:40] for v, m in ((x, a), (y, c))]
+    ratio = f" ({x / y:.3f}x)" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else ""
+    return " / ".join(show) + ratio
 
 
-def _table(results: dict[str, Any], mem_len: int, first_lens: list[int]) -> str:
-    head = (["library", "model", "recognized as", "rewritten", "grad rel err (T=64): adjoint vs eager (eager fp32 vs fp64)",
-             f"peak memory adjoint / compile (T={mem_len})"]
-            + [f"first step T={T}: adjoint / compile" + (" (second step)" if _has_second(results) else "")
-               for T in first_lens])
+def _table(results: dict[str, Any], mem_lens: list[int], first_lens: list[int]) -> str:
+    head = ["library", "model", "recognized as", "rewritten", "grad rel err (T=64): adjoint vs eager (eager fp32 vs fp64)"]
+    for T in mem_lens:
+        head += [f"peak T={T}: adjoint / compile", f"step T={T}: adjoint / compile"]
+    if len(mem_lens) > 1:
+        head.append(f"adjoint peak T={mem_lens[-1]} / T={mem_lens[0]}")
+    head += [f"first step T={T}: adjoint / compile (second step)" for T in first_lens]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         lib, model = TARGETS[name][0], TARGETS[name][1]
         if "missing" in r:
-            rows.append(f"| {lib} | {model} | not installed | | | | " + " | " * (len(first_lens) - 1) + "|")
+            rows.append(f"| {lib} | {model} | not installed |" + " |" * (len(head) - 3))
             continue
-        rec, mem = r["recognize"], r["memory"]
+        rec = r["recognize"]
         recog = "error: " + rec["error"] if "error" in rec else (", ".join(rec["sources"]) or "nothing")
         rew = "" if "error" in rec else f"{rec['rewritten']} of {rec['recurrences']}"
-        err = "" if "error" in rec else f"{rec['grad_rel_err']:.1e}" + (
-            f" ({rec['eager_fp64_err']:.1e})" if "eager_fp64_err" in rec else "")
-        if "error" in mem:  # an older results file: one process for all methods
-            memc = "error: " + mem["error"]
-        else:
-            a, c = (mem[m].get("peak_bytes", mem[m].get("error", "?")[:40]) for m in ("adjoint", "compile"))
-            memc = (f"{_mib(a)} / {_mib(c)} ({a / c:.2f}x)" if isinstance(a, int) and isinstance(c, int) and c
-                    else f"{_mib(a) if isinstance(a, int) else a} / {_mib(c) if isinstance(c, int) else c}")
-        firsts = []
+        err = "" if "error" in rec else f"{rec['grad_rel_err']:.1e} ({rec['eager_fp64_err']:.1e})"
+        cells = [lib, model, recog, rew, err]
+        for T in mem_lens:
+            m = r["memory"][str(T)]
+            cells.append(_pair(m["adjoint"], m["compile"], "peak_bytes", _mib))
+            cells.append(_pair(m["adjoint"], m["compile"], "step_s", lambda v: f"{v:.2f} s"))
+        if len(mem_lens) > 1:
+            lo, hi = (r["memory"][str(T)]["adjoint"].get("peak_bytes") for T in (mem_lens[0], mem_lens[-1]))
+            cells.append(f"{hi / lo:.2f}x" if isinstance(lo, int) and isinstance(hi, int) and lo else "—")
         for T in first_lens:
-            fa, fc = r["first"][str(T)]["adjoint"], r["first"][str(T)]["compile"]
-            show = [(f"{x['first_step_s']:.1f} s" + (f" ({x['second_step_s']:.1f} s)" if "second_step_s" in x else ""))
-                    if "first_step_s" in x else x.get("error", "?")[:40] for x in (fa, fc)]
-            firsts.append(" / ".join(show))
-        rows.append("| " + " | ".join([lib, model, recog, rew, err, memc, *firsts]) + " |")
+            show = [(f"{x['first_step_s']:.1f} s ({x['second_step_s']:.1f} s)") if "first_step_s" in x
+                    else x.get("error", "?")[:40] for x in (r["first"][str(T)][m] for m in ("adjoint", "compile"))]
+            cells.append(" / ".join(show))
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         target, what, T, method = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-        print("RESULT " + json.dumps(_child(target, what, T, "" if method == "-" else method)), flush=True)
+        inside = "--loss-outside" not in sys.argv
+        print("RESULT " + json.dumps(_child(target, what, T, "" if method == "-" else method, inside)), flush=True)
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
-    p.add_argument("--mem-len", type=int, default=4096)
-    p.add_argument("--first-lens", type=int, nargs="*", default=[1024, 4096])
+    p.add_argument("--mem-lens", type=int, nargs="+", default=[4096],
+                   help="sequence lengths of the memory and step-time measurements (default 4096)")
+    p.add_argument("--first-lens", type=int, nargs="*", default=[1024, 4096],
+                   help="sequence lengths of the first (compiling) step (default 1024 4096; none: skip)")
+    p.add_argument("--loss-outside", action="store_true",
+                   help="compile the model alone and take the loss outside it (default: model and loss compiled "
+                        "as one module, as a compiled training step)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement (each in its own process)")
     a = p.parse_args()
     results: dict[str, Any] = {}
+    extra = ["--loss-outside"] if a.loss_outside else []
     for name in a.targets:
         lib = TARGETS[name][0]
         try:
@@ -220,25 +261,33 @@ def main() -> None:
             continue
         r: dict[str, Any] = {"recognize": _measure(name, "recognize", 64, timeout=a.timeout)}
         print(f"{name}: recognized {r['recognize']}", flush=True)
-        r["memory"] = {m: _measure(name, "memory", a.mem_len, m, timeout=a.timeout)
-                       for m in ("adjoint", "compile", "eager")}
-        print(f"{name}: memory T={a.mem_len} {r['memory']}", flush=True)
+        r["memory"] = {}
+        for T in a.mem_lens:
+            r["memory"][str(T)] = {m: _measure(name, "memory", T, m, timeout=a.timeout, extra=extra)
+                                   for m in ("adjoint", "compile")}
+            print(f"{name}: memory T={T} {r['memory'][str(T)]}", flush=True)
+            results[name] = r
+            _write(results, a)  # NB: after every figure: a long run that is stopped keeps what it measured
         r["first"] = {}
         for T in a.first_lens:
             r["first"][str(T)] = {m: _measure(name, "first", T, m, timeout=a.timeout) for m in ("adjoint", "compile")}
             print(f"{name}: first step T={T} {r['first'][str(T)]}", flush=True)
         results[name] = r
-        _write(results, a)  # NB: after every target: a long run that is stopped keeps what it measured
-    print(_table(results, a.mem_len, a.first_lens))
+        _write(results, a)
+    print(_table(results, a.mem_lens, a.first_lens))
 
 
 def _write(results: dict[str, Any], a: argparse.Namespace) -> None:
     meta = {"device": "cpu", "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "batch": B, "mem_len": a.mem_len, "first_lens": a.first_lens}
+            "torch": torch.__version__, "batch": B, "mem_lens": a.mem_lens, "first_lens": a.first_lens,
+            "loss": "outside the compiled model" if a.loss_outside else "compiled with the model",
+            "peak": "live tensor bytes (adjoint_compile.measure.track_peak, count='tensors')"}
+    done = {k: v for k, v in results.items() if "missing" in v or len(v.get("memory", {})) == len(a.mem_lens)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "real_models_cpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "real_models_cpu.md").write_text(_table(results, a.mem_len, a.first_lens) + "\n")
+    (out / "real_models_cpu.md").write_text(_table(done, a.mem_lens, a.first_lens if all(
+        "first" in v for v in done.values() if "missing" not in v) else []) + "\n")
 
 
 if __name__ == "__main__":
