@@ -95,6 +95,13 @@ def test_padded_dilated_conv_joins_with_a_halo_of_dilation_times_k_minus_1(shard
     _one_region(_check(ConvScan("pad", k=3, dilation=2), x, {"shard_size": shard}), 2, shard)
 
 
+def test_inductor_programs_take_halos_from_shards_of_another_length():
+    """T = 13 in shards of 4: the last shard is 1 step long, so the halo cotangent it hands left is a slice of a
+    shorter buffer (other strides) than the one the full shards hand on; compiled programs must accept both."""
+    x = torch.randn(2, 13, D)
+    _one_region(_check(ConvScan(), x, {"shard_size": 4, "inner": "inductor"}), 2, 4)
+
+
 def test_halo_cotangent_reaches_the_shard_on_the_left():
     """A loss on the last step only: with shard size 1 every step's gradient from the conv comes back through the
     halos of the shards to its right (a dropped halo cotangent zeroes them)."""

@@ -230,9 +230,10 @@ def test_a_new_layout_starts_a_new_cache_and_bad_lengths_are_refused():
     with torch.no_grad():
         prog.run(3, prog.shard_inputs(inputs, 3, 3), carries_at(7, 3), False, t0=3)
     assert len(prog.compiled) == 1 and prog.bounds() == [(0, 3), (3, 6), (6, 7)]
-    # another shard size (the default: one shard, as a state of B * D elements a step is far below
-    # MIN_SHARD_ELEMENTS): the compiled programs go
-    assert prog.prepare(inputs, None) == default_shard_size(7, B * D) == 7
+    # another shard size (the default: one shard, as a step's activations are far below MIN_SHARD_BYTES): the
+    # compiled programs go
+    assert prog.prepare(inputs, None) == default_shard_size(7, prog.boundary_bytes(), prog.step_bytes()) == 7
+    assert prog.boundary_bytes() > 0 and prog.step_bytes() > 0
     assert not prog.compiled and set(prog.specialized) == {7} and prog.bounds() == [(0, 7)]
     with pytest.raises(ValueError, match="L=8"):
         prog.program(8)

@@ -369,14 +369,17 @@ def test_verify_region_reports_a_small_error():
     assert fid["grad_rel_err"] <= 1e-11 and abs(fid["grad_cosine"] - 1) <= 1e-11 and fid["output_max_rel_err"] <= 1e-11
 
 
-def test_default_shard_size_keeps_enough_work_per_shard():
-    from adjoint_compile.runtime.sharded import MIN_SHARD_ELEMENTS
+def test_default_shard_size_balances_boundaries_and_shards_with_enough_work_per_shard():
+    from adjoint_compile.runtime.sharded import MIN_SHARD_BYTES
 
-    # 256 state elements per step: shards of at least MIN_SHARD_ELEMENTS / 256 steps, never more than T
-    assert default_shard_size(4096, 256) == max(64, MIN_SHARD_ELEMENTS // 256)
-    assert default_shard_size(4096, 10**9) == 64
-    assert default_shard_size(100, 1) == 100
-    assert default_shard_size(1, 10) == 1
+    # memory (T/S)·c_b + S·c_a is least at S = √(T·c_b/c_a): T = 2^20, c_b = 4 c_a -> 2048 steps
+    assert default_shard_size(2**20, 4 * 2**20, 2**20) == 2048
+    # a small step: shards of at least MIN_SHARD_BYTES of activations, never more than T
+    assert default_shard_size(10**6, 64, 1024) == MIN_SHARD_BYTES // 1024
+    assert default_shard_size(100, 64, 1024) == 100
+    assert default_shard_size(1, 10, 10) == 1
+    # an unknown cost: ⌈√T⌉
+    assert default_shard_size(4096, 0, 1024) == default_shard_size(4096, 1024, 0) == 64
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

@@ -29,6 +29,7 @@ from ..analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ..errors import UnsupportedRegion
 from ..options import Options, validate
 from ..regions import PROVENANCE, Lowered, NotLowered, Recurrence
+from ..runtime.shard_parts import own_bytes
 from ..runtime.sharded import ShardedRegion
 from .decide import declines
 from .lower_adjoint_ps import per_sample_region, pull_in_parameter_math
@@ -184,11 +185,6 @@ def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def _own_bytes(v: Any) -> int:
-    """Bytes a value allocates: 0 for a view (movedim, expand, a slice), which shares its base's memory."""
-    return 0 if isinstance(v, torch.Tensor) and v._is_view() else _nbytes(v)
-
-
 class Declined(UnsupportedRegion):
     """The region could be sharded, but the rewrite would not pay (passes/decide.py ``declines``)."""
 
@@ -222,7 +218,7 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
     """
     S = min(S, T)  # NB: a shard_size over T is one shard of T steps
-    per_region = sum(_own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
+    per_region = sum(own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
     boundaries = (-(-T // S) - 1) * (states + halos)
     members = set(nodes)

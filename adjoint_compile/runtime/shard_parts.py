@@ -8,37 +8,45 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["MIN_SHARD_ELEMENTS", "default_shard_size", "wanted_shard_size", "autocast_state", "autocast_as"]
+__all__ = ["MIN_SHARD_BYTES", "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state",
+           "autocast_as"]
 
 
-#: below this many state elements per shard (one scan's state times the shard's steps) a shard's fixed cost (two
-#: compiled program calls and a dozen scan calls, ~3 ms on 2 CPU cores) is a visible share of its work: measured on a
-#: 4-layer SSM stack at T = 8192 with 512 state elements per step, 0.41 s a step with 128-step shards, 0.30 s with
-#: 256, 0.25-0.30 s with 512 (plain compile: 0.22-0.26 s).
-MIN_SHARD_ELEMENTS = 2**18
+#: the least activation bytes a shard recomputes (estimated, see :func:`wanted_shard_size`): below it a shard's fixed
+#: cost (two compiled program calls and a few scan calls, ~1.5 ms on 2 idle CPU cores) is a visible share of its
+#: work. Measured on a 2-core CPU with tiny configs of minGRU, transformers' Mamba and Mamba-2 at T = 8192: shards of
+#: ~4 MiB of estimated activations cost 1.0-1.3x the step time of shards 4-8x as long.
+MIN_SHARD_BYTES = 8 * 2**20
 
 
-def default_shard_size(T: int, step_elements: int = 0) -> int:
-    """Steps per shard when ``options.shard_size`` is None: ``max(⌈√T⌉, ⌈MIN_SHARD_ELEMENTS / step_elements⌉)``,
-    at most T.
+def default_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> int:
+    """Steps per shard when ``options.shard_size`` is None: :func:`wanted_shard_size`, at most T."""
+    return min(wanted_shard_size(T, boundary_bytes, step_bytes), T)
 
-    Memory is (T/S) saved boundary states + one shard's recomputed activations (S steps); with both per-step costs
-    of the same order, S = √T minimizes the sum (and the number of sequential shard VJPs stays √T).  Shards are
-    made at least ``MIN_SHARD_ELEMENTS / step_elements`` steps long (``step_elements``: the largest scan state's
-    elements per step) so that each shard has enough work to amortize per-op overhead; one shard's memory is then
-    still bounded by a constant, independent of T.
+
+def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> int:
+    """The default shard size before it is cut to T (a region of fewer steps runs as one shard of T):
+    ``max(⌈√(T·c_b / c_a)⌉, ⌈MIN_SHARD_BYTES / c_a⌉)``, or ``⌈√T⌉`` when either cost is unknown (0).
+
+    ``c_b`` (``boundary_bytes``) is what the sweep keeps per shard boundary (the scans' states and the conv halos),
+    ``c_a`` (``step_bytes``) the region's activations per step (every step-carrying value it makes). A sweep keeps
+    (T/S)·c_b of boundaries and recomputes S·c_a at a time, which is least at S = √(T·c_b / c_a); shards are made at
+    least ``MIN_SHARD_BYTES / c_a`` steps long so that each has enough work to amortize its fixed cost, which in
+    small models keeps S, and so the peak, the same over a wide range of T.
     """
-    return min(wanted_shard_size(T, step_elements), T)
-
-
-def wanted_shard_size(T: int, step_elements: int = 0) -> int:
-    """:func:`default_shard_size` before it is cut to T (a region of fewer steps runs as one shard of T)."""
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"T={T!r}: expected a number of steps >= 1")
-    S = max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
-    if step_elements > 0:
-        S = max(S, -(-MIN_SHARD_ELEMENTS // step_elements))
-    return S
+    if boundary_bytes <= 0 or step_bytes <= 0:
+        return max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
+    balance = math.isqrt(-(-T * boundary_bytes // step_bytes) - 1) + 1
+    return max(1, balance, -(-MIN_SHARD_BYTES // step_bytes))
+
+
+def own_bytes(v: object) -> int:
+    """Bytes a value allocates: 0 for a view (movedim, expand, a slice), which shares its base's memory."""
+    if not isinstance(v, torch.Tensor) or v._is_view():
+        return 0
+    return v.numel() * v.element_size()
 
 
 def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:

@@ -53,13 +53,13 @@ from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
-from .shard_parts import (MIN_SHARD_ELEMENTS, _halo_out, _prev_or_first, _with_halo, autocast_as, autocast_state,
-                          default_shard_size, wanted_shard_size)
+from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _with_halo, autocast_as, autocast_state,
+                          default_shard_size, own_bytes, wanted_shard_size)
 from .truncated import nu_shape, truncate_program
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_SHARD_ELEMENTS", "ShardProgram", "default_shard_size", "wanted_shard_size"]
+__all__ = ["MIN_SHARD_BYTES", "ShardProgram", "default_shard_size", "wanted_shard_size"]
 
 _SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 
@@ -152,6 +152,15 @@ class ShardProgram:
 
     # ---------------------------------------------------------------------------------------------- preparation
 
+    def boundary_bytes(self) -> int:
+        """Bytes a sweep keeps per shard boundary: the scans' states and the conv halos."""
+        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes, self.carry_dtypes))
+
+    def step_bytes(self) -> int:
+        """The region's activations per step (estimated): the bytes of its step-carrying values over T."""
+        return sum(own_bytes(_ev(n)) for n in self.region_gm.graph.nodes
+                   if n.op != "placeholder" and self.info.step_dim.get(n) is not None) // self.T
+
     def halo_bytes(self) -> int:
         """Bytes of one shard boundary's conv halos (the carries after the scans' states)."""
         return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes[len(self.scans):],
@@ -223,8 +232,7 @@ class ShardProgram:
         #: scan states, then conv halos: the carries a sweep hands from shard to shard
         self.n_carries = len(self.carry_shapes)
         #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
-        self.wanted_shard_size = shard_size or wanted_shard_size(
-            self.T, max(math.prod(c) for c in self.carry_shapes[:len(self.scans)]))
+        self.wanted_shard_size = shard_size or wanted_shard_size(self.T, self.boundary_bytes(), self.step_bytes())
         self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
         self.specialized = {}
         # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
@@ -398,7 +406,7 @@ class ShardProgram:
         states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first
         step."""
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
-        args = [*xs, *carries, *prevs, *self._offset(t0)]
+        args = [*xs, *(None if c is None else c.contiguous() for c in carries), *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
         return list(res[:n]), list(res[n:])
@@ -452,8 +460,11 @@ class ShardProgram:
             raise ValueError(f"vjp: nus must be given exactly when truncating (window={self.window}, T={self.T})")
         if not trunc and (not (wrt_x or wrt_c) or not (any(has_g) or any(has_a))):
             return gx, gc
-        args = [*xs, *(c for c in carries if c is not None), *(g for g in gouts if g is not None),
-                *(a for a in adjs if a is not None), *(nus or []), *self._offset(t0)]
+        # NB: contiguous carries and cotangents: a conv halo's adjoint is a slice of the right shard's input grad, its
+        # strides set by that shard's length, and compiled programs are specialized to their example's strides
+        args = [*xs, *(c.contiguous() for c in carries if c is not None),
+                *(g for g in gouts if g is not None), *(a.contiguous() for a in adjs if a is not None),
+                *(nus or []), *self._offset(t0)]
         # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
         fwd = autocast_state() if autocast is None else autocast
         key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)

@@ -32,12 +32,12 @@ import torch
 import torch.fx as fx
 
 from ..errors import AdjointVerifyReport
-from .shard_program import MIN_SHARD_ELEMENTS, ShardProgram, autocast_state, default_shard_size
+from .shard_program import MIN_SHARD_BYTES, ShardProgram, autocast_state, default_shard_size
 from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_SHARD_ELEMENTS", "default_shard_size", "make_sharded", "ShardedRegion", "verify_region",
+__all__ = ["MIN_SHARD_BYTES", "default_shard_size", "make_sharded", "ShardedRegion", "verify_region",
            "region_fidelity"]
 
 
