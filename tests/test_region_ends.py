@@ -187,3 +187,38 @@ def test_peak_memory_does_not_grow_with_T():
     assert grow <= (2048 - 256) // S * boundary * 1.5 + 64 * 1024, grow
     eager_small, eager_big = peak(256, False), peak(2048, False)
     assert eager_big > 6 * eager_small
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a language-model loss written with gather
+
+
+class GatherLM(nn.Module):
+    """ids -> embedding -> conv + scan stack -> head -> log_softmax -> each step's target log-probability."""
+
+    def __init__(self, vocab: int = 11, along_time: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb, self.body, self.head = nn.Embedding(vocab, D), ConvScan(), nn.Linear(D, vocab)
+        self.along_time = along_time
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = self.head(self.body(self.emb(ids))).log_softmax(-1)
+        if self.along_time:  # NB: picks other steps' rows: a step of the output reads steps before it
+            return -logp.gather(1, targets[..., None].expand(-1, -1, logp.shape[-1]) % logp.shape[1]).mean()
+        return -logp.gather(-1, targets[..., None]).mean()
+
+
+@pytest.mark.parametrize("shard", [1, 5])
+def test_a_gathered_log_likelihood_is_one_region_from_ids_to_loss(shard):
+    ids = torch.randint(0, 11, (2, 14), generator=torch.Generator().manual_seed(4))
+    details = _region(_check(GatherLM(), ids[:, :-1], ids[:, 1:], {"shard_size": shard}))
+    assert details["embeddings"] and details["sums_over_time"], details
+
+
+def test_a_gather_along_time_bounds_the_region():
+    ids = torch.randint(0, 11, (2, 14), generator=torch.Generator().manual_seed(4))
+    rep = _check(GatherLM(along_time=True), ids[:, :-1], ids[:, 1:], {"shard_size": 4})
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert lin and not any(r.details.get("sums_over_time") for r in lin), str(rep)
+    assert any("gather along the step dim" in why for r in lin for _, why in r.bounds), str(rep)

@@ -210,13 +210,13 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
 
 def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, int]:
     """Step-free operands of elementwise ops on step-carrying values whose broadcast lines their dim of length T up
-    with the step axis, e.g. ``q`` in ``(q[..., None] * states).sum(-2)`` when ``q`` is an input of its own: step t
-    reads element t of them, so they carry the step axis at that dim (nothing is guessed: the alignment is the
-    broadcast's)."""
+    with the step axis, e.g. ``q`` in ``(q[..., None] * states).sum(-2)`` when ``q`` is an input of its own, and
+    the index of a ``gather`` (each step's targets): step t reads element t of them, so they carry the step axis at
+    that dim (nothing is guessed: the alignment is the broadcast's, or gather's same-shape rule)."""
     found: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
         d = info.step_dim.get(n)
-        if d is None or n.op not in ("call_function", "call_method") or op_name(n) not in POINTWISE:
+        if d is None or n.op not in ("call_function", "call_method") or op_name(n) not in POINTWISE | {"gather"}:
             continue
         out = step_shape(n)
         for a in n.all_input_nodes:

@@ -203,6 +203,21 @@ def index_select(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     return d, None
 
 
+def gather(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """``x.gather(dim, index)``: out[..., t, ...] reads x[..., t, ...] at the indices of index[..., t, ...] when
+    both carry the step axis at the same dim and ``dim`` is another one (e.g. each step's target log-probability)."""
+    x, dim, idx = ctx.arg(0, "input"), ctx.arg(1, "dim"), ctx.arg(2, "index")
+    d, di = ctx.sd(x), ctx.sd(idx)
+    if d is None and di is None:
+        return None, None
+    s = step_shape(x)
+    if d is None or di is None or d != di or s is None or step_shape(idx) is None or len(step_shape(idx)) != len(s):
+        return di if d is None else d, "gather whose input and index do not carry the step axis at one dim"
+    if not isinstance(dim, int) or norm_dim(dim, len(s)) == d:
+        return d, "gather along the step dim"
+    return d, None
+
+
 def cat(stack: bool) -> Rule:
     def rule(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
         tensors = ctx.arg(0, "tensors")

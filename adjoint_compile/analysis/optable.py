@@ -68,7 +68,7 @@ CONVS = _names("conv1d conv2d conv3d conv_transpose1d conv_transpose2d")
 #: repeat each element along one dim (Mamba-2's groups of B and C spread over the heads)
 REPEATS = _names("repeat_interleave")
 #: ops with a rule of their own.
-SINGLE = _names("""linear einsum norm normalize flip roll topk permute unsqueeze squeeze select narrow index_select
+SINGLE = _names("""linear einsum norm normalize flip roll topk permute unsqueeze squeeze select narrow index_select gather
 unbind stack getitem""")
 #: spellings found as these objects only (``F.pad``, not ``torch._C._nn.pad``), keyed by the object.
 EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm", hashed_dropout: "hashed_dropout"}
