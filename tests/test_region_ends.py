@@ -86,6 +86,24 @@ def test_the_sum_is_exact_in_float64():
     _region(_check(model, x, r, {"shard_size": 3}, tol=1e-12))
 
 
+def test_bf16_sums_add_up_in_fp32():
+    """A bf16 region's sum over time: the shards' sums add up in fp32, so the sharded loss is as close to the fp32
+    loss as eager bf16's one-pass sum is (within 2x its error + 1e-3)."""
+    model = WithLoss(ConvScan(), lambda y, r: (y * r).pow(2).sum())  # NB: all terms positive: no cancellation
+    x, r = _randn(2, 128, D), _randn(2, 128, D, seed=1)
+    want = model(x, r).item()
+    b16 = copy.deepcopy(model).to(torch.bfloat16)
+    eager = b16(x.bfloat16(), r.bfloat16()).item()
+    torch._dynamo.reset()
+    f = torch.compile(b16, backend="adjoint", options={"inner": "eager", "shard_size": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(x.bfloat16(), r.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert _region(ac.report(f))["sums_over_time"]
+    assert abs(got.item() - want) <= 2 * abs(eager - want) + 1e-3 * max(abs(want), 1.0), (got.item(), eager, want)
+
+
 def test_a_sum_read_back_by_the_steps_ends_the_region_before_them():
     """``y * y.mean(1)``: a shard cannot know the mean of all steps, so the product (and the loss after it) runs
     outside the region; the mean itself may still end it, being read outside only. Gradients stay exact."""
@@ -222,3 +240,21 @@ def test_a_gather_along_time_bounds_the_region():
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert lin and not any(r.details.get("sums_over_time") for r in lin), str(rep)
     assert any("gather along the step dim" in why for r in lin for _, why in r.bounds), str(rep)
+
+
+def test_ids_sliced_inside_the_compiled_step_start_the_region():
+    """``tokens[:, :-1]`` is a slice along time made inside the graph: it is the region's input, and the lookup after
+    it still joins (a user's training step compiled whole)."""
+    model = GatherLM()
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+            return self.model(tokens[:, :-1], tokens[:, 1:])
+
+    tokens = torch.randint(0, 11, (2, 14), generator=torch.Generator().manual_seed(4))
+    details = _region(_check(Step(), tokens, torch.zeros(()), {"shard_size": 5}))
+    assert details["embeddings"] and details["sums_over_time"], details

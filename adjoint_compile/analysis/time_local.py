@@ -288,7 +288,8 @@ def _embedding_in_region(node: fx.Node, info: TimeLocalInfo) -> int | None:
     """The step dim of ``F.embedding(ids, weight)`` whose ids carry the step axis and whose weight is step-free: a
     shard looks up its own steps' rows."""
     m = embedding_ids(node)
-    if m is None or not info.is_time_local(m[0]) or info.step_dim.get(m[1]) is not None or m[1] in info.mixing:
+    # NB: ids that mix steps themselves (a slice of a longer input) still carry the axis: the region reads them
+    if m is None or info.step_dim.get(m[0]) is None or info.step_dim.get(m[1]) is not None or m[1] in info.mixing:
         return None
     return info.step_dim[m[0]]
 

@@ -57,8 +57,9 @@ class _ShardedFn(torch.autograd.Function):
             if outs is None:
                 outs = []
                 for y, d in zip(ys, prog.out_step_dims):
-                    if d is None:  # a sum over time: the shards' sums add up, in fp32 at least
-                        outs.append(y.new_zeros(y.shape, dtype=torch.promote_types(y.dtype, torch.float32)))
+                    if d is None:  # a sum over time: the shards' sums add up, in fp32 at least (floats)
+                        acc = torch.promote_types(y.dtype, torch.float32) if y.dtype.is_floating_point else y.dtype
+                        outs.append(y.new_zeros(y.shape, dtype=acc))
                         continue
                     shp = list(y.shape)
                     shp[d] = T
