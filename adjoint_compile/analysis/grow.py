@@ -14,7 +14,8 @@ import torch.fx as fx
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
 from .optable import POINTWISE, op_name
-from .time_local import TimeLocalInfo, analyze, causal_conv, conv_args, embedding_ids, padded_causal_conv, rule_for
+from .time_local import (TimeLocalInfo, analyze, causal_conv, conv_args, embedding_ids, padded_causal_conv, rule_for,
+                         shift_of)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ def _through_conv(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
             return {n.args[0]: d}
     if (causal_conv(n) is not None or padded_causal_conv(n) is not None) and d == len(step_shape(n)) - 1:
         return {conv_args(n)["input"]: d}
+    if (m := shift_of(n)) is not None:  # a token shift along time: its input at the same dim
+        return {m[0]: d} if d == m[2] else None
     if len(n.users) == 1 and (m := padded_causal_conv(next(iter(n.users)))) is not None and m[0] is n:
         return {n.args[0]: d} if d == len(step_shape(n)) - 1 else None
     return None

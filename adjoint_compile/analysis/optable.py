@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels.random import hashed_dropout
+from ..kernels.shift import shift_steps
 from .fx import callables_named
 
 __all__ = ["spelling", "raw_name", "op_name", "fn_name", "name_of", "target_key", "KNOWN"]
@@ -71,7 +72,8 @@ REPEATS = _names("repeat_interleave")
 SINGLE = _names("""linear einsum norm normalize flip roll topk permute unsqueeze squeeze select narrow index_select gather
 unbind stack getitem""")
 #: spellings found as these objects only (``F.pad``, not ``torch._C._nn.pad``), keyed by the object.
-EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm", hashed_dropout: "hashed_dropout"}
+EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm", hashed_dropout: "hashed_dropout",
+                             shift_steps: "shift_steps"}
 
 # --------------------------------------------------------------------------------------------------------------
 # affine algebra and recognition (analysis/affine.py, passes/unrolled.py, passes/find_residuals.py)

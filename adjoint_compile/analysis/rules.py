@@ -70,7 +70,11 @@ class Shift:
 class CausalConv:
     """``out = conv1d(x, w, b, stride=1, padding=p, dilation)[..., :T]`` (``sliced`` is the cut) or
     ``out = conv1d(F.pad(x, (p, 0)), w, b, dilation=...)`` (``pad`` is the pad) along x's last dim (its step dim
-    ``dim``), with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step."""
+    ``dim``), with p = dilation·(k-1): out_t reads x_{t-p..t}, zeros before the first step.
+
+    ``kind="shift"``: ``conv`` is a ``shift_steps(x, p, dim, value)`` node (a token shift, out_t = x_{t-p}, ``value``
+    before the first p steps; ``sliced`` and ``pad`` are None). Both kinds read the p steps of x before a shard: its
+    halo, carried after the scans' states."""
 
     conv: fx.Node
     sliced: fx.Node | None
@@ -78,6 +82,8 @@ class CausalConv:
     halo: int
     dim: int
     pad: fx.Node | None = None
+    kind: str = "conv"
+    fill: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +399,20 @@ def pad(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     k = len(s) - 1 - d  # pad pairs run from the last dim backwards
     if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
         return None, "pad along the step dim"
+    return d, None
+
+
+def shift(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """``shift_steps(x, p, dim, value)``: time-local along another dim; a shift along the step dim mixes (with
+    ``analyze(..., halo=True)`` it joins a region as a halo instead, see :class:`CausalConv`)."""
+    x, dim = ctx.arg(0, "x"), ctx.arg(2, "dim")
+    d = ctx.sd(x)
+    if d is None:
+        return None, None
+    if not isinstance(dim, int):
+        return None, "shift_steps with an unreadable dim"
+    if norm_dim(dim, len(step_shape(x))) == d:
+        return d, "shift along the step dim (a token shift: joins a region in exact mode only)"
     return d, None
 
 

@@ -38,12 +38,13 @@ from . import layout_rules as lr
 from . import optable as ops
 from . import rules as r
 from .fx import example_value, is_linear_scan, nodes_in
+from ..kernels.shift import shift_steps
 from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_arg, norm_dim, op_label, step_shape
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TimeLocalInfo", "Shift", "CausalConv", "TimeSum", "analyze", "causal_conv", "conv_args", "embedding_ids",
-           "padded_causal_conv", "drops_last_step", "rule_for", "slice_items"]
+           "padded_causal_conv", "drops_last_step", "shift_of", "rule_for", "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
 # rule table: op name (optable) -> rule
@@ -91,6 +92,7 @@ _by_name(["stack"], lr.cat(True))
 _by_name(ops.CONVS, r.conv)
 _by_name(ops.REPEATS, r.repeat_interleave)
 _by_name(["pad"], r.pad)
+_by_name(["shift_steps"], r.shift)
 # NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
 _by_name(["hashed_dropout"], r.same_shape)
 assert set(RULES) <= ops.KNOWN, sorted(set(RULES) - ops.KNOWN)  # NB: a name the table lacks would match nothing
@@ -311,6 +313,31 @@ def _time_sum(node: fx.Node, info: TimeLocalInfo) -> TimeSum | None:
     return TimeSum(node=node, input=x, dim=d, mean=op_label(node) == "mean")
 
 
+def shift_of(node: fx.Node) -> tuple[fx.Node, int, int, float] | None:
+    """(x, p, dim, fill) when ``node`` is ``shift_steps(x, p, dim, fill)`` (a token shift), else None."""
+    if not (node.op == "call_function" and node.target is shift_steps):
+        return None
+    a = {**dict(zip(("x", "p", "dim", "value"), node.args)), **node.kwargs}
+    x, p, dim, v = a.get("x"), a.get("p"), a.get("dim"), a.get("value", 0.0)
+    s = step_shape(x) if isinstance(x, fx.Node) else None
+    if s is None or not isinstance(p, int) or p < 1 or not isinstance(dim, int) or not isinstance(v, (int, float)):
+        return None
+    return x, p, norm_dim(dim, len(s)), float(v)
+
+
+def _token_shift_in_region(node: fx.Node, info: TimeLocalInfo) -> CausalConv | None:
+    """``node`` as a token shift along the step dim of a time-local value: a shard computes it from its own steps
+    and the p steps before it (the halo)."""
+    m = shift_of(node)
+    if m is None:
+        return None
+    x, p, dim, fill = m
+    d = info.step_dim.get(x)
+    if d is None or d != dim or x in info.mixing:
+        return None
+    return CausalConv(conv=node, sliced=None, input=x, halo=p, dim=d, kind="shift", fill=fill)
+
+
 def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
     """The step dim when ``node`` drops the last step of a scan output and its only user may be a shift's cat."""
     if not (node.op == "call_function" and node.target is operator.getitem and node.args
@@ -363,9 +390,10 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
     Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
     is classified by its own rule (a scan whose a/b do not carry the step axis there is mixing).  With ``halo``, a
     causal conv along time (:func:`causal_conv`) on a time-local input is time-local too, and so is the slice after
-    it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour; an embedding
-    lookup of step-carrying indices is time-local; a sum or mean over the step dim of a time-local value is recorded
-    in ``info.sums`` (a region may end in it).  Linear in the
+    it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour; so is a token shift
+    ``shift_steps(x, p, step dim)`` of a time-local x (recorded there too, ``kind="shift"``); an embedding lookup of
+    step-carrying indices is time-local; a sum or mean over the step dim of a time-local value is recorded in
+    ``info.sums`` (a region may end in it).  Linear in the
     size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
@@ -395,7 +423,7 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
             # NB: tentatively local (T + p steps); the conv after it, when it joins, cuts it back to T
             info.step_dim[node] = info.step_dim.get(node.args[0] if node.args else node.kwargs.get("input"))
             continue
-        if halo and (cc := _conv_in_region(node, info)) is not None:
+        if halo and (cc := (_conv_in_region(node, info) or _token_shift_in_region(node, info))) is not None:
             info.step_dim[node] = cc.dim
             info.convs[node] = cc
             continue

@@ -122,3 +122,129 @@ def canonicalize_shifts(gm: fx.GraphModule) -> int:
         log.debug("adjoint-compile: %d pad-style previous-state readout(s) rewritten to cat([first, h[:-1]])", done)
     return done
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# token shifts: fixed-width shifts of any value, rewritten to one shift_steps call
+
+
+def _drops_last(sliced: fx.Node, d: int, p: int) -> bool:
+    """``sliced`` is ``x[..., :-p, ...]`` with the cut at dim d and full slices elsewhere."""
+    from ..analysis.time_local import slice_items
+    items = slice_items(sliced)
+    xv = _ev(sliced.args[0]) if items is not None else None
+    if items is None or not isinstance(xv, torch.Tensor):
+        return False
+    n = xv.shape[d]
+    for j, i in enumerate(items):
+        if i.start not in (None, 0) or i.step not in (None, 1):
+            return False
+        stop = None if i.stop is None else (i.stop if i.stop >= 0 else xv.shape[j] + i.stop)
+        if j == d and stop != n - p:
+            return False
+        if j != d and stop not in (None, xv.shape[j]):
+            return False
+    return True
+
+
+_FILLS = {torch.zeros_like: 0.0, torch.ones_like: 1.0}
+
+
+def _fill_of(first: fx.Node, shape: list[int]) -> float | None:
+    """The constant of a ``first`` block made by zeros_like / ones_like / full_like / zeros / full with ``shape``."""
+    fv = _ev(first)
+    if not (first.op == "call_function" and isinstance(fv, torch.Tensor) and list(fv.shape) == shape):
+        return None
+    t = first.target
+    if t in _FILLS:
+        return _FILLS[t]
+    if t is torch.full_like and len(first.args) > 1 and isinstance(first.args[1], (int, float)):
+        return float(first.args[1])
+    if t is torch.zeros and not any(isinstance(a, fx.Node) for a in fx.node.map_aggregate(first.args, lambda a: a)):
+        return 0.0
+    if t is torch.full and len(first.args) > 1 and isinstance(first.args[1], (int, float)) and not isinstance(
+            first.args[0], fx.Node):
+        return float(first.args[1])
+    return None
+
+
+def _token_shift(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int, float, list[fx.Node]] | None:
+    """(x, the node to replace, p, dim, fill, nodes that die with it) for a token shift, else None."""
+    spec = _pad_spec(node)
+    if spec is not None:
+        x, pad, value = spec
+        xv = _ev(x)
+        if not isinstance(xv, torch.Tensor):
+            return None
+        hits = [(xv.ndim - 1 - k, pad[2 * k], pad[2 * k + 1]) for k in range(len(pad) // 2)
+                if (pad[2 * k], pad[2 * k + 1]) != (0, 0)]
+        if len(hits) != 1 or hits[0][1] < 1 or hits[0][1] >= xv.shape[hits[0][0]]:
+            return None
+        d, lo, hi = hits[0]
+        if hi == -lo:
+            return x, node, lo, d, value, []
+        if hi == 0 and len(node.users) == 1 and _drops_last(next(iter(node.users)), d, lo):
+            return x, next(iter(node.users)), lo, d, value, [node]
+        return None
+    if not (node.op == "call_function" and node.target in (torch.cat, torch.concat)) or node.kwargs.keys() - {"dim"}:
+        return None
+    tensors = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not isinstance(dim, int):
+        return None
+    first, sliced = tensors
+    if not (isinstance(first, fx.Node) and isinstance(sliced, fx.Node) and sliced.op == "call_function"
+            and sliced.target is operator.getitem and isinstance(sliced.args[0], fx.Node)):
+        return None
+    x, xv = sliced.args[0], _ev(sliced.args[0])
+    if not isinstance(xv, torch.Tensor):
+        return None
+    d = dim % xv.ndim
+    p = xv.shape[d] - (_ev(sliced).shape[d] if isinstance(_ev(sliced), torch.Tensor) else xv.shape[d])
+    if p < 1 or not _drops_last(sliced, d, p):
+        return None
+    shape = list(xv.shape)
+    shape[d] = p
+    fill = _fill_of(first, shape)
+    if fill is None:
+        return None
+    dead = [sliced, first] + ([first.args[0]] if first.args and isinstance(first.args[0], fx.Node)
+                              and first.args[0].op == "call_function" else [])
+    return x, node, p, d, fill, dead
+
+
+def canonicalize_token_shifts(gm: fx.GraphModule) -> int:
+    """Rewrite fixed-width shifts along one dim with a constant fill (``F.pad(x, (0, 0, p, -p))``,
+    ``F.pad(x, (0, 0, p, 0))[:, :-p]``, ``cat([zeros_like(x[:, :p]), x[:, :-p]], 1)``) to
+    ``shift_steps(x, p, dim, fill)`` in place; returns how many.  One-step shifts of ``linear_scan`` outputs are
+    left to :func:`canonicalize_shifts` (previous-state readouts that read the scan's carry)."""
+    from ..kernels.shift import shift_steps
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node.op != "call_function":
+            continue
+        m = _token_shift(node)
+        if m is None:
+            continue
+        x, out, p, d, fill, dead = m
+        if is_linear_scan(x) and p == 1:
+            continue
+        ov, xv = _ev(out), _ev(x)
+        if not isinstance(ov, torch.Tensor) or tuple(ov.shape) != tuple(xv.shape):
+            continue
+        g = gm.graph
+        with g.inserting_before(out):
+            new = g.call_function(shift_steps, (x, p, d, fill))
+        new.meta["example_value"] = ov
+        new.meta[PROVENANCE] = {"pass": "canonical_shifts", "from": out.name}
+        out.replace_all_uses_with(new)
+        g.erase_node(out)
+        for n in dead:
+            if not n.users:
+                g.erase_node(n)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("adjoint-compile: %d token shift(s) rewritten to shift_steps", done)
+    return done

@@ -18,7 +18,8 @@ Normalization, in this order, each pass in its own module and each recording pro
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
    then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps;
-4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``;
+4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``,
+   in a graph with scans, other fixed-width shifts along one dim (token shifts) ``shift_steps(x, p, dim, fill)``;
 5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
 
@@ -37,7 +38,7 @@ import torch.fx as fx
 from ..analysis.fx import is_linear_scan
 from ..regions import Recurrence, Rejection
 from .buffer_writes import stack_buffer_writes
-from .canonical_shifts import canonicalize_shifts
+from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
 from .find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
 from .noop_ops import drop_noop_ops
@@ -101,8 +102,9 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     readouts = reroll_readouts(gm, made) if made else {}
     shifts = canonicalize_shifts(gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
+    token_shifts = canonicalize_token_shifts(gm) if has_scans else 0
     dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
-    captured.normalized = {"rerolled": made, "shifts": shifts, "dropouts": dropouts, "known_scans": known}
+    captured.normalized = {"rerolled": made, "shifts": shifts, "token_shifts": token_shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms
     if readouts:

@@ -55,14 +55,19 @@ def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> to
     return first if prev is None else prev.unsqueeze(d).to(first.dtype)
 
 
-def _with_halo(halo: torch.Tensor | None, x: torch.Tensor, p: int, d: int) -> torch.Tensor:
-    """A causal conv's shard input with the p steps before it: the carried halo, or zeros (the conv's padding) in the
-    sequence's first shard."""
+def _with_halo(halo: torch.Tensor | None, x: torch.Tensor, p: int, d: int, fill: float = 0.0) -> torch.Tensor:
+    """A causal conv's (or token shift's) shard input with the p steps before it: the carried halo, or ``fill``
+    (zeros: the conv's padding) in the sequence's first shard."""
     if halo is None:
         shp = list(x.shape)
         shp[d] = p
-        halo = x.new_zeros(shp)
+        halo = x.new_full(shp, fill)
     return torch.cat([halo.to(x.dtype), x], d)
+
+
+def _shifted(xp: torch.Tensor, p: int, d: int) -> torch.Tensor:
+    """A token shift of a shard from its padded input ``cat(halo, x)``: its first L steps (out_t = x_{t-p})."""
+    return xp.narrow(d, 0, xp.shape[d] - p)
 
 
 def _halo_out(xp: torch.Tensor, p: int, d: int) -> torch.Tensor:

@@ -13,8 +13,9 @@ and :meth:`ShardProgram.program` is F_L as an FX graph::
     (region inputs, each step-carrying one sliced to L steps at its step dim,
      carry_0..carry_{K-1}          the state before the shard, scan k's state shape (its output without the step dim),
                                    or None for the sequence's h0 = zeros,
-     halo_0..halo_{C-1}            per causal conv along time, the p steps of its input before the shard (None in the
-                                   sequence's first shard: zeros, the conv's own padding),
+     halo_0..halo_{C-1}            per causal conv or token shift along time, the p steps of its input before the
+                                   shard (None in the sequence's first shard: zeros, the conv's own padding, or the
+                                   shift's fill),
      prev_0..prev_{J-1}            per previous-state readout cat([first, h^k[:, :-1]]): the carry of scan k,
                                    or None in the sequence's first shard (the readout then gives its own ``first``),
      [step_offset])                the shard's first step s as an int64 scalar, only when the region has hashed
@@ -53,8 +54,8 @@ from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
-from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _with_halo, autocast_as, autocast_state,
-                          default_shard_size, own_bytes, wanted_shard_size)
+from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, autocast_as,
+                          autocast_state, default_shard_size, own_bytes, wanted_shard_size)
 from .truncated import nu_shape, truncate_program
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,13 @@ class ShardProgram:
                 continue
             if n in skip:
                 env[n] = env[skip[n]]
+                continue
+            if n in conv_of and self.convs[conv_of[n]].kind == "shift":
+                # NB: a token shift of the shard: cat(halo, x) cut to the shard's L steps; x's last p steps go on
+                cc = self.convs[conv_of[n]]
+                xp = g.call_function(_with_halo, (halos[conv_of[n]], env[cc.input], cc.halo, cc.dim, cc.fill))
+                padded.append(xp)
+                env[n] = g.call_function(_shifted, (xp, cc.halo, cc.dim))
                 continue
             new = g.node_copy(n, env.__getitem__)
             env[n] = new
