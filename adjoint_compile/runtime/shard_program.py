@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..analysis.fx import is_linear_scan, scan_args
@@ -56,7 +55,8 @@ from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, autocast_as,
                           autocast_state, default_shard_size, own_bytes, wanted_shard_size)
-from .truncated import nu_shape, truncate_program
+from .shard_vjp import build_vjp
+from .truncated import nu_shape
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +479,7 @@ class ShardProgram:
         fn = self.vjps.get(key)
         if fn is None:
             with COMPILE_LOCK:
-                fn = self.vjps.get(key) or self._build_vjp(L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args,
+                fn = self.vjps.get(key) or build_vjp(self, L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args,
                                                            fwd)
                 self.vjps[key] = fn
         got = fn(*args)
@@ -496,46 +496,3 @@ class ShardProgram:
         """Per scan, the ν carry at the sequence's end (zeros): its state shape with W at its step dim."""
         return [torch.zeros(nu_shape(c, d, self.window), dtype=_ev(s).dtype, device=device)
                 for s, c, d in zip(self.scans, self.carry_shapes, self.scan_dims)]
-
-    def _build_vjp(self, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[int], has_g: tuple,
-                   has_a: tuple, has_c: tuple, example: list[Any], fwd_autocast: tuple) -> Any:
-        trunc = self.truncating
-        prog = truncate_program(self.program(L), self.window) if trunc else self.program(L)
-        n_x = len(self.placeholders)
-        n_c = sum(has_c)
-        offset = [None] if self.random else []
-        unused: list[bool] = []
-
-        def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            it = iter(flat[n_x + n_c: len(flat) - len(offset)])
-            gos = [next(it) if h else None for h in has_g]
-            adjs = [next(it) if h else None for h in has_a]
-            nus = list(it)  # truncated: the ν carries from the right (cotangents of the scans' ν outputs)
-            with torch.enable_grad():
-                nu_in = [torch.zeros_like(n).requires_grad_() for n in nus]
-                xs = [x.detach().requires_grad_(i in wrt_x) for i, x in enumerate(flat[:n_x])]
-                ci = iter(flat[n_x: n_x + n_c])
-                cs = [next(ci).detach().requires_grad_(j in wrt_c) if h else None for j, h in enumerate(has_c)]
-                prevs = [None if first_shard else cs[k] for k in self.shift_scans]
-                with autocast_as(fwd_autocast):
-                    res = prog(*xs, *cs, *prevs, *flat[len(flat) - len(offset):], *nu_in)
-                outs, cots = [], []
-                for y, g in zip(res, [*gos, *adjs, *nus]):
-                    if g is not None and y.requires_grad:
-                        outs.append(y)
-                        cots.append(g)
-                wrt = [xs[i] for i in wrt_x] + [cs[j] for j in wrt_c] + nu_in
-                got = torch.autograd.grad(outs, wrt, cots, allow_unused=True) if outs else [None] * len(wrt)
-            # NB: zeros for inputs the outputs do not depend on (the compiled program returns tensors only); the
-            # caller gets None for them, as from autograd
-            unused[:] = [g is None for g in got]
-            return tuple(torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt))
-
-        gm = make_fx(joint, tracing_mode="fake")(*example)
-        gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
-        log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
-                  len(gm.graph.nodes))
-        fn = gm if self.inner == "eager" else compile_inner(gm, example, self.inner)
-        if not any(unused):
-            return fn
-        return lambda *a: [None if u else g for g, u in zip(fn(*a), unused)]
