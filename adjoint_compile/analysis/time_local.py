@@ -44,7 +44,7 @@ from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_ar
 log = logging.getLogger(__name__)
 
 __all__ = ["TimeLocalInfo", "Shift", "CausalConv", "TimeSum", "analyze", "causal_conv", "conv_args", "embedding_ids",
-           "padded_causal_conv", "drops_last_step", "shift_of", "rule_for", "slice_items"]
+           "padded_causal_conv", "drops_last_step", "shift_of", "cat_pair", "rule_for", "slice_items"]
 
 # --------------------------------------------------------------------------------------------------------------
 # rule table: op name (optable) -> rule
@@ -350,17 +350,24 @@ def _shift_slice_dim(node: fx.Node, info: TimeLocalInfo) -> int | None:
     return d if op_label(user) in ("cat", "concat", "concatenate") else None
 
 
-def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
-    """``node`` as a previous-state readout ``cat([first, h[..., :-1]], d)`` (see :class:`Shift`), or None."""
+def cat_pair(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(first, second, dim) when ``node`` is ``cat([first, second], dim)`` of two nodes with a literal dim."""
     if op_label(node) not in ("cat", "concat", "concatenate") or node.kwargs.keys() - {"dim"}:
         return None
     tensors = node.args[0] if node.args else None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not isinstance(dim, int):
         return None
-    first, sliced = tensors
-    if not (isinstance(first, fx.Node) and isinstance(sliced, fx.Node)):
+    first, second = tensors
+    return (first, second, dim) if isinstance(first, fx.Node) and isinstance(second, fx.Node) else None
+
+
+def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
+    """``node`` as a previous-state readout ``cat([first, h[..., :-1]], d)`` (see :class:`Shift`), or None."""
+    m = cat_pair(node)
+    if m is None:
         return None
+    first, sliced, dim = m
     d = info.step_dim.get(sliced)
     if d is None or _shift_slice_dim(sliced, info) != d or norm_dim(dim, len(step_shape(node) or ())) != d:
         return None

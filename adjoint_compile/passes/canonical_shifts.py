@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..analysis.fx import example_value as _ev
 from ..analysis.fx import is_linear_scan, scan_args
-from ..analysis.time_local import drops_last_step
+from ..analysis.time_local import cat_pair, drops_last_step
 from ..regions import PROVENANCE
 
 log = logging.getLogger(__name__)
@@ -186,15 +186,11 @@ def _token_shift(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int, float, list
         if hi == 0 and len(node.users) == 1 and _drops_last(next(iter(node.users)), d, lo):
             return x, next(iter(node.users)), lo, d, value, [node]
         return None
-    if not (node.op == "call_function" and node.target in (torch.cat, torch.concat)) or node.kwargs.keys() - {"dim"}:
+    m = cat_pair(node) if node.op == "call_function" and node.target in (torch.cat, torch.concat) else None
+    if m is None:
         return None
-    tensors = node.args[0] if node.args else None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not isinstance(dim, int):
-        return None
-    first, sliced = tensors
-    if not (isinstance(first, fx.Node) and isinstance(sliced, fx.Node) and sliced.op == "call_function"
-            and sliced.target is operator.getitem and isinstance(sliced.args[0], fx.Node)):
+    first, sliced, dim = m
+    if not (sliced.op == "call_function" and sliced.target is operator.getitem and isinstance(sliced.args[0], fx.Node)):
         return None
     x, xv = sliced.args[0], _ev(sliced.args[0])
     if not isinstance(xv, torch.Tensor):
