@@ -149,3 +149,9 @@ def test_truncated_mode_ends_the_region_at_the_shift():
 def test_explain_in_exact_mode_is_one_region():
     rep = ac.explain(TokenShiftStack("cat", 2), torch.randn(2, 16, D), options={"inner": "eager", "shard_size": 4})
     _one_region(rep, 4)
+
+
+def test_inductor_inner_with_a_short_last_shard():
+    """Halos and their cotangents are handed on as contiguous copies: a compiled program is specialized to its
+    example inputs' strides, and a slice of a padded shard's has strides that depend on the shard's length."""
+    _one_region(_check(TokenShiftStack("pad", 2), torch.randn(2, 13, D), {"shard_size": 3, "inner": "inductor"}), 3)

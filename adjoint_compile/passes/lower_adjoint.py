@@ -279,8 +279,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         return out
     scans = list(dict.fromkeys(scan_of.values()))
     try:
-        # NB: causal convs join regions in the exact sweep only (runtime/sharded.py carries their halos); the other
-        # sweeps (truncated, per-example, sequence-parallel) carry scan states alone
+        # NB: causal convs and token shifts join regions in the exact sweep only (runtime/sharded.py carries their
+        # halos); the other sweeps (truncated, per-example, sequence-parallel) carry scan states alone
         halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
         info = analyze(gm, infer_seeds(gm, scans, halo), halo)
     except ValueError as e:

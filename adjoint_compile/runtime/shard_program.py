@@ -486,7 +486,9 @@ class ShardProgram:
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
         for j, g in zip(wrt_c, got[len(wrt_x): len(wrt_x) + len(wrt_c)]):
-            gc[j] = g
+            # NB: contiguous: a halo's cotangent is a slice of its padded input's (strides that depend on L), and it
+            # is the next VJP's input, whose compiled program is specialized to its example inputs' strides
+            gc[j] = None if g is None else g.contiguous()
         return (gx, gc, list(got[len(wrt_x) + len(wrt_c):])) if trunc else (gx, gc)
 
     truncating = property(lambda self: self.window is not None and self.window < self.T,
