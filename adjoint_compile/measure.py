@@ -4,8 +4,8 @@ Peak memory (:func:`track_peak`) counts the bytes of live tensors, on every devi
 ``torch.cuda.max_memory_allocated``; on CPU the profiler's memory events (``profile_memory=True``): every allocation
 and free of c10's CPU allocator inside the block, the buffers of inductor-compiled code and of this package's
 runtime included, summed in time order; the peak is the largest running sum: the most bytes allocated inside the
-block and live at once. (Tensors allocated before the block are not counted, nor are their frees: the profiler
-does not know their sizes.)
+block and live at once. (Tensors allocated before the block are not counted, nor are their frees: allocations and
+frees are paired by address.)
 
 NB: not a TorchDispatchMode (like ``torch.distributed._tools.mem_tracker``): while one is active, dynamo runs a
 compiled model eagerly, so "torch.compile" would silently be measured as eager autograd. The profiler does not
@@ -102,14 +102,29 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 def _peak_of_memory_events(prof: Any) -> int:
-    """The largest running sum of the CPU allocator's memory events (allocations +, frees -) in time order."""
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
+    """The largest running sum of the CPU allocations made in the profiled block (+ size) and of their frees (- size)
+    in time order. NB: paired by address: a free of memory allocated before the block is left out, even when the
+    allocator reports a size for it (its size table keeps entries from earlier profiled blocks)."""
+    from torch._C._profiler import _EventType
+
+    def walk(events: Any) -> Iterator[Any]:
+        for e in events:
+            yield e
+            yield from walk(e.children)
+
+    allocs = sorted((e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+                     if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"),
+                    key=lambda e: e.start_time_ns)
+    live: dict[int, int] = {}
     cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
+    for e in allocs:
+        ptr, size = e.extra_fields.ptr, e.extra_fields.alloc_size
+        if size > 0:
+            live[ptr] = size
+            cur += size
+            peak = max(peak, cur)
+        elif ptr in live:
+            cur -= live.pop(ptr)
     return peak
 
 
