@@ -144,8 +144,9 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
            f"T={out.steps}; activations <= {mib(mem['autograd'])} -> ~{mib(mem['sharded'])}")
     if mem.get("kept_outside"):
         why += f" + {mib(mem['kept_outside'])} kept by per-step ops outside"
-    took = [f"{len(v)} embedding lookup(s)" for v in [out.details.get("embeddings")] if v] + [
-        f"{len(v)} sum(s) over time" for v in [out.details.get("sums_over_time")] if v]
+    took = [f"{len(out.details[k])} {what}" for k, what in (("embeddings", "embedding lookup(s)"),
+                                                               ("sums_over_time", "sum(s) over time"))
+            if out.details.get(k)]
     if took:
         # NB: what the region starts or ends with is never stored whole: its inputs' and outputs' [B, T, ...]
         why += f"; takes in {' and '.join(took)}"

@@ -73,8 +73,7 @@ def _shifted(xp: torch.Tensor, p: int, d: int) -> torch.Tensor:
 def _halo_out(xp: torch.Tensor, p: int, d: int) -> torch.Tensor:
     """The halo the next shard reads: the last p steps of this shard's padded conv input.
 
-    NB: a copy, not a view: a view would keep the whole padded shard alive in the saved boundary carries, and its
-    strides (which depend on the shard's length) would not match those a compiled program was specialized to."""
+    NB: a copy, not a view: a view would keep the whole padded shard alive in the saved boundary carries."""
     return xp.narrow(d, xp.shape[d] - p, p).contiguous()
 
 

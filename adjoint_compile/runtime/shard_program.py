@@ -153,9 +153,9 @@ class ShardProgram:
 
     # ---------------------------------------------------------------------------------------------- preparation
 
-    def boundary_bytes(self) -> int:
-        """Bytes a sweep keeps per shard boundary: the scans' states and the conv halos."""
-        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes, self.carry_dtypes))
+    def boundary_bytes(self, start: int = 0) -> int:
+        """Bytes a sweep keeps per shard boundary: the scans' states and the conv halos (the carries from ``start``)."""
+        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes[start:], self.carry_dtypes[start:]))
 
     def step_bytes(self) -> int:
         """The region's activations per step (estimated): the bytes of its step-carrying values over T."""
@@ -164,8 +164,7 @@ class ShardProgram:
 
     def halo_bytes(self) -> int:
         """Bytes of one shard boundary's conv halos (the carries after the scans' states)."""
-        return sum(math.prod(c) * dt.itemsize for c, dt in zip(self.carry_shapes[len(self.scans):],
-                                                              self.carry_dtypes[len(self.scans):]))
+        return self.boundary_bytes(len(self.scans))
 
     def prepare(self, inputs: Sequence[Any], shard_size: int | None) -> int:
         """Propagate (fake) full-length shapes, analyse the step axis, check that the region is time-local, choose
@@ -209,7 +208,7 @@ class ShardProgram:
         for n, d, is_sum in zip(self.out_nodes, self.out_step_dims, self.out_sums):
             if d is None and not is_sum:
                 raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis")
-        for n, ts in info.sums.items():
+        for n in info.sums:
             if any(u.op != "output" for u in n.users):
                 raise UnsupportedRegion(f"node {n.name} sums over the step dim and is read inside the region")
         if self.out_step_dims_given is not None and [
@@ -414,7 +413,7 @@ class ShardProgram:
         states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first
         step."""
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
-        args = [*xs, *(None if c is None else c.contiguous() for c in carries), *prevs, *self._offset(t0)]
+        args = [*xs, *carries, *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
         return list(res[:n]), list(res[n:])
@@ -486,9 +485,7 @@ class ShardProgram:
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
         for j, g in zip(wrt_c, got[len(wrt_x): len(wrt_x) + len(wrt_c)]):
-            # NB: contiguous: a halo's cotangent is a slice of its padded input's (strides that depend on L), and it
-            # is the next VJP's input, whose compiled program is specialized to its example inputs' strides
-            gc[j] = None if g is None else g.contiguous()
+            gc[j] = g
         return (gx, gc, list(got[len(wrt_x) + len(wrt_c):])) if trunc else (gx, gc)
 
     truncating = property(lambda self: self.window is not None and self.window < self.T,
