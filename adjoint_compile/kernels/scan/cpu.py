@@ -11,27 +11,35 @@ CPU cores, a 4-layer SSM at T = 8192 spent ~60 % of its step in 128-step referen
 written once, vectorized by the compiler.
 
 The C source below is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/
-``clang``) into ``<tmp>/adjoint_compile_<user>/`` and loaded with ctypes (which releases the GIL during the call).
-Without a compiler, or with ``ADJOINT_COMPILE_CPU_KERNEL=0``, :func:`available` is False and the dispatcher keeps
-the torch reference. fp32 and fp64 (the compute dtypes); the callers upcast half precision first.
+``clang``) into the user's kernel cache, ``$ADJOINT_COMPILE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/adjoint_compile``
+or ``~/.cache/adjoint_compile`` (directories we create get mode 0700), and loaded with ctypes (which releases the GIL
+during the call). Native code is loaded only from a place the user alone controls: the cache directory and the
+shared object must be owned by the current user and not writable by group or others (the ``.so`` a regular file,
+not a symlink), else the kernel is refused with an :class:`~adjoint_compile.errors.AdjointCompileWarning` and never
+loaded. The source and the compiler output are written under private ``mkstemp`` names in that directory, and the
+shared object is renamed into place atomically. Without a compiler, with a refused cache, or with
+``ADJOINT_COMPILE_CPU_KERNEL=0``, :func:`available` is False and the dispatcher keeps the torch reference. fp32 and
+fp64 (the compute dtypes); the callers upcast half precision first.
 """
 from __future__ import annotations
 
 import ctypes
-import getpass
 import hashlib
 import logging
 import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 
 import torch
 from torch import Tensor
 
+from ...errors import AdjointCompileWarning
 from . import ref as _ref
 
 log = logging.getLogger(__name__)
@@ -84,37 +92,121 @@ def _compiler() -> str | None:
     return None
 
 
+# NB: -march=native makes the .so specific to this CPU, so the key includes the machine type and host name;
+# -ffp-contract=off keeps a*h+b two roundings, like the torch reference.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+
+
+class _UnsafeCache(Exception):
+    """The kernel cache (directory or shared object) is not private to the user: nothing is loaded from it."""
+
+
 def _cache_dir() -> str:
+    """The kernel cache: ``$ADJOINT_COMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/adjoint_compile`` (an absolute
+    XDG_CACHE_HOME only, as the XDG spec says), else ``~/.cache/adjoint_compile``."""
+    d = os.environ.get("ADJOINT_COMPILE_CACHE_DIR")
+    if d:
+        return os.path.abspath(os.path.expanduser(d))
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base or not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "adjoint_compile")
+
+
+def _make_dirs(d: str) -> None:
+    """Create ``d`` and the missing parents with mode 0700 (``os.makedirs`` applies ``mode`` to the leaf only).
+    Existing directories are left as they are: :func:`_owned_privately` judges the cache directory."""
+    missing = []
+    p = d
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue                     # a concurrent process made it; the privacy check below still applies
+        os.chmod(p, 0o700)               # exactly 0700 whatever the umask
+
+
+def _owned_privately(path: str) -> str | None:
+    """Why ``path`` (the cache directory or a shared object in it) must not be trusted, or None when it is owned by
+    the current user and not writable by group or others. ``os.lstat``: a symlink is judged as itself; the cache
+    directory is passed resolved, the ``.so`` must be a regular file."""
     try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (containers): still a private-enough directory
-        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
-    return os.path.join(tempfile.gettempdir(), f"adjoint_compile_{user}")
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot stat it ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        return "it is neither a directory nor a regular file"
+    if not hasattr(os, "getuid"):
+        return "its owner cannot be checked on this platform"
+    uid = os.getuid()
+    if st.st_uid != uid:
+        return f"it is owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _check_private(path: str, cache_dir: str) -> None:
+    reason = _owned_privately(path)
+    if reason is not None:
+        raise _UnsafeCache(
+            f"refusing to load the CPU scan kernel from {path}: {reason}. Only a cache directory and files owned by "
+            f"you and writable by you alone are trusted; fix it (e.g. `chmod 700 {cache_dir}`, or remove it and let "
+            f"adjoint-compile recreate it) or choose another directory with ADJOINT_COMPILE_CACHE_DIR")
+
+
+def _key(cc: str) -> str:
+    return hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, platform.machine(), platform.node()]).encode()
+                          ).hexdigest()[:16]
 
 
 def _build(cc: str) -> str:
-    # NB: -march=native makes the .so specific to this CPU, so the cache lives in the machine's own temp dir and
-    # the key includes the machine type; -ffp-contract=off keeps a*h+b two roundings, like the torch reference.
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()
+    """The path of the shared object in the private kernel cache, built there first if it is missing. Raises
+    :class:`_UnsafeCache` when the directory or the shared object is not private to the user."""
     d = _cache_dir()
-    os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, f"scan_{key[:16]}.so")
-    if os.path.exists(so):
+    _make_dirs(d)
+    # NB: checked and used by its resolved path: a symlinked ~/.cache is fine when its target is private.
+    d = os.path.realpath(d)
+    _check_private(d, d)
+    so = os.path.join(d, f"scan_{_key(cc)}.so")
+    if os.path.lexists(so):
+        _check_private(so, d)
         return so
-    src = os.path.join(d, f"scan_{key[:16]}.c")
-    with open(src, "w") as f:
-        f.write(_SOURCE)
-    # build under a private name and rename: concurrent processes (pytest-xdist) never load a half-written file
-    tmp = f"{so}.{os.getpid()}.tmp"
-    res = subprocess.run([cc, *flags, src, "-o", tmp], capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        # -march=native is not understood everywhere (e.g. some clang targets): retry portable
-        res = subprocess.run([cc, *[f for f in flags if f != "-march=native"], src, "-o", tmp],
-                             capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
-    os.replace(tmp, so)
+    # the source and the compiler output under private random names (mkstemp: O_EXCL, mode 0600), never a
+    # predictable path; the .so is renamed into place, so concurrent processes never load a half-written file
+    fd, src = tempfile.mkstemp(prefix="scan_", suffix=".c", dir=d)
+    tmp = None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_SOURCE)
+        tfd, tmp = tempfile.mkstemp(prefix="scan_", suffix=".so.tmp", dir=d)
+        os.close(tfd)
+        res = subprocess.run([cc, *_FLAGS, src, "-o", tmp], capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            # -march=native is not understood everywhere (e.g. some clang targets): retry portable
+            res = subprocess.run([cc, *[f for f in _FLAGS if f != "-march=native"], src, "-o", tmp],
+                                 capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o700)             # the linker's mode follows the umask; the cache's files are private
+        os.replace(tmp, so)
+        tmp = None
+    finally:
+        for p in (src, tmp):
+            if p is not None:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+    _check_private(so, d)
     log.info("adjoint-compile: built the CPU scan kernel %s", so)
     return so
 
@@ -136,6 +228,12 @@ def _load() -> ctypes.CDLL | None:
             return None
         try:
             lib = ctypes.CDLL(_build(cc))
+        except _UnsafeCache as e:
+            _failed = str(e)
+            log.warning("adjoint-compile: %s; CPU scans use the slower torch reference", _failed)
+            warnings.warn(f"{_failed}; CPU scans use the slower torch reference", AdjointCompileWarning,
+                          stacklevel=3)
+            return None
         except Exception as e:  # noqa: BLE001 - any build/load failure falls back to the torch reference
             _failed = f"{type(e).__name__}: {e}"
             log.warning("adjoint-compile: could not build the CPU scan kernel (%s); CPU scans use the slower "
