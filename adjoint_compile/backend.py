@@ -41,10 +41,12 @@ from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
 from .passes.specialize import no_guards, specialize
 from .analysis.fx import source_line
-from .regions import Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
+from .regions import Fallback, Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
-from .runtime.verify import copy_graph_module, graph_fidelity
+from .analysis.fx import written_inputs
+from .analysis.optable import RANDOM, DROPOUT
+from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ class CompiledGraph:
     #: ``per_sample_clip``: the parameter uses lowered into per-example book-keeping calls, and the graph's clipper
     #: (its ``last_norms`` are ``adjoint_compile.per_sample_grad_norms``'s answer)
     per_sample: PerSampleLowering | None = None
+    #: calls that ran with ordinary autograd although the graph had a rewrite, with cause and remedy
+    fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
+    #: seconds spent, by stage (``check_forward_s``: the first-call check's extra forward)
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class CompiledGraphFn:
@@ -107,6 +113,14 @@ class CompiledGraphFn:
 
 def recognize(captured: Captured, opts: Options) -> tuple[list[Region], list[Rejection]]:
     """Stage 2: find recurrences and residual chains, once. Never raises: a failure is a rejection."""
+    if captured.writes:
+        w = captured.writes[0]
+        line = source_line(w)
+        return [], [Rejection("graph", w.name, f"the graph writes in place into a tensor it made ({len(captured.writes)} "
+                              f"write(s), the first {w.name}{f' at {line}' if line else ''}) in a way that could not be "
+                              f"turned into values: it keeps ordinary autograd; collect a loop's outputs in a list and "
+                              f"torch.stack them, or write each step's whole slice of a buffer made in the loop's "
+                              f"graph (o[:, t] = h)")]
     try:
         with no_guards(captured.gm) if captured.symbolic else contextlib.nullcontext():
             return _recognize(captured.gm, opts, matched=captured.matched)
@@ -115,13 +129,63 @@ def recognize(captured: Captured, opts: Options) -> tuple[list[Region], list[Rej
         return [], [Rejection("graph", "<graph>", f"recognition raised {type(e).__name__}: {e}")]
 
 
-def stitch(captured: Captured, lowered: list[str], opts: Options) -> Callable[..., Any]:
-    """Stage 5: compile what was not rewritten with the inner compiler and join it with the region calls."""
+def stitch(captured: Captured, lowered: list[str], opts: Options,
+           pristine: fx.GraphModule | None = None) -> Callable[..., Any]:
+    """Stage 5: compile what was not rewritten with the inner compiler and join it with the region calls.
+
+    With nothing rewritten the graph goes to the inner compiler whole and as dynamo captured it (``pristine``, a
+    copy taken before normalization, when given): exactly what that compiler alone would give."""
     if not lowered:
-        # NB: nothing rewritten -> hand the graph to the inner compiler whole, so the result is exactly what that
-        # compiler alone would give (same kernels, same numerics).
-        return compile_inner(captured.gm, captured.example_inputs, opts.inner)
+        return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner)
     return stitch_partitions(captured.gm, lowered, opts.inner)
+
+
+def _draws_random(gm: fx.GraphModule) -> bool:
+    """Whether the graph draws random numbers (dropout in training, ``rand*``, ``bernoulli``, ...): the inner compiler
+    draws other numbers than eager then, so its outputs cannot be compared with an eager run."""
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        name = str(name).rstrip("_")
+        if n.target in RANDOM or n.target in DROPOUT or name in ("rand", "randn", "randint", "randperm", "uniform",
+                                                                 "normal", "bernoulli", "exponential", "geometric",
+                                                                 "cauchy", "log_normal", "random", "multinomial",
+                                                                 "poisson", "rand_like", "randn_like", "randint_like"):
+            return True
+        if "dropout" in name:
+            return True
+    return False
+
+
+def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.GraphModule, opts: Options) -> Callable[..., Any]:
+    """``fn`` wrapped in the first-call forward check (runtime/verify.py), when it applies: something was rewritten,
+    ``check_forward`` is on, and the graph draws no random numbers (see :func:`_draws_random`)."""
+    if not opts.check_forward or opts.sequence_parallel is not None:
+        return fn
+    if _draws_random(pristine):
+        result.timing["check_forward_skipped"] = 1.0
+        log.info("adjoint-compile: first-call check skipped: the graph draws random numbers (dropout), which the "
+                 "inner compiler draws differently from eager")
+        return fn
+    holders = [n for n in pristine.graph.nodes if n.op == "placeholder"]
+    roots = set()
+    for w in written_inputs(pristine.graph)[0]:
+        t = w.args[0]
+        while t.op != "placeholder":
+            t = t.args[0]
+        roots.add(t)
+    written = [i for i, h in enumerate(holders) if h in roots]
+    names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none") or "per-example book-keeping"
+
+    def fallback(reference: fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
+        if opts.per_sample_clip is not None:
+            # NB: ordinary autograd would give unclipped gradients: never fall back to it
+            raise PerSampleError(f"adjoint-compile per_sample_clip: {result.fallbacks[-1].cause}; no fallback is "
+                                 f"possible under per_sample_clip (please report the model)")
+        return compile_inner(reference, list(args), opts.inner)
+
+    return ForwardCheck(fn, pristine, fallback, names, written, result.fallbacks, result.timing)
 
 
 #: distinct call signatures a graph with symbolic sizes is specialized to (like dynamo's recompile limit); later
@@ -259,6 +323,9 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     """
     if opts.sequence_parallel is not None:
         return _run_seqpar(gm, example_inputs, opts, compile)
+    # NB: normalization rewrites gm in place; the graph as captured goes to the inner compiler when nothing is
+    # rewritten, and is the reference of the first-call check otherwise
+    pristine = copy_graph_module(gm) if compile else None
     captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
     regions, rejections = recognize(captured, opts)
     plans = decide.plan(regions, opts)
@@ -280,8 +347,12 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     if opts.per_sample_clip is not None and compile:
         # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)
         guard_parameters(gm, example_inputs)
-    if compile:
-        result.fn = _Specializing(result, opts) if symbolic else stitch(captured, calls, opts)
+    if compile and symbolic:
+        result.fn = _Specializing(result, opts)
+    elif compile:
+        result.fn = stitch(captured, calls, opts, pristine)
+        if calls:
+            result.fn = _checked(result, result.fn, pristine, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
     captured.example_inputs = []
     _log_decisions(result, opts)

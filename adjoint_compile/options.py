@@ -42,6 +42,9 @@ class Options:
     inner: str = "inductor"
     #: compare the rewritten gradients with autograd on the first call and log the error.
     verify: bool = False
+    #: on a rewritten graph's first call, compare its outputs with those of the graph as captured (one extra eager
+    #: forward without autograd); on a difference warn and run that graph with the inner compiler instead.
+    check_forward: bool = True
     #: highway mode: stop iterating once an update's relative norm is below it (None: exactly k iterations).
     tolerance: float | None = None
     #: DP-SGD clipping bound C > 0 (``inf``: norms only): every p.grad gets Σ_n min(1, C/‖g_n‖) g_n, with g_n example
@@ -151,6 +154,11 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if not isinstance(verify, bool):
         raise _bad("verify", verify, "expected True or False")
     kw["verify"] = verify
+
+    check_forward = options.get("check_forward", True)
+    if not isinstance(check_forward, bool):
+        raise _bad("check_forward", check_forward, "expected True or False")
+    kw["check_forward"] = check_forward
 
     tolerance = options.get("tolerance")
     if tolerance is not None:

@@ -253,6 +253,22 @@ class Rejection:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class Fallback:
+    """A graph (or some of its calls) that ran with ordinary autograd although it had a rewrite: warned once, listed
+    by ``report()``."""
+
+    #: what happened, e.g. "the rewritten forward differs from the captured graph's on the first call"
+    cause: str
+    #: what the user can do about it
+    remedy: str
+    #: figures for reports (the outputs that differed and by how much, the lengths it affected, ...)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def group_rejections(rejections: Sequence[Rejection], node_names: Iterable[str]) -> list[tuple[str, str, list[str]]]:
     """Rejections grouped by candidate and reason, with the graph's node names in the reason masked as ``<node>``
     (so that one cause met at many layers is one group): (candidate, reason, anchor nodes), largest group first; a

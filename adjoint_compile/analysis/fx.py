@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -14,6 +15,7 @@ import torch.fx as fx
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
+    "is_inplace", "eliminate_dead_code", "written_inputs",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -43,6 +45,61 @@ def scan_args(node: fx.Node) -> dict[str, Any]:
     out.update(zip(names, node.args))
     out.update(node.kwargs)
     return out
+
+
+#: ``x op= y`` as dynamo records it for tensors: in place on ``x``
+_INPLACE_OPERATORS = frozenset(getattr(operator, f"i{op}") for op in
+                               "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split())
+
+
+def is_inplace(n: fx.Node) -> bool:
+    """Whether ``n`` writes into a tensor it was given: ``o[i] = v``, ``x.copy_(y)``, ``x += y``, ``torch.relu_(x)``,
+    ``f(x, out=o)``, ``F.relu(x, inplace=True)``, or an aten op whose schema mutates an argument."""
+    if n.op not in ("call_function", "call_method"):
+        return False
+    if n.kwargs.get("out") is not None or n.kwargs.get("inplace") is True:
+        return True
+    t = n.target
+    if n.op == "call_method":
+        return isinstance(t, str) and t.endswith("_") and not t.startswith("_")
+    if t is operator.setitem or t in _INPLACE_OPERATORS:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    name = getattr(t, "__name__", "")
+    # NB: operator.not_, and_, or_ are named like in-place methods and are not
+    return name.endswith("_") and not name.startswith("_") and getattr(t, "__module__", None) not in ("operator", "_operator")
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`is_inplace`).
+
+    NB: FX's own rule keeps only impure *functions*; on dynamo's torch-level graph a ``buf[j].copy_(h)`` is a
+    ``call_method`` node without users, which FX would drop, and with it the write into ``buf``.
+    """
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
+
+
+#: ops whose result may share storage with their first argument (a write into it reaches the argument)
+_VIEWS = frozenset("getitem view view_as reshape reshape_as transpose permute select narrow unsqueeze squeeze expand "
+                   "expand_as t T mT flatten unflatten as_strided detach alias split chunk unbind movedim swapaxes "
+                   "diagonal unfold real imag view_as_real view_as_complex contiguous".split())
+
+
+def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The in-place writes of ``graph`` (:func:`is_inplace`), split by what they write into: ``(into_inputs,
+    into_intermediates)``. A write reaches an input when its target is a placeholder or a chain of views of one
+    (a module buffer updated in place); every other write is into a tensor the graph made, conservatively."""
+    into_inputs, into_made = [], []
+    for n in graph.nodes:
+        if not is_inplace(n):
+            continue
+        t = n.args[0] if n.args else None
+        while isinstance(t, fx.Node) and t.op in ("call_function", "call_method") and t.args and \
+                (t.target if t.op == "call_method" else getattr(t.target, "__name__", "")) in _VIEWS:
+            t = t.args[0]
+        (into_inputs if isinstance(t, fx.Node) and t.op == "placeholder" else into_made).append(n)
+    return into_inputs, into_made
 
 
 def stable_toposort(graph: fx.Graph) -> None:

@@ -23,6 +23,10 @@ Normalization, in this order, each pass in its own module and each recording pro
 5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
 
+The passes after 0 move nodes by data flow alone. A graph that still writes in place into a tensor it made (a
+partial buffer write, a write through a view) after step 0 is therefore left as it is, with every region refused:
+its writes order its reads in a way data flow does not show (``Captured.writes``).
+
 A graph with symbolic sizes (dynamic shapes) is not normalized: it is specialized per call (passes/specialize.py)
 and each specialization is captured again. Recognition then runs once on the normalized graph.
 """
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.fx import is_linear_scan
+from ..analysis.fx import is_linear_scan, written_inputs
 from ..regions import Recurrence, Rejection
 from .buffer_writes import stack_buffer_writes
 from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
@@ -69,6 +73,9 @@ class Captured:
     #: the recurrence matchers' results on the graph, when normalization left it as it was (recognition reuses
     #: them instead of matching again); None when the graph changed.
     matched: tuple[list[Recurrence], list[Rejection]] | None = dataclasses.field(default=None, repr=False)
+    #: in-place writes into tensors the graph made that normalization could not turn into values: the graph is
+    #: not normalized further, and recognition refuses it
+    writes: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
@@ -91,6 +98,11 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         return captured
     known = replace_known_scans(gm)
     noops, buffers = drop_noop_ops(gm), stack_buffer_writes(gm)
+    captured.writes = written_inputs(gm.graph)[1]
+    if captured.writes:
+        captured.normalized = {"known_scans": known, "noop_ops": noops, "buffer_writes": buffers}
+        log.debug("capture: in-place writes left (%s): not normalized", ", ".join(n.name for n in captured.writes))
+        return captured
     try:
         forms, _ = rewrite_scan_forms(gm)
         matched = match_recurrences(gm)

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..analysis.fx import example_value as _ev
 from ..analysis.fx import fresh_name, is_convex, is_linear_scan
+from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
 from ..analysis.time_local import TimeLocalInfo, analyze, embedding_ids
@@ -168,7 +169,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     for n in reversed(nodes):
         gm.graph.erase_node(n)
     _toposort(gm.graph)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
     log.info("adjoint-compile: lowered a region of %d nodes with %d scan(s) over T=%d steps, shard_size=%d",

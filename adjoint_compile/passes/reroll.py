@@ -51,6 +51,7 @@ import torch.fx as fx
 from ..analysis.affine import classify_update
 from ..analysis.fx import example_value, hinted_shape
 from ..analysis.fx import reachable as forward_reach
+from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..regions import PROVENANCE, LoopRecipe, PerStepSlice, Recurrence, Region
 from .batching import Batcher, Emitter, Value, batch_op, coefficients, emit_expr, emit_scan, full_steps, initial_state
@@ -467,7 +468,7 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
         _done([(r, H)], how)
     if changed:
         _toposort(gm.graph)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.fx import hinted_shape, is_linear_scan
+from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.labels import index_kind, node_args, node_label
 from ..regions import PROVENANCE
@@ -296,7 +297,7 @@ def reroll_readouts(gm: fx.GraphModule, scans: list[str]) -> dict[str, str]:
         else:
             changed |= bool(what)
         _toposort(gm.graph)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         n = _unbind_rest(gm, H, (hinted_shape(H) or (0,))[0])
         changed |= n != 0
         if n > 0:
@@ -306,7 +307,7 @@ def reroll_readouts(gm: fx.GraphModule, scans: list[str]) -> dict[str, str]:
             H.meta[PROVENANCE] = {**H.meta.get(PROVENANCE, {}), "readouts": what}
     if changed:
         _toposort(gm.graph)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return out

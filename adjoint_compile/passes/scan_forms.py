@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.fx import example_value, hinted_shape
+from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..regions import PROVENANCE, Rejection
 from .batching import Emitter, Unproven, scan_op
@@ -110,7 +111,7 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
         log.info("scan_forms: %s %s -> linear_scan %s", f.source, f.anchor.name, H.name)
     if made:
         _toposort(gm.graph)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         _drop_vmap_bookkeeping(gm)
         gm.graph.lint()
         gm.recompile()

@@ -36,6 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..analysis.fx import eliminate_dead_code
+
 log = logging.getLogger(__name__)
 
 __all__ = ["has_symbolic_sizes", "no_guards", "specialize"]
@@ -148,7 +150,7 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
             user.kwargs = fx.node.map_arg(user.kwargs, lambda x: v if x is n else x)
         folded += 1
     items = _scalar_items_as_tensors(new.graph)
-    new.graph.eliminate_dead_code()
+    eliminate_dead_code(new.graph)
     new.graph.lint()
     new.recompile()
     sizes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]

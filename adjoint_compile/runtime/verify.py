@@ -1,4 +1,8 @@
-"""``verify=True`` for a whole graph: the gradients the rewritten graph gives against those of the graph as dynamo
+"""The first-call forward check (option ``check_forward``, on by default): :class:`ForwardCheck` runs a rewritten
+graph's first call next to the graph as captured (eagerly, without autograd) and falls back to that graph when their
+outputs differ.
+
+``verify=True`` for a whole graph: the gradients the rewritten graph gives against those of the graph as dynamo
 captured it, under plain autograd, on the first call's inputs (the per-region figures are in :mod:`.sharded`).
 
 Both runs get the same inputs (detached copies; the tensors that require grad keep requiring it) and the same random
@@ -8,15 +12,21 @@ compared as one vector: ``grad_rel_err`` = ‖g − g_exact‖ / ‖g_exact‖, 
 from __future__ import annotations
 
 import logging
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..errors import AdjointCompileWarning
+from ..regions import Fallback
+
 log = logging.getLogger(__name__)
 
-__all__ = ["copy_graph_module", "compare_grads", "grads_of", "graph_fidelity"]
+__all__ = ["copy_graph_module", "compare_grads", "grads_of", "graph_fidelity", "ForwardCheck", "output_mismatch",
+           "FORWARD_TOLERANCE"]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -69,3 +79,89 @@ def graph_fidelity(original: fx.GraphModule, rewritten: Callable[..., Any], args
     want = grads_of(original, args)
     got = grads_of(rewritten, args)
     return compare_grads(got, want)
+
+
+#: largest ‖got − want‖ / ‖want‖ (each output as one vector) that the first-call check accepts, by dtype: rounding of
+#: another summation order (the scan kernels, the inner compiler's fused kernels) stays orders of magnitude below,
+#: a rewrite that computes something else lands near 1
+FORWARD_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.complex128: 1e-7, torch.complex64: 1e-3,
+                     torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def output_mismatch(got: Any, want: Any) -> dict[str, Any] | None:
+    """None when the outputs agree (the same structure, shapes and dtypes; integers and bools equal; floating
+    tensors within :data:`FORWARD_TOLERANCE`, non-finite values in the same places), else the first difference:
+    ``{"output": i, "what": ..., "rel_err": ...}``."""
+    gl, wl = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    if len(gl) != len(wl):
+        return {"output": None, "what": f"{len(gl)} outputs, the captured graph has {len(wl)}", "rel_err": None}
+    for i, (g, w) in enumerate(zip(gl, wl)):
+        if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
+            if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor) or (g != w and not (g != g and w != w)):
+                return {"output": i, "what": f"{g!r} instead of {w!r}", "rel_err": None}
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return {"output": i, "what": f"{tuple(g.shape)} {g.dtype} instead of {tuple(w.shape)} {w.dtype}",
+                    "rel_err": None}
+        g, w = g.detach(), w.detach()
+        if not (w.is_floating_point() or w.is_complex()):
+            if not torch.equal(g, w):
+                return {"output": i, "what": "integer values differ", "rel_err": None}
+            continue
+        fin = torch.isfinite(w)
+        if not torch.equal(fin, torch.isfinite(g)) or not torch.equal(g[~fin], w[~fin]):
+            return {"output": i, "what": "non-finite values (nan, inf) in other places", "rel_err": None}
+        gd, wd = g[fin].to(torch.complex128 if w.is_complex() else torch.float64), \
+            w[fin].to(torch.complex128 if w.is_complex() else torch.float64)
+        rel = float((gd - wd).norm() / wd.norm().clamp_min(1e-30)) if wd.numel() else 0.0
+        if not rel <= FORWARD_TOLERANCE.get(w.dtype, 1e-3):
+            return {"output": i, "what": f"values differ (relative error {rel:.3g})", "rel_err": rel}
+    return None
+
+
+class ForwardCheck:
+    """The callable of a rewritten graph while its first call has not run: that call also runs ``reference`` (the
+    graph as captured, eager, under ``no_grad``, from the same RNG state, with private copies of the inputs it writes
+    into) and compares the outputs. On a difference it warns (naming ``regions``), records a :class:`Fallback` in
+    ``fallbacks``, puts back the inputs the graph writes into, and this call and every later one run
+    ``fallback(reference, args)`` (the captured graph, inner-compiled)."""
+
+    def __init__(self, fn: Callable[..., Any], reference: fx.GraphModule,
+                 fallback: Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]],
+                 regions: str, written: Sequence[int], fallbacks: list[Fallback], timing: dict[str, float]) -> None:
+        self.fn, self._reference, self._fallback = fn, reference, fallback
+        self._regions, self._written, self._fallbacks, self._timing = regions, set(written), fallbacks, timing
+        self._checked = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._checked:
+            return self.fn(*args)
+        self._checked = True
+        reference, self._reference = self._reference, None  # NB: one check; the copy is not kept alive
+        saved = {i: args[i].detach().clone() for i in self._written if isinstance(args[i], torch.Tensor)}
+        ref_args = [saved[i].clone() if i in saved else a for i, a in enumerate(args)]
+        rng = torch.get_rng_state()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            want = reference(*ref_args)
+        self._timing["check_forward_s"] = time.perf_counter() - t0
+        torch.set_rng_state(rng)
+        got = self.fn(*args)
+        bad = output_mismatch(got, want)
+        if bad is None:
+            return got
+        cause = (f"the rewritten graph's forward differs from the graph as captured on its first call: output "
+                 f"{bad['output']}: {bad['what']}")
+        remedy = ("it runs with the inner compiler and ordinary autograd from now on (no memory saved); please report "
+                  "the model (adjoint_compile.explain shows what was rewritten); options={'check_forward': False} "
+                  "switches the check off")
+        self._fallbacks.append(Fallback(cause, remedy, {"regions": self._regions, **bad}))
+        warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause} (rewritten: {self._regions}); {remedy}"),
+                      stacklevel=2)
+        log.warning("adjoint-compile: %s (rewritten: %s); falling back", cause, self._regions)
+        self.fn = self._fallback(reference, args)
+        with torch.no_grad():
+            for i, x in saved.items():
+                args[i].copy_(x)
+        torch.set_rng_state(rng)
+        return self.fn(*args)
