@@ -109,7 +109,7 @@ def output_mismatch(got: Any, want: Any) -> dict[str, Any] | None:
                 return {"output": i, "what": "integer values differ", "rel_err": None}
             continue
         fin = torch.isfinite(w)
-        if not torch.equal(fin, torch.isfinite(g)) or not torch.equal(g[~fin], w[~fin]):
+        if not torch.equal(fin, torch.isfinite(g)) or not torch.allclose(g[~fin], w[~fin], equal_nan=True):
             return {"output": i, "what": "non-finite values (nan, inf) in other places", "rel_err": None}
         gd, wd = g[fin].to(torch.complex128 if w.is_complex() else torch.float64), \
             w[fin].to(torch.complex128 if w.is_complex() else torch.float64)

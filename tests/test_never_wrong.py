@@ -1,0 +1,281 @@
+"""Never silently different: loops that write into buffers (nested, partial, through views), the graph the inner
+compiler gets when nothing is rewritten, and the first-call forward check that guards every rewrite.
+
+The oracle everywhere is the same Python code run eagerly, in fp64."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adjoint_compile as ac
+from adjoint_compile import backend as backend_mod
+from adjoint_compile.errors import AdjointCompileWarning
+from adjoint_compile.runtime.verify import output_mismatch
+
+DT = torch.float64
+
+
+def _grads(loss, params):
+    return torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def _assert_same(fn, compiled, params, *args, tol=1e-10):
+    """Loss and every gradient of ``compiled(*args)`` against ``fn(*args)`` run eagerly."""
+    want = fn(*args)
+    gw = _grads(want, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AdjointCompileWarning)
+        got = compiled(*args)
+    gg = _grads(got, params)
+    assert torch.allclose(got, want, rtol=tol, atol=tol), (float(got), float(want))
+    for i, (a, b) in enumerate(zip(gg, gw)):
+        assert (a is None) == (b is None), f"gradient {i}: {a is None} vs {b is None}"
+        if b is not None:
+            assert torch.allclose(a, b, rtol=tol, atol=tol), f"gradient {i}: {(a - b).abs().max()}"
+
+
+class NestedBuffers(nn.Module):
+    """The loop of a library that writes each step into a buffer by index and then copies the buffer into an outer
+    one (lru-pytorch's LRU, real-valued)."""
+
+    def __init__(self, form: str, d_in: int = 4, d: int = 8):
+        super().__init__()
+        self.form, self.d = form, d
+        self.a = nn.Parameter(torch.rand(d, dtype=DT))
+        self.W = nn.Parameter(torch.randn(d, d_in, dtype=DT) / 2)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        out = torch.empty(B, T, self.d, dtype=DT)
+        for i, seq in enumerate(x):
+            h = torch.zeros(self.d, dtype=DT)
+            buf = torch.empty(T, self.d, dtype=DT)
+            for j, step in enumerate(seq):
+                h = self.a * h + self.W @ step
+                if self.form == "setitem":
+                    buf[j] = h
+                elif self.form == "copy":
+                    buf[j].copy_(h)
+                else:  # "slice"
+                    buf[j, :] = h
+            if self.form == "copy":
+                out[i].copy_(buf)
+            elif self.form == "slice":
+                out[i, :, :] = buf
+            else:
+                out[i] = buf
+        return out
+
+
+@pytest.mark.parametrize("form", ["setitem", "copy", "slice"])
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("shard_size", [None, 2])
+def test_nested_buffer_writes_are_exact(form, inner, shard_size):
+    torch.manual_seed(0)
+    m = NestedBuffers(form)
+    x = torch.randn(3, 7, 4, dtype=DT)
+
+    def loss(x):
+        return m(x).square().sum()
+
+    opts = {"inner": inner, **({"shard_size": shard_size} if shard_size else {})}
+    compiled = torch.compile(loss, backend="adjoint", options=opts)
+    _assert_same(loss, compiled, list(m.parameters()), x)
+    # the three per-row loops are recognized (and their buffers stacked), whatever is then decided
+    report = ac.report(compiled)
+    assert len(report.regions) == 3, report
+
+
+def _loop(write):
+    """A loop over T steps whose outputs reach the loss only through the buffer ``write`` fills."""
+    a = torch.rand(2, 9, 3, dtype=DT)
+
+    def f(x):
+        h = torch.zeros(2, 3, dtype=DT)
+        o = torch.zeros(2, 9, 3, dtype=DT)
+        for t in range(9):
+            h = a[:, t] * h + x[:, t]
+            write(o, t, h)
+        return (o * torch.arange(1.0, 4.0, dtype=DT)).square().sum()
+    return f
+
+
+def _w_partial(o, t, h):        # the last step is never written: the buffer keeps a zero there
+    if t < 8:
+        o[:, t] = h
+
+
+def _w_reversed(o, t, h):       # every index once, in another order than the steps
+    o[:, 8 - t] = h
+
+
+def _w_slice_of_slice(o, t, h):  # a write through a view of a view
+    o[:, t][:, :2] = h[:, :2]
+
+
+def _w_view(o, t, h):           # a write into a view of the buffer made once
+    v = o[:, 1:]
+    if t > 0:
+        v[:, t - 1] = h
+
+
+def _w_index_put(o, t, h):
+    o.index_put_((torch.arange(2), torch.full((2,), t)), h)
+
+
+def _w_accumulate(o, t, h):     # o[:, t] += h reads the slice it writes
+    o[:, t] += h
+    o[:, t] += h
+
+
+def _w_read_back(o, t, h):      # a read of an earlier step from the buffer, before later writes
+    o[:, t] = h + (o[:, t - 1] if t else 0)
+
+
+@pytest.mark.parametrize("write", [_w_partial, _w_reversed, _w_slice_of_slice, _w_view, _w_index_put, _w_accumulate,
+                                   _w_read_back], ids=lambda w: w.__name__[3:])
+def test_partial_and_indirect_buffer_writes_are_exact(write):
+    f = _loop(write)
+    x = torch.randn(2, 9, 3, dtype=DT, requires_grad=True)
+    compiled = torch.compile(f, backend="adjoint", options={"inner": "eager", "shard_size": 2})
+    _assert_same(f, compiled, [x], x)
+
+
+def test_a_graph_that_keeps_in_place_writes_is_refused_with_a_reason():
+    f = _loop(_w_partial)
+    report = ac.explain(f, torch.randn(2, 9, 3, dtype=DT, requires_grad=True), options={"shard_size": 2})
+    assert report.regions == []
+    assert any("writes in place into a tensor it made" in j.reason for j in report.rejections), report
+
+
+def test_nothing_rewritten_reaches_the_inner_compiler_as_captured(monkeypatch):
+    """A tanh RNN (nothing to rewrite) whose graph normalization would change (a no-op cast, an output buffer)."""
+    W = torch.randn(4, 4, dtype=DT) / 4
+
+    def rnn(x):
+        h = torch.zeros(2, 4, dtype=DT)
+        o = torch.empty(2, 5, 4, dtype=DT)
+        for t in range(5):
+            h = torch.tanh(h.double() @ W + x[:, t])
+            o[:, t] = h
+        return o.sum()
+
+    seen, given = [], []
+    real_backend, real_inner = backend_mod.adjoint_backend, backend_mod.compile_inner
+
+    def spy_backend(gm, ex, **kw):
+        seen.append(gm.code)
+        return real_backend(gm, ex, **kw)
+
+    def spy_inner(gm, ex, inner):
+        given.append(gm.code)
+        return real_inner(gm, ex, inner)
+
+    monkeypatch.setattr(backend_mod, "compile_inner", spy_inner)
+    x = torch.randn(2, 5, 4, dtype=DT, requires_grad=True)
+    compiled = torch.compile(rnn, backend=lambda gm, ex: spy_backend(gm, ex, options={"inner": "eager"}))
+    _assert_same(rnn, compiled, [x], x)
+    assert len(seen) == 1 and given == seen
+    # and normalization did change its own copy: the comparison above is not vacuous
+    captured = ac.report(compiled).compiled[0].captured
+    assert captured.normalized.get("buffer_writes") == 1 and captured.gm.code != seen[0]
+
+
+class Scan(nn.Module):
+    """A small selective-scan layer with a buffer updated in place (a call counter, like BatchNorm's)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.decay, self.inp = nn.Linear(d, d, dtype=DT), nn.Linear(d, d, dtype=DT)
+        self.register_buffer("calls", torch.zeros((), dtype=DT))
+
+    def forward(self, x):
+        self.calls += 1
+        h = ac.ops.linear_scan(torch.sigmoid(self.decay(x)), self.inp(x))
+        return h.square().mean()
+
+
+def _break_capture(monkeypatch, factor=1.5):
+    """Make normalization compute something else (the graph's outputs times ``factor``), as a wrong pass would."""
+    real = backend_mod.capture
+
+    def wrong(gm, *a, **kw):
+        c = real(gm, *a, **kw)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        first = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            scaled = gm.graph.call_function(torch.mul, (first, factor))
+        scaled.meta = dict(first.meta)
+        out.args = ((scaled, *out.args[0][1:]),)
+        gm.recompile()
+        return c
+
+    monkeypatch.setattr(backend_mod, "capture", wrong)
+
+
+def test_first_call_check_falls_back_with_a_warning(monkeypatch):
+    torch.manual_seed(0)
+    m = Scan()
+    x = torch.randn(2, 33, 6, dtype=DT)
+    want = m(x)
+    gw = _grads(want, list(m.parameters()))
+    m.calls.zero_()
+    _break_capture(monkeypatch)
+    compiled = torch.compile(m, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with pytest.warns(AdjointCompileWarning, match="differs from the graph as captured"):
+        got = compiled(x)
+    report = ac.report(compiled)
+    assert [r.rewrite for r in report.regions] == ["adjoint"]
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    for a, b in zip(_grads(got, list(m.parameters())), gw):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    assert float(m.calls) == 1.0  # the buffer written in place is not written twice by the check or the fallback
+    (fb,) = report.compiled[0].fallbacks
+    assert "differs" in fb.cause and "check_forward" in fb.remedy and fb.details["rel_err"] > 0.1
+    got2 = compiled(x)  # later calls run the fallback, with no new warning
+    assert torch.allclose(got2, want, rtol=1e-12, atol=0) and float(m.calls) == 2.0
+    assert len(report.compiled[0].fallbacks) == 1
+
+
+def test_first_call_check_can_be_switched_off(monkeypatch):
+    torch.manual_seed(0)
+    m = Scan()
+    x = torch.randn(2, 33, 6, dtype=DT)
+    want = m(x)
+    _break_capture(monkeypatch)
+    compiled = torch.compile(m, backend="adjoint",
+                             options={"shard_size": 4, "inner": "aot_eager", "check_forward": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdjointCompileWarning)
+        got = compiled(x)
+    assert torch.allclose(got, 1.5 * want, rtol=1e-10)  # the check was what caught it
+    assert ac.report(compiled).compiled[0].fallbacks == []
+
+
+def test_first_call_check_passes_a_correct_rewrite_silently():
+    torch.manual_seed(0)
+    m = Scan()
+    x = torch.randn(2, 33, 6, dtype=DT)
+    compiled = torch.compile(m, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdjointCompileWarning)
+        compiled(x)
+    rec = ac.report(compiled).compiled[0]
+    assert rec.fallbacks == [] and rec.timing["check_forward_s"] > 0
+    assert float(m.calls) == 1.0
+
+
+def test_output_mismatch():
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert output_mismatch((a.clone(),), (a,)) is None
+    assert output_mismatch((a * (1 + 1e-6),), (a,)) is None                    # fp32 rounding
+    assert output_mismatch((a * 1.01,), (a,))["rel_err"] > 1e-3                 # a real difference
+    assert "non-finite" in output_mismatch((torch.tensor([1.0, 2.0, 3.0]),), (a,))["what"]
+    assert "float64" in output_mismatch((a.double(),), (a,))["what"]
+    assert output_mismatch((torch.tensor([1, 2]),), (torch.tensor([1, 3]),))["what"] == "integer values differ"
+    assert output_mismatch((a, a), (a,))["output"] is None
+    d = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert output_mismatch((d * (1 + 1e-6),), (d,)) is not None                 # fp64 is held tighter
