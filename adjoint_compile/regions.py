@@ -269,17 +269,41 @@ class Fallback:
         return dataclasses.asdict(self)
 
 
+#: a word of a reason that may name a node (``re.split`` with it keeps the words at the odd places)
+_WORD = re.compile(r"([A-Za-z_]\w*)")
+
+
 def group_rejections(rejections: Sequence[Rejection], node_names: Iterable[str]) -> list[tuple[str, str, list[str]]]:
-    """Rejections grouped by candidate and reason, with the graph's node names in the reason masked as ``<node>``
-    (so that one cause met at many layers is one group): (candidate, reason, anchor nodes), largest group first; a
-    group of one keeps its reason as written."""
+    """Rejections grouped by candidate and reason, where reasons that differ only in words that are node names of
+    the graph are one group (one cause met at many layers): (candidate, reason, anchor nodes), largest group first.
+
+    A group's reason is its members' as written wherever they agree, and ``<node>`` only at the words where they
+    name different nodes: a word that merely is a node name too ("a", "skip", an op's name) stays; a group of one
+    keeps its reason as written."""
     names = set(node_names)
     groups: dict[tuple[str, str], list[Rejection]] = {}
     for j in rejections:
-        why = re.sub(r"[A-Za-z_]\w*", lambda m: "<node>" if m.group(0) in names else m.group(0), j.reason)
+        why = _WORD.sub(lambda m: "<node>" if m.group(0) in names else m.group(0), j.reason)
         groups.setdefault((j.candidate, why), []).append(j)
-    out = [(c, why if len(js) > 1 else js[0].reason, [j.node for j in js]) for (c, why), js in groups.items()]
+    out = [(c, _common_reason([j.reason for j in js], why), [j.node for j in js]) for (c, why), js in groups.items()]
     return sorted(out, key=lambda g: -len(g[2]))
+
+
+def _common_reason(reasons: list[str], masked: str) -> str:
+    """The reasons of one group word by word: a word where they all agree as written, ``<node>`` where they differ
+    (node names, by the grouping); ``masked`` (every node name masked) if they do not split into the same words."""
+    parts = [_WORD.split(r) for r in reasons]
+    if any(len(p) != len(parts[0]) for p in parts):
+        return masked
+    out = []
+    for i, word in enumerate(parts[0]):
+        if all(p[i] == word for p in parts):
+            out.append(word)
+        elif i % 2:
+            out.append("<node>")
+        else:  # NB: not a word (text between words) that differs: cannot be
+            return masked
+    return "".join(out)
 
 
 def rejection_lines(groups: Sequence[tuple[str, str, list[str]]], where: int = 3) -> list[str]:
