@@ -501,8 +501,9 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
 
 def _warn_unsaved(result: CompiledGraph, opts: Options) -> None:
     """One WARNING per compiled graph (this logger: ``logging`` or ``TORCH_LOGS`` control it) when part of it saves
-    nothing; never repeated per call."""
-    msg = unsaved_message(result, opts)
+    nothing; never repeated per call; small graphs split off by graph breaks: one per compile (analysis/breaks.py)."""
+    from .analysis.breaks import collapse  # NB: which also notes the graph for report()
+    msg = collapse(result, unsaved_message(result, opts), opts)
     if msg is not None:
         log.warning("%s", msg)
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
 from . import polyfills
+from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_of
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
@@ -42,6 +43,8 @@ class GraphBreak:
     reason: str
     #: "file:line in function" of the user frame where dynamo broke the graph, when known.
     location: str = ""
+    #: the source line there (stripped), when known.
+    code: str = ""
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -145,9 +148,7 @@ class Report:
                 lines.append("  (rejections grouped by reason; report.text(verbose=True) or report.rejections "
                              "lists each)")
         if self.graph_breaks:
-            lines.append("graph breaks:")
-            lines += [f"  {i + 1}. {b.reason}" + (f" ({b.location})" if b.location else "")
-                      for i, b in enumerate(self.graph_breaks)]
+            lines += self._break_lines()
         uses = [u for c in self.compiled if c.per_sample is not None for u in c.per_sample.uses]
         if self.options.per_sample_clip is not None:
             lines += _per_sample_lines(uses, self.options.per_sample_clip)
@@ -158,6 +159,24 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _break_lines(self) -> list[str]:
+        """The breaks, one line per place and reason (with how many graphs broke there), and how many small graphs
+        with nothing recognized lie between them."""
+        seen: dict[tuple[str, str, str], int] = {}
+        for b in self.graph_breaks:
+            seen[b.reason, b.location, b.code] = seen.get((b.reason, b.location, b.code), 0) + 1
+        lines = ["graph breaks:"]
+        for i, ((why, where, code), k) in enumerate(seen.items()):
+            at = where + (f": `{code}`" if code and where else "")
+            lines.append(f"  {i + 1}. {why}" + (f" ({at})" if at else "") + (f" x{k}" if k > 1 else ""))
+        small = [len(g.graph.nodes) for i, g in enumerate(self.graphs)
+                 if i < len(self.compiled) and not self.compiled[i].regions and len(g.graph.nodes) <= SMALL_GRAPH_NODES]
+        if len(small) > 1:
+            lines.append(f"  {len(small)} graphs of <= {max(small)} nodes with nothing recognized, split by these "
+                         f"breaks: a recurrence split by a break cannot be rewritten; remove the break (a data-dependent "
+                         f"`if`: torch.where or torch.cond)")
+        return lines
 
 
 def _per_sample_lines(uses: list[dict[str, Any]], clip: float) -> list[str]:
@@ -176,12 +195,9 @@ def _per_sample_lines(uses: list[dict[str, Any]], clip: float) -> list[str]:
 def _graph_breaks(explain_output: Any) -> list[GraphBreak]:
     out = []
     for br in explain_output.break_reasons:
-        loc = ""
         stack = getattr(br, "user_stack", None) or []
-        if stack:
-            f = stack[-1]
-            loc = f"{f.filename}:{f.lineno} in {f.name}"
-        out.append(GraphBreak(reason=str(br.reason).strip().splitlines()[0], location=loc))
+        b = at_frame(br.reason, stack[-1] if stack else None)
+        out.append(GraphBreak(reason=b.reason, location=b.location, code=b.code))
     return out
 
 
@@ -242,7 +258,10 @@ def report(compiled_model: Any) -> Report:
 
     One entry per graph dynamo compiled for it (graph breaks, recompiles for new sizes, and the per-size
     specializations of a graph with symbolic sizes), oldest first; ``report.compiled[i]`` is the pipeline's record
-    (captured graph, regions, rejections, lowered region calls). Empty before the first call.
+    (captured graph, regions, rejections, lowered region calls). Empty before the first call. That includes graphs on
+    other code objects than the model's (a nested function that breaks, a frame dynamo skipped after a break in a
+    loop and the functions it calls): the backend notes every frame a ``torch.compile`` call compiled
+    (analysis/breaks.py). ``report.graph_breaks`` lists the break that ended each graph.
 
     NB: dynamo keeps its compiled graphs per code object, so for a module this lists the graphs of every compiled
     instance of its class (with parameters as graph inputs, instances of one class share them). With
@@ -259,7 +278,8 @@ def report(compiled_model: Any) -> Report:
     for c in flat:
         _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
-    return Report.of(flat, opts, _ddp_splits(flat))
+    breaks = [GraphBreak(b.reason, b.location, b.code) for c in found if (b := break_of(c.captured.gm)) is not None]
+    return Report.of(flat, opts, breaks + _ddp_splits(flat))
 
 
 def _ddp_splits(flat: list[CompiledGraph]) -> list[GraphBreak]:
@@ -356,12 +376,22 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     else:
         raise TypeError(f"adjoint_compile.report expects the result of torch.compile(..., backend='adjoint'), got "
                         f"{type(compiled_model).__name__}")
+    found = _cached_records([(getattr(f, "__code__", None), getattr(f, "__globals__", {}))
+                             for f in (getattr(r, "__func__", r) for r in roots)])
+    notes = notes_of(compiled_model)
+    if notes is not None:  # NB: only this compile's graphs: other compiles may share the frames' code
+        found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})
+    return list(found.values())
+
+
+def _cached_records(frames: list[tuple[Any, dict[str, Any]]]) -> dict[int, CompiledGraph]:
+    """The backend's records in dynamo's cache entries for these (code, globals) frames and the resume functions
+    their compiled code calls, by id."""
     found: dict[int, CompiledGraph] = {}
-    todo = [getattr(r, "__func__", r) for r in roots]
+    todo = list(frames)
     seen: set[int] = set()
     while todo:
-        fn = todo.pop()
-        code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+        code, globs = todo.pop()
         if code is None or id(code) in seen:
             continue
         seen.add(id(code))
@@ -369,10 +399,10 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
             for name in entry.code.co_names:
                 v = globs.get(name)
                 if name.startswith("__resume_at"):
-                    todo.append(v)
+                    todo.append((getattr(v, "__code__", None), getattr(v, "__globals__", {})))
                 elif name.startswith("__compiled_fn"):
                     found.update((id(r.result), r.result) for r in _records_in(v))
-    return list(found.values())
+    return found
 
 
 def _records_in(compiled_fn: Any) -> list[CompiledGraphFn]:

@@ -1,12 +1,127 @@
-"""Rejection reasons grouped by cause keep their words: only node names that differ between the group's members are
-masked."""
+"""Graph breaks that cut a model into many small graphs: ``report()`` counts every graph of the compiled model, on
+whatever code object dynamo keeps it (a nested function that breaks, its resume functions), and the backend says
+so in one warning that names the break, not one warning per small graph. Rejection reasons grouped by cause keep
+their words: only node names that differ between the group's members are masked."""
 from __future__ import annotations
 
+import logging
+
+import torch
 import torch.fx as fx
 
+import adjoint_compile as ac
 from adjoint_compile.explain import Report
 from adjoint_compile.options import validate
 from adjoint_compile.regions import Rejection, group_rejections, rejection_lines
+
+LOGGER = "adjoint_compile.backend"
+
+
+def _slstm_pointwise(wx, ry, b, states):
+    """One step of an sLSTM cell (xLSTM's pure-torch backend, in short), with its data-dependent branch."""
+    raw = wx + ry + b
+    y, c, n, m = torch.unbind(states, dim=0)
+    iraw, fraw, zraw, oraw = torch.unbind(raw.view(raw.shape[0], 4, -1), dim=1)
+    logfplusm = m + torch.nn.functional.logsigmoid(fraw)
+    # the break: dynamo cannot trace a branch on a tensor's value
+    if torch.all(n == 0.0):
+        mnew = iraw
+    else:
+        mnew = torch.max(iraw, logfplusm)
+    igate = torch.exp(iraw - mnew)
+    fgate = torch.exp(logfplusm - mnew)
+    cnew = fgate * c + igate * torch.tanh(zraw)
+    nnew = fgate * n + igate
+    ynew = torch.sigmoid(oraw) * cnew / nnew
+    return torch.stack((ynew, cnew, nnew, mnew), dim=0)
+
+
+class SLSTM(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.d = d
+        self.W = torch.nn.Linear(d, 4 * d)
+        self.R = torch.nn.Parameter(torch.randn(d, 4 * d) / d)
+        self.b = torch.nn.Parameter(torch.zeros(4 * d))
+
+    def forward(self, x):
+        wx = self.W(x)
+        states = x.new_zeros(4, x.shape[0], self.d)
+        out = []
+        # NB: a break inside the loop: dynamo skips this frame and compiles the step function's own frame
+        for t in range(x.shape[1]):
+            states = _slstm_pointwise(wx[:, t], states[0] @ self.R, self.b, states)
+            out.append(states[0])
+        return torch.stack(out, 1)
+
+
+def _branch_line() -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(_slstm_pointwise)
+    return first + next(i for i, ln in enumerate(lines) if "if torch.all(n == 0.0)" in ln)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+def test_report_counts_the_graphs_a_break_in_a_nested_function_makes():
+    torch.manual_seed(0)
+    model, x = SLSTM(), torch.randn(2, 6, 8)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager"})
+    f(x).sum().backward()
+    rep = ac.report(f)
+    # the step function before the branch and its resume function after it, for both branches: none of them is on
+    # the model's forward (which dynamo skipped), all are this compile's
+    assert len(rep.compiled) >= 2 and len(rep.graphs) == len(rep.compiled)
+    assert str(rep).startswith(f"adjoint-compile report: {len(rep.compiled)} graph(s), ")
+    assert rep.graph_breaks and all(b.reason.startswith("data-dependent branching") for b in rep.graph_breaks)
+    where = f"test_graph_breaks.py:{_branch_line()} in _slstm_pointwise"
+    assert all(b.location.endswith(where) and b.code == "if torch.all(n == 0.0):" for b in rep.graph_breaks)
+    text = str(rep)
+    assert f"graph breaks:\n  1. data-dependent branching" in text and "`if torch.all(n == 0.0):`" in text
+    assert f"{len(rep.compiled)} graphs of <= " in text and "nothing recognized, split by these breaks" in text
+    assert len(text.splitlines()) < 12  # the same break at every step is one line
+    # explain() sees the same graphs
+    assert len(ac.explain(model, x).graphs) == len(rep.compiled)
+
+
+def test_the_small_graphs_a_break_splits_off_are_one_warning_that_names_the_break(caplog):
+    torch.manual_seed(0)
+    f = torch.compile(SLSTM(), backend="adjoint", options={"inner": "eager"})
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(2):
+            f(torch.randn(2, 6, 8)).sum().backward()
+    graphs = len(ac.report(f).compiled)
+    assert graphs >= 2
+    (msg,) = _warnings(caplog)  # NB: one, not one per graph
+    assert f"test_graph_breaks.py:{_branch_line()} in _slstm_pointwise (`if torch.all(n == 0.0):`)" in msg
+    assert "data-dependent branching" in msg and "torch.where" in msg
+    assert "a recurrence split by a break cannot be rewritten" in msg.lower()
+    assert "adjoint_compile.report(compiled)" in msg
+
+
+def test_each_compile_warns_once_and_reports_only_its_own_graphs(caplog):
+    """Two compiled models share the step function's code: each compile warns once and counts its graphs."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        f = torch.compile(SLSTM(), backend="adjoint", options={"inner": "eager"})
+        f(torch.randn(2, 5, 8))
+        g = torch.compile(SLSTM(), backend="adjoint", options={"inner": "eager", "shard_size": 4})
+        g(torch.randn(2, 5, 8))
+    assert len(_warnings(caplog)) == 2
+    ours, theirs = ac.report(f).compiled, ac.report(g).compiled
+    assert ours and theirs and not {c.seq for c in ours} & {c.seq for c in theirs}
+    assert {c.options.shard_size for c in theirs} == {4}
+
+
+def test_a_graph_without_breaks_still_warns_on_its_own(caplog):
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        torch.compile(mlp, backend="adjoint", options={"inner": "eager"})(torch.randn(2, 4))
+    (msg,) = _warnings(caplog)
+    assert msg.startswith("adjoint-compile: nothing recognized in a graph of") and "graph break" not in msg
 
 
 # --- rejection reasons: only node references are masked -------------------------------------------------------
