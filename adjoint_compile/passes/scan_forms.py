@@ -29,6 +29,7 @@ from ..regions import PROVENANCE, Rejection
 from .batching import Emitter, Unproven, scan_op
 from .find_generic_scan import find_generic_scans
 from .find_scan_forms import ScanForm, find_scan_forms, is_getitem_last
+from .find_tree_scans import TREE_FORM, find_tree_scans
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,11 @@ __all__ = ["rewrite_scan_forms", "match_scan_forms"]
 
 
 def match_scan_forms(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejection]]:
-    """Both matchers: proven forms and rejected candidates."""
+    """The three matchers: proven forms and rejected candidates."""
     forms, rejected = find_scan_forms(gm)
     generic, rejected_generic = find_generic_scans(gm)
-    return [*forms, *generic], [*rejected, *rejected_generic]
+    trees, rejected_trees = find_tree_scans(gm)
+    return [*forms, *generic, *trees], [*rejected, *rejected_generic, *rejected_trees]
 
 
 def _emit(em: Emitter, f: ScanForm) -> fx.Node:
@@ -53,6 +55,11 @@ def _emit(em: Emitter, f: ScanForm) -> fx.Node:
     A = em(torch.exp, (f.a,)) if f.log and f.a is not None else f.a
     B = em(torch.exp, (f.b,)) if f.log and f.b is not None else f.b
     A = em(torch.ones_like, (B,)) if A is None else A
+    if f.details.get("form") == TREE_FORM:
+        if example_value(f.anchor).is_complex() and not _complex_scans():
+            raise Unproven("its values are complex and this linear_scan takes real dtypes only")
+        A, B = _like_output(em, f, A, B)
+        shape = hinted_shape(B)
     h0 = None
     if f.running_product:
         B = em(torch.zeros_like, (A,))
@@ -69,6 +76,26 @@ def _emit(em: Emitter, f: ScanForm) -> fx.Node:
         h0 = em("to", (h0, example_value(A).dtype), method=True)
     # NB: every argument positionally: (a, b, h0, dim, reverse, window, impl), as lower_adjoint reads them
     return em(op, (A, B, h0, f.dim, False, None, None))
+
+
+def _complex_scans() -> bool:
+    """linear_scan takes complex a and b (ops.SCAN_DTYPES lists them)."""
+    from .. import ops
+
+    return torch.complex64 in getattr(ops, "SCAN_DTYPES", ())
+
+
+def _like_output(em: Emitter, f: ScanForm, A: fx.Node, B: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """A tree scan's leaves may broadcast (gateloop's a ``[.., 1]`` against kv ``[.., d]``) and mix real and complex:
+    both are expanded to the output's shape and cast to its dtype (the scan's values are the tree's)."""
+    out = example_value(f.anchor)
+    for name, v in (("a", A), ("b", B)):
+        if hinted_shape(v) != tuple(out.shape):
+            v = em("expand", (v, *out.shape), method=True)
+        if example_value(v).dtype != out.dtype:
+            v = em("to", (v, out.dtype), method=True)
+        A, B = (v, B) if name == "a" else (A, v)
+    return A, B
 
 
 def _commit(gm: fx.GraphModule, em: Emitter, f: ScanForm, H: fx.Node) -> None:
@@ -89,9 +116,10 @@ def _commit(gm: fx.GraphModule, em: Emitter, f: ScanForm, H: fx.Node) -> None:
 def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
     """Replace every proven closed form in ``gm`` (in place) by a linear_scan node; return the new nodes' names and
     the forms that could not be rewritten (as rejections, besides the matchers' own)."""
-    forms, _ = match_scan_forms(gm)
+    forms, rejected = match_scan_forms(gm)
     made: list[str] = []
     failed: list[Rejection] = []
+    _note_tree_rejections(gm, rejected)
     for f in forms:
         if not f.anchor.users:
             continue
@@ -104,6 +132,10 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
             em.rollback()
             f.anchor.meta[PROVENANCE] = {**f.anchor.meta.get(PROVENANCE, {}), "pass": "scan_forms",
                                           "not_rerolled": f"not rewritten into a linear_scan: {e}"}
+            if f.details.get("form") == TREE_FORM:  # NB: no matcher finds the tree again: say why on its output
+                f.anchor.meta[PROVENANCE]["not_recognized"] = (
+                    f"tree scan over ({f.details['a']}, {f.details['b']}) along dim {f.dim} at {f.anchor.name}: "
+                    f"proven a linear scan, not rewritten: {e}; it keeps ordinary autograd")
             failed.append(Rejection("linear_recurrence", f.anchor.name, f"{f.source} at {f.anchor.name}: {e}"))
             log.info("scan_forms: %s %s keeps its form: %s", f.source, f.anchor.name, e)
             continue
@@ -116,6 +148,17 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
         gm.graph.lint()
         gm.recompile()
     return made, failed
+
+
+def _note_tree_rejections(gm: fx.GraphModule, rejected: list[Rejection]) -> None:
+    """A tree scan that is not proven keeps its form and says why on its anchor (recognition reads
+    ``not_recognized`` back as a rejection; the other forms' matchers run again at recognition instead)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for j in rejected:
+        n = by_name.get(j.node)
+        if n is not None and j.reason.startswith("tree scan"):
+            n.meta[PROVENANCE] = {**n.meta.get(PROVENANCE, {}), "pass": "scan_forms", "not_recognized": j.reason}
+            log.info("scan_forms: %s", j.reason)
 
 
 def _drop_vmap_bookkeeping(gm: fx.GraphModule) -> None:
