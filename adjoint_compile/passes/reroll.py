@@ -213,12 +213,13 @@ def _unrolled_stacked(gm: fx.GraphModule, r: Recurrence, em: Emitter, recipe: Lo
             raise _Unproven(f"step {k + 1} is not linear in the state ({form.reason or form.kind})")
         a = emit_expr(b, form.coef, b.value)
         bb = emit_expr(b, form.offset, b.value) if form.offset is not None else Value(0.0, False)
-        like = s
+        ev = example_value(s)
         for v, out in ((a, a_k), (bb, b_k)):
             if isinstance(v.node, fx.Node):
                 out.append(v.node if hinted_shape(v.node) == state else em("expand", (v.node, *state), method=True))
             else:
-                out.append(em(torch.full_like, (like, v.node)))
+                # NB: not full_like(s): every use of s becomes H[k], so A or B would read H (a cycle)
+                out.append(em(torch.full, (tuple(state), v.node), {"dtype": ev.dtype, "device": ev.device}))
     return em(torch.stack, (a_k, 0)), em(torch.stack, (b_k, 0))
 
 
