@@ -267,3 +267,85 @@ def test_a_combine_off_by_one_part_in_a_million_is_rejected():
         forms, rejected = find_tree_scans(trace(lambda a, b: gl_associative_scan(op, (a, b), axis=1)[1], *args))
         assert (len(forms), len(rejected)) == (found, 1 - found), (op.__name__, rejected)
     assert "rel. error" in rejected[0].reason
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# register_scan on a plain function: dynamo would inline it, so registering keeps its calls whole
+
+
+def loop_scan(a, b, h0):
+    """A library's scan as a plain function: h_t = a_t h_{t-1} + b_t along dim 1."""
+    hs, h = [], h0
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        hs.append(h)
+    return torch.stack(hs, 1)
+
+
+class LoopModel(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.wa, self.wb, self.out = fn, nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.fn(torch.sigmoid(self.wa(x)), self.wb(x), x[:, 0] * 0.5)
+        return (self.out(h) ** 2).sum()
+
+
+def _loop_report(fn, T=11):
+    torch.manual_seed(0)
+    model = LoopModel(fn)
+    x = torch.randn(2, T, D)
+    want = _loss_and_grads(model, model, x)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options=OPTIONS)
+    got = _loss_and_grads(f, model, x)
+    for g, w in zip(got, want):
+        assert _rel(g, w) <= 1e-5
+    res = ac.report(f).compiled[-1]
+    assert not res.fallbacks
+    return _recurrences(res)
+
+
+@pytest.fixture
+def registered_loop_scan():
+    ac.register_scan(loop_scan, ac.ScanAdapter(a=0, b=1, h0=2, dim=1))
+    yield
+    ac.unregister_scan(loop_scan)
+
+
+def test_a_registered_plain_function_is_kept_whole_and_replaced(registered_loop_scan):
+    (r,) = _loop_report(loop_scan)
+    assert (r.source, r.rewrite) == ("registered_scan", "adjoint")
+    assert r.details["implementation"] == f"{__name__}.loop_scan"
+    ac.unregister_scan(loop_scan)  # dynamo inlines it again: the unrolled loop is re-rolled instead
+    (r,) = _loop_report(loop_scan)
+    assert r.source == "unrolled_loop"
+
+
+def test_register_scan_refuses_what_it_cannot_keep_whole():
+    with pytest.raises(TypeError, match="plain Python function"):
+        ac.register_scan(partial(loop_scan), ac.ScanAdapter(a=0, b=1, h0=2))
+    with pytest.raises(TypeError, match="plain Python function"):
+        ac.register_scan(nn.Linear(2, 2), ac.ScanAdapter(a=0, b=1))
+
+
+def test_a_plain_function_registered_by_name_before_its_import_warns_then_works():
+    import sys
+    import types
+
+    mod = types.ModuleType("_tree_scans_lazy_lib")
+    exec("import torch\n" + "\n".join(
+        ln for ln in __import__("inspect").getsource(loop_scan).splitlines() if not ln.lstrip().startswith('"""')),
+        mod.__dict__)
+    ac.register_scan("_tree_scans_lazy_lib.loop_scan", ac.ScanAdapter(a=0, b=1, h0=2, dim=1))
+    try:
+        sys.modules[mod.__name__] = mod  # imported after it was registered
+        with pytest.warns(UserWarning, match="registered by name before its module was imported"):
+            (r,) = _loop_report(mod.loop_scan)
+        assert r.source == "unrolled_loop"  # this compile inlined it
+        (r,) = _loop_report(mod.loop_scan)  # the next one keeps it whole
+        assert (r.source, r.rewrite) == ("registered_scan", "adjoint")
+    finally:
+        ac.unregister_scan("_tree_scans_lazy_lib.loop_scan")
+        sys.modules.pop(mod.__name__, None)

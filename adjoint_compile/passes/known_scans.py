@@ -9,8 +9,9 @@ Function up in a registry of known implementations instead:
 
 * identity: dynamo keeps the Function's class nowhere on the node, but every node of ``fwd_body`` has a
   ``stack_trace`` whose frame after torch's ``autograd_function.py`` is the Function's ``forward``; an entry matches
-  when that frame lies in the code of its class's ``forward`` (file and line range). A plain function kept as a
-  ``call_function`` node (``torch.compiler.allow_in_graph``) matches by its ``module.qualname``.
+  when that frame lies in the code of its class's ``forward`` (file and line range). A plain function matches by
+  its ``module.qualname`` as a ``call_function`` node: dynamo would inline it, so :func:`register_scan` keeps it
+  whole (``torch.compiler.allow_in_graph``) and :func:`unregister_scan` releases it.
 * adapter: :class:`ScanAdapter` says which operands are a, b and h0, the step dim, the direction and which output
   is h; the node becomes ``linear_scan(a, b, h0, dim, reverse)`` with provenance
   ``{"pass": "known_scans", "source": "registered_scan", "region": <node name>, "implementation": <entry>}``.
@@ -74,6 +75,9 @@ class _Entry:
     #: the class (or function) itself when registered by object; else resolved from ``name`` when its module is
     #: imported (never imported by this pass).
     obj: Any = None
+    #: the plain function that this registry made dynamo keep whole (``torch.compiler.allow_in_graph``), to be
+    #: released by :func:`unregister_scan`; None when it did not.
+    kept: Any = None
 
 
 #: qualified name -> entry. Built in: mambapy's Blelloch scan, H[t] = A[t] * H[t-1] + X[t] along dim 1, H[-1] = 0.
@@ -87,18 +91,85 @@ def _qualname(obj: Any) -> str:
 
 
 def register_scan(impl: str | type | Any, adapter: ScanAdapter) -> None:
-    """Register a scan implementation: an ``autograd.Function`` subclass or a function (the object, or its
-    qualified name ``"package.module.Class"``), with the :class:`ScanAdapter` that maps its operands to
-    ``linear_scan``. Replaces an entry of the same name. Each use is checked against the original first."""
+    """Register a scan implementation: an ``autograd.Function`` subclass or a plain Python function (the object, or
+    its qualified name ``"package.module.Class"``), with the :class:`ScanAdapter` that maps its operands to
+    ``linear_scan``. Replaces an entry of the same name. Each use is checked against the original first.
+
+    Dynamo inlines a plain function (its call never reaches the graph, so no entry could match it): registering
+    one keeps its calls whole, as ``torch.compiler.allow_in_graph(fn)`` does, for every ``torch.compile`` from
+    then on (graphs compiled before keep it inlined until ``torch._dynamo.reset()``); :func:`unregister_scan` lets
+    dynamo inline it again. Its body must then trace under AOTAutograd where a check fails and the call stays
+    (no data-dependent Python control flow). Registered by name before its module is imported, it is kept whole
+    from the first compile after that import, with a warning.
+
+    Raises:
+        TypeError: ``adapter`` is not a :class:`ScanAdapter`, or ``impl`` is neither a name, an
+            ``autograd.Function`` subclass nor a plain Python function (a bound method, a ``functools.partial``,
+            a module or another callable object: register a plain function that calls it instead).
+    """
     if not isinstance(adapter, ScanAdapter):
         raise TypeError(f"adapter must be an adjoint_compile.ScanAdapter, not {type(adapter).__name__}")
+    if not isinstance(impl, str) and not _is_function_class(impl) and not inspect.isfunction(impl):
+        raise TypeError(f"register_scan takes an autograd.Function subclass or a plain Python function (or its "
+                        f"qualified name), not {type(impl).__name__} {impl!r}: register a plain function that "
+                        f"calls it, and call that function in the model")
     name, obj = (impl, None) if isinstance(impl, str) else (_qualname(impl), impl)
-    _REGISTRY[name] = _Entry(name, adapter, obj)
+    unregister_scan(name)  # NB: releases a function the entry it replaces kept whole
+    entry = _REGISTRY[name] = _Entry(name, adapter, obj)
+    fn = obj if obj is not None else _resolve(name)
+    if inspect.isfunction(fn):
+        _keep_whole(entry, fn)
 
 
 def unregister_scan(impl: str | type | Any) -> None:
-    """Remove an entry (by object or qualified name); no error if there is none."""
-    _REGISTRY.pop(impl if isinstance(impl, str) else _qualname(impl), None)
+    """Remove an entry (by object or qualified name); no error if there is none. A plain function that the entry
+    kept whole is inlined by dynamo again (in graphs compiled after ``torch._dynamo.reset()``)."""
+    e = _REGISTRY.pop(impl if isinstance(impl, str) else _qualname(impl), None)
+    if e is not None and e.kept is not None:
+        try:
+            from torch._dynamo import trace_rules
+
+            trace_rules._allowed_callable_ids.remove(id(e.kept))
+        except Exception:  # noqa: BLE001 - a torch without this registry: the function stays whole
+            log.debug("known_scans: could not release %s from allow_in_graph", e.name, exc_info=True)
+
+
+def _is_function_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+
+
+def _allowed_in_graph(fn: Any) -> bool:
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.is_callable_allowed(fn))
+    except Exception:  # noqa: BLE001 - unknown to this torch: treat as not kept whole
+        return False
+
+
+def _keep_whole(entry: _Entry, fn: Any) -> None:
+    """Make dynamo keep ``fn``'s calls as one ``call_function`` node (it inlines a plain function otherwise)."""
+    if _allowed_in_graph(fn):  # NB: the user's own allow_in_graph: theirs to undo
+        return
+    torch.compiler.allow_in_graph(fn)
+    entry.kept = fn
+    log.debug("known_scans: %s is kept whole in dynamo's graphs (torch.compiler.allow_in_graph)", entry.name)
+
+
+def _keep_resolved_functions() -> None:
+    """Entries registered by name before their module was imported: a plain function found now is kept whole from
+    the next compile on; the graphs traced until now have it inlined (warned once)."""
+    for e in list(_REGISTRY.values()):
+        if e.obj is not None or e.kept is not None:
+            continue
+        fn = _resolve(e.name)
+        if inspect.isfunction(fn) and not _allowed_in_graph(fn):
+            _keep_whole(e, fn)
+            warnings.warn(f"adjoint-compile: registered scan {e.name} is a plain function, which dynamo inlines: "
+                          f"registered by name before its module was imported, it was inlined in the graphs traced "
+                          f"so far (they keep ordinary autograd for it); it is kept whole (torch.compiler."
+                          f"allow_in_graph) from the next compile on: call torch._dynamo.reset() to compile again, "
+                          f"or register the function object itself before compiling", stacklevel=3)
 
 
 def registered_scans() -> dict[str, ScanAdapter]:
@@ -357,6 +428,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, entry: _Entry) -> fx.Node:
 def replace_known_scans(gm: fx.GraphModule) -> list[str]:
     """Replace each call of a registered scan implementation by a checked ``linear_scan`` node (in place); return
     the new nodes' names. Calls that are unknown, or whose check fails, stay and say why on the node."""
+    _keep_resolved_functions()
     todo = [n for n in gm.graph.nodes if is_autograd_function(n) or (
         n.op == "call_function" and _REGISTRY and _match(gm, n)[0] is not None)]
     if not todo or scan_op() is None:
