@@ -12,8 +12,9 @@ Normalization, in this order, each pass in its own module and each recording pro
 1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
    mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
 2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
-   ``associative_scan`` in generic mode, which dynamo inlines as a tree) become one ``linear_scan`` node; before
-   reroll, so that the matchers below do not look into the tree's nodes;
+   ``associative_scan`` in generic mode, which dynamo inlines as a tree, and tree scans written in plain torch,
+   :mod:`.find_tree_scans`) become one ``linear_scan`` node; before reroll, so that the matchers below do not
+   look into the tree's nodes;
 3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
