@@ -35,9 +35,12 @@ from .kernels import scan as _scan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["linear_scan", "FLOAT_DTYPES"]
+__all__ = ["linear_scan", "FLOAT_DTYPES", "COMPLEX_DTYPES", "SCAN_DTYPES"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+#: the dtypes a, b and h0 may have (real and complex may be mixed: they promote)
+SCAN_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES
 
 
 def _drop(shape, d: int) -> list:
@@ -49,12 +52,21 @@ def _drop(shape, d: int) -> list:
     schema="(Tensor a, Tensor b, Tensor? h0, int dim, bool reverse, int? window, str? impl) -> Tensor")
 def _linear_scan(a: Tensor, b: Tensor, h0: Optional[Tensor], dim: int, reverse: bool, window: Optional[int],
                  impl: Optional[str]) -> Tensor:
+    a, b, h0 = _resolved(a, b, h0)
     return _scan.scan(a, b, h0, dim, reverse, window, impl)
+
+
+def _resolved(*xs: Optional[Tensor]) -> tuple:
+    """Complex inputs with their lazy conjugate / negative bits applied (a copy only where a bit is set).
+
+    NB: a kernel called from a compiled graph runs with the Conjugate and Negative dispatch keys excluded, so the
+    kernels must never see a ``conj()`` view: they would read its data unconjugated."""
+    return tuple(x.resolve_conj().resolve_neg() if x is not None and x.is_complex() else x for x in xs)
 
 
 @_linear_scan.register_fake
 def _linear_scan_fake(a, b, h0, dim, reverse, window, impl):
-    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+    return a.new_empty(a.shape, dtype=_scan.out_dtype(a, b, h0))
 
 
 @torch.library.custom_op(
@@ -64,11 +76,20 @@ def _linear_scan_fake(a, b, h0, dim, reverse, window, impl):
 def _linear_scan_backward(grad: Tensor, a: Tensor, b: Optional[Tensor], h0: Optional[Tensor], h: Optional[Tensor],
                           dim: int, reverse: bool, window: Optional[int], impl: Optional[str],
                           b_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    grad, a, b, h0, h = _resolved(grad, a, b, h0, h)
     ga, gb, gh0 = _scan.scan_backward(grad, a, b, h0, h, dim, reverse, window, impl)
     h0_dtype = h0.dtype if h0 is not None else a.dtype
     # NB: .to() may return its input; custom ops must not return views of their own intermediates twice, so
     # contiguous() copies only when needed and each output is a distinct tensor.
-    return ga.to(a.dtype).contiguous(), gb.to(b_dtype).contiguous(), gh0.to(h0_dtype).contiguous()
+    return _cast(ga, a.dtype), _cast(gb, b_dtype), _cast(gh0, h0_dtype)
+
+
+def _cast(g: Tensor, dtype: torch.dtype) -> Tensor:
+    """A gradient in its input's dtype, contiguous: a real input of a complex scan gets the real part (autograd's
+    convention), never a lazily conjugated view."""
+    if g.is_complex() and not dtype.is_complex:
+        g = g.real
+    return g.to(dtype).contiguous()
 
 
 @_linear_scan_backward.register_fake
@@ -193,8 +214,12 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
     (grad, vjp, jacrev; vmap as one scan of the batch); no forward mode, no double backward.
 
     Args:
-        a, b: same shape ``[..., T, ...]``, floating point (fp32 / bf16 / fp16 / fp64), any strides; T steps
-            along ``dim``. Accumulation is fp32 (fp64 for fp64); h has dtype ``promote_types(a.dtype, b.dtype)``.
+        a, b: same shape ``[..., T, ...]``, floating point (fp32 / bf16 / fp16 / fp64) or complex (complex64 /
+            complex128; real and complex mix and promote), any strides; T steps along ``dim``. Accumulation is fp32
+            (fp64 for fp64; complex64 / complex128 for complex); h has dtype ``promote_types(a.dtype, b.dtype)``
+            (complex when only h0 is). Complex scans run the torch reference whatever ``impl`` says; their
+            gradients follow autograd's convention (∂a_t = μ_t ⊙ conj(h_{t-1}), μ_t = g_t + conj(a_{t+1}) ⊙ μ_{t+1}),
+            and a real input of a complex scan gets the real part.
         h0: the state before the first step (after the last, for reverse), shaped like ``a`` without ``dim``;
             None means zeros. To carry a state across slices of a sequence, pass the previous slice's
             ``h.select(dim, -1)`` (reverse: ``h.select(dim, 0)``).
@@ -212,9 +237,9 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
     for name, x in (("a", a), ("b", b)):
         if not isinstance(x, Tensor):
             raise ValueError(f"linear_scan: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in FLOAT_DTYPES:
+        if x.dtype not in SCAN_DTYPES:
             raise ValueError(f"linear_scan: {name} must be floating point (float32, bfloat16, float16 or "
-                             f"float64), got {x.dtype}")
+                             f"float64) or complex (complex64, complex128), got {x.dtype}")
     if a.ndim == 0:
         raise ValueError("linear_scan: a must have at least one dim (the steps), got a 0-dim tensor")
     if a.shape != b.shape:
@@ -237,8 +262,8 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
     if h0 is not None:
         if not isinstance(h0, Tensor):
             raise ValueError(f"linear_scan: h0 must be a torch.Tensor or None, got {type(h0).__name__}")
-        if h0.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"linear_scan: h0 must be floating point, got {h0.dtype}")
+        if h0.dtype not in SCAN_DTYPES:
+            raise ValueError(f"linear_scan: h0 must be floating point or complex, got {h0.dtype}")
         want = tuple(_drop(a.shape, d))
         if tuple(h0.shape) != want:
             raise ValueError(f"linear_scan: h0 must have the shape of a without dim {d}, i.e. {want}, "

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import cpu as _cpu
 from .cpu import scan_backward_cpu, scan_cpu
-from .ref import naive_scan, scan_backward_ref, scan_ref
+from .ref import is_complex_scan, naive_scan, out_dtype, scan_backward_ref, scan_ref
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,22 @@ def resolve_impl(impl: str | None, device: torch.device) -> str:
     return impl
 
 
+def _which(impl: str | None, *xs: Tensor | None) -> str:
+    """The implementation for these tensors: :func:`resolve_impl`, except that complex scans (any complex input)
+    always run the torch reference (the C and Triton kernels are real-only)."""
+    a = xs[0]
+    if is_complex_scan(*xs):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of None, 'triton', 'cpu', 'reference'; got {impl!r}")
+        return "reference"
+    return resolve_impl(impl, a.device)
+
+
 def scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, window: int | None,
          impl: str | None) -> Tensor:
-    """Forward dispatch: a new contiguous h of ``a``'s shape in ``promote_types(a.dtype, b.dtype)``."""
-    which = resolve_impl(impl, a.device)
+    """Forward dispatch: a new contiguous h of ``a``'s shape in ``promote_types(a.dtype, b.dtype)`` (complex when
+    ``h0`` alone is complex)."""
+    which = _which(impl, a, b, h0)
     if which == "triton":
         return scan_triton(a, b, h0, dim, reverse, window).contiguous()
     if which == "cpu":
@@ -102,7 +114,7 @@ def scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, windo
 def scan_backward(grad: Tensor, a: Tensor, b: Tensor | None, h0: Tensor | None, h: Tensor | None, dim: int,
                   reverse: bool, window: int | None, impl: str | None):
     """Backward dispatch: (∂a, ∂b, ∂h0) in the compute dtype."""
-    which = resolve_impl(impl, a.device)
+    which = _which(impl, a, grad, b, h0, h)
     if which == "triton":
         return scan_backward_triton(grad, a, b, h0, h, dim, reverse, window)
     if which == "cpu":

@@ -34,9 +34,35 @@ log = logging.getLogger(__name__)
 SEQUENTIAL_MAX_T = 48
 
 
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+
+
 def compute_dtype(*xs: Tensor | None) -> torch.dtype:
-    """fp64 if any input is fp64, else fp32: half-precision inputs accumulate in fp32."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+    """fp64 if any input is fp64, else fp32: half-precision inputs accumulate in fp32. With a complex input the
+    complex dtype of that precision: complex128 if any input is fp64 or complex128, else complex64."""
+    dts = {x.dtype for x in xs if x is not None}
+    wide = torch.float64 in dts or torch.complex128 in dts
+    if dts & set(COMPLEX_DTYPES):
+        return torch.complex128 if wide else torch.complex64
+    return torch.float64 if wide else torch.float32
+
+
+def is_complex_scan(*xs: Tensor | None) -> bool:
+    """Whether any of the scan's tensors is complex (the scan then runs in a complex compute dtype)."""
+    return any(x is not None and x.is_complex() for x in xs)
+
+
+def out_dtype(a: Tensor, b: Tensor, h0: Tensor | None = None) -> torch.dtype:
+    """The dtype of h: ``promote_types(a.dtype, b.dtype)``, made complex when only ``h0`` is complex."""
+    dt = torch.promote_types(a.dtype, b.dtype)
+    if h0 is not None and h0.is_complex() and not dt.is_complex:
+        dt = torch.promote_types(dt, h0.dtype)
+    return dt
+
+
+def _abs(x: Tensor) -> Tensor:
+    """|x| as a real tensor: in place for real x (no allocation), a new tensor for complex x."""
+    return x.abs() if x.is_complex() else x.abs_()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -60,7 +86,7 @@ def naive_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, dim: int = 1, rev
     d = dim % a.ndim
     T = a.shape[d]
     cdt = compute_dtype(a, b, h0)
-    out_dtype = torch.promote_types(a.dtype, b.dtype)
+    odt = out_dtype(a, b, h0)
     a_s = [x.to(cdt) for x in a.unbind(d)]
     b_s = [x.to(cdt) for x in b.unbind(d)]
     if reverse:
@@ -82,8 +108,8 @@ def naive_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, dim: int = 1, rev
     if reverse:
         hs = hs[::-1]
     if T == 0:
-        return torch.empty(a.shape, dtype=out_dtype, device=a.device)
-    return torch.stack(hs, d).to(out_dtype)
+        return torch.empty(a.shape, dtype=odt, device=a.device)
+    return torch.stack(hs, d).to(odt)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -188,8 +214,8 @@ def blocked_scan(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: boo
     # underflow where the loop does not (a = 1e-25, 1e-25, 1e25, 1e25: P = 0, the loop keeps h): channels where
     # any chunk disagrees are redone by the per-step loop, so the result is the loop's wherever it differs.
     E = ov.select(d + 1, steps[-1])
-    tol = (P * cin).abs_().add_(S.abs()).mul_(4 * (C + 2) * torch.finfo(cdt).eps)
-    diff = (H - E).abs_()
+    tol = _abs(P * cin).add_(S.abs()).mul_(4 * (C + 2) * torch.finfo(cdt).eps)
+    diff = _abs(H - E)
     ok = (H == E) | (torch.isnan(H) & torch.isnan(E)) | (torch.isfinite(diff) & (diff <= tol))
     bad = ~ok.all(dim=d)
     if bool(bad.any()):
@@ -213,6 +239,7 @@ def _full_backward(prim, grad: Tensor, a: Tensor, h: Tensor, h0: Tensor | None, 
 
     Forward direction: μ_{T-1} = g_{T-1}, μ_t = g_t + a_{t+1} ⊙ μ_{t+1} (a reverse scan over a shifted by one:
     views, no copy); ∂b = μ, ∂a_t = μ_t ⊙ h_{t-1} (h_{-1} = h0), ∂h0 = a_0 ⊙ μ_0. Reverse direction mirrors it.
+    For complex scans these are the transposed formulas; :func:`backward_with` conjugates around them.
     """
     cdt = compute_dtype(grad, a, h0)
     T = a.shape[d]
@@ -261,14 +288,14 @@ def scan_ref(a: Tensor, b: Tensor, h0: Tensor | None = None, dim: int = 1, rever
 def forward_with(prim, a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, window: int | None
                  ) -> Tensor:
     """The scan (full or windowed) built on the full-scan primitive ``prim`` (shared by the reference and the CPU
-    kernel): a new contiguous tensor of ``a``'s shape in ``promote_types(a.dtype, b.dtype)``."""
+    kernel): a new contiguous tensor of ``a``'s shape in :func:`out_dtype` (``promote_types(a.dtype, b.dtype)``)."""
     d = dim % a.ndim
-    out_dtype = torch.promote_types(a.dtype, b.dtype)
+    odt = out_dtype(a, b, h0)
     if window is None or _window.is_full(window, a.shape[d], h0 is not None):
         h = prim(a, b, h0, d, reverse, None)
     else:
         h = _window.windowed_scan(prim, a, b, h0, d, reverse, window)
-    return h.to(out_dtype).contiguous()
+    return h.to(odt).contiguous()
 
 
 def scan_backward_ref(grad: Tensor, a: Tensor, b: Tensor | None, h0: Tensor | None, h: Tensor | None,
@@ -290,8 +317,21 @@ def scan_backward_ref(grad: Tensor, a: Tensor, b: Tensor | None, h0: Tensor | No
 
 def backward_with(prim, grad, a, b, h0, h, d, reverse, window):
     """Backward of the scan built on the full-scan primitive ``prim`` (shared by the reference and Triton)."""
+    cplx = is_complex_scan(grad, a, b, h0)
+    if cplx:
+        # Complex: h is a polynomial in a, b and h0 (holomorphic), so autograd's gradient (the conjugate Wirtinger
+        # one, J^H g) is conj(J^T conj(g)): the real formulas (transposes) applied to conj(g), conjugated back.
+        # For the full scan that is μ_t = g_t + conj(a_{t+1}) ⊙ μ_{t+1}, ∂a_t = μ_t ⊙ conj(h_{t-1}), ∂b_t = μ_t,
+        # ∂h0 = conj(a_0) ⊙ μ_0. NB: physical conjugates, never conj() views: a kernel called from a compiled graph
+        # runs with the Conjugate dispatch key excluded and would read a conj view's data unconjugated.
+        grad = torch.conj_physical(grad.to(compute_dtype(grad, a, b, h0)))
     if window is None or _window.is_full(window, a.shape[d], h0 is not None):
         if h is None:
             h = prim(a, b, h0, d, reverse, None)
-        return _full_backward(prim, grad, a, h, h0, d, reverse)
-    return _window.windowed_backward(prim, grad, a, b, h0, d, reverse, window)
+        got = _full_backward(prim, grad, a, h, h0, d, reverse)
+    else:
+        got = _window.windowed_backward(prim, grad, a, b, h0, d, reverse, window)
+    if cplx:
+        for x in got:
+            torch.conj_physical_(x)   # fresh tensors of the formulas, conjugated in place
+    return got

@@ -43,7 +43,12 @@ def is_full(window: int, T: int, has_h0: bool) -> bool:
 
 
 def _cdt(*xs):
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+    """The compute dtype (as :func:`.ref.compute_dtype`): fp32 / fp64, complex64 / complex128 with a complex input."""
+    dts = {x.dtype for x in xs if x is not None}
+    wide = torch.float64 in dts or torch.complex128 in dts
+    if torch.complex64 in dts or torch.complex128 in dts:
+        return torch.complex128 if wide else torch.complex64
+    return torch.float64 if wide else torch.float32
 
 
 def _every(x: Tensor, d: int, start: int, step: int) -> Tensor:
