@@ -151,3 +151,135 @@ def test_mixed_real_and_complex_and_windows(case):
     for name, x, y, inp in zip("a b h0".split(), g, g_ref, (a, b, h0)):
         assert x.dtype == inp.dtype, name  # a real input gets a real gradient: the real part of the complex one
         assert rel(x, y) < 1e-12, (name, rel(x, y))
+
+
+# ------------------------------------------------------------------------------------------- the sharded runtime
+
+
+class LRU(nn.Module):
+    """A linear recurrent unit: h_t = λ ⊙ h_{t-1} + B x_t with λ = exp(-exp(ν) + i exp(θ)), y_t = Re(C h_t) + D ⊙ x_t;
+    B and C complex, held as real and imaginary parameter pairs. ``scan(a, b)`` is the recurrence (the op by
+    default; the loops above as oracles); ``loop=True`` writes it as a Python loop over steps instead."""
+
+    def __init__(self, d: int = 4, n: int = 6, dtype: torch.dtype = torch.float64, loop: bool = False) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        r = torch.rand(n, generator=gen, dtype=dtype) * 0.5 + 0.45              # |λ| in [0.45, 0.95]
+        self.nu_log = nn.Parameter(torch.log(-torch.log(r)))
+        self.theta_log = nn.Parameter(torch.log(torch.rand(n, generator=gen, dtype=dtype) * 6.28 + 0.01))
+        self.B_re, self.B_im, self.C_re, self.C_im = (
+            nn.Parameter(torch.randn(*s, generator=gen, dtype=dtype) / 2) for s in ((n, d), (n, d), (d, n), (d, n)))
+        self.D = nn.Parameter(torch.randn(d, generator=gen, dtype=dtype))
+        self.loop = loop
+        self.scan = lambda a, b: ac.ops.linear_scan(a, b, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lam = torch.exp(-torch.exp(self.nu_log) + 1j * torch.exp(self.theta_log))
+        C = torch.complex(self.C_re, self.C_im)
+        if self.loop:
+            B = torch.complex(self.B_re, self.B_im)
+            h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype)
+            ys = []
+            for t in range(x.shape[1]):
+                h = lam * h + x[:, t].to(B.dtype) @ B.T
+                ys.append((h @ C.T).real + self.D * x[:, t])
+            return torch.stack(ys, 1)
+        bx = torch.complex(x @ self.B_re.T, x @ self.B_im.T)          # B x_t
+        h = self.scan(lam.expand_as(bx), bx)
+        return (h @ C.T).real + self.D * x
+
+
+def lru_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def loss_and_grads(model, fn, x):
+    loss = fn(x)
+    return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def assert_close(got, want, tol):
+    (l1, g1), (l2, g2) = got, want
+    assert rel(l1, l2) < tol, (float(l1), float(l2))
+    for (name, _), a, b in zip(LRU().named_parameters(), g1, g2):
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("dtype, T, shard", [
+    (torch.float64, 13, 1), (torch.float64, 13, 4), (torch.float64, 13, 5), (torch.float64, 1, 1),
+    (torch.float32, 13, 4),
+])
+def test_lru_sharded_matches_eager(dtype, T, shard):
+    model = LRU(dtype=dtype)
+    x = torch.randn(2, T, 4, dtype=dtype, generator=torch.Generator().manual_seed(T))
+    step = torch.compile(lambda x: lru_loss(model, x), backend="adjoint",
+                         options={"shard_size": shard, "inner": "aot_eager"})
+    got = loss_and_grads(model, step, x)
+    assert_close(got, loss_and_grads(model, lambda x: lru_loss(model, x), x), TOL[dtype])
+    (region,) = ac.report(step).regions
+    if T > shard:  # T = 1 is one shard: declined, ordinary autograd (also exact)
+        assert region.rewrite == "adjoint", region.reason
+        assert not region.bounds, region.bounds           # the complex ops around the scan are inside the region
+        assert region.details["sums_over_time"]           # down to the loss
+
+
+@pytest.mark.parametrize("T, shard", [(1, 1), (13, 1), (13, 5)])
+def test_sharded_region_of_complex_ops(T, shard):
+    """The runtime alone, whatever the recognition does: a region graph with complex ops on both sides of the scan,
+    run by make_sharded (T = 1 included, where the backend would decline the one shard)."""
+    def region(x, lam_re, lam_im, c):
+        lam = torch.polar(torch.sigmoid(lam_re), lam_im)            # a complex decay per step
+        b = torch.view_as_complex(torch.stack([x, x.sin()], -1))
+        h = torch.ops.adjoint_compile.linear_scan.default(lam, b.conj(), None, 1, False, None, None)
+        return torch.view_as_real(h * c).sum(-1) + h.abs() * h.angle() + h.imag
+
+    gm = fx.symbolic_trace(region)
+    gen = torch.Generator().manual_seed(3)
+    x, lr, li = (torch.randn(2, T, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    c = torch.randn(3, generator=gen, dtype=torch.complex128)
+    inputs = (x, lr, li, c)
+    w = torch.randn(2, T, 3, generator=gen, dtype=torch.float64)
+    got = grads_of(make_sharded(gm, [1, 1, 1, None], None, shard), inputs, w)
+    want = grads_of(region, inputs, w)
+    assert rel(got[0], want[0]) < 1e-12
+    for a, b in zip(got[1], want[1]):
+        assert rel(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("window", [3, 13])
+def test_lru_truncated_mode(window):
+    """mode="truncated": the gradient of the model whose scans restart from h_{t-W}.detach() (W >= T: exact)."""
+    model = LRU()
+    x = torch.randn(2, 13, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    step = torch.compile(lambda x: lru_loss(model, x), backend="adjoint",
+                         options={"mode": "truncated", "window": window, "shard_size": 4, "inner": "aot_eager"})
+    got = loss_and_grads(model, step, x)
+    assert ac.report(step).regions[0].rewrite == "truncated"
+    model.scan = lambda a, b: truncated_loop_scan(a, b, W=window)
+    want = loss_and_grads(model, lambda x: lru_loss(model, x), x)
+    assert_close(got, want, 1e-10)
+    if window < 13:  # and it is not the exact gradient
+        model.scan = lambda a, b: loop_scan(a, b)
+        exact = loss_and_grads(model, lambda x: lru_loss(model, x), x)
+        assert max(rel(a, b) for a, b in zip(got[1], exact[1])) > 1e-3
+
+
+def test_complex_ops_are_time_local():
+    """torch.complex, polar, view_as_complex / view_as_real, conj, real / imag, abs and angle act on each step alone:
+    one region from the inputs to the loss, with no bound."""
+    def f(x, p):
+        lam = torch.polar(torch.sigmoid(x @ p), x.cos())
+        b = torch.view_as_complex(torch.stack([x, x.sin()], -1)).conj()
+        h = ac.ops.linear_scan(lam, torch.complex(b.real, b.imag * 2))
+        y = torch.view_as_real(h).sum(-1) + h.abs() * h.angle() + h.imag
+        return y.pow(2).mean()
+
+    gen = torch.Generator().manual_seed(10)
+    x, p = torch.randn(2, 13, 3, dtype=torch.float64, generator=gen), torch.randn(3, 3, dtype=torch.float64)
+    p.requires_grad_()
+    step = torch.compile(f, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    loss = step(x, p)
+    (region,) = ac.report(step).regions
+    assert region.rewrite == "adjoint" and not region.bounds, (region.reason, region.bounds)
+    assert region.details["sums_over_time"]
+    assert rel(torch.autograd.grad(loss, p)[0], torch.autograd.grad(f(x, p), p)[0]) < 1e-10

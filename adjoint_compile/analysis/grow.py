@@ -13,13 +13,13 @@ import torch.fx as fx
 
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
-from .optable import POINTWISE, op_name
+from .optable import EXPANDS, POINTWISE, op_name, raw_name
 from .time_local import (TimeLocalInfo, analyze, causal_conv, conv_args, embedding_ids, padded_causal_conv, rule_for,
                          shift_of)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["region_around", "infer_seeds"]
+__all__ = ["region_around", "infer_seeds", "scan_seeds"]
 
 
 def _region_candidates(gm: fx.GraphModule, info: TimeLocalInfo) -> set[fx.Node]:
@@ -251,4 +251,19 @@ def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], halo: bool = Fals
             break
         extra.update(more)
         seeds = _backward_seeds(gm, scan_nodes, extra, halo)
+    return seeds
+
+
+def scan_seeds(scan_nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Seeds of a region graph's scans for :func:`analyze` (its inputs are seeded apart): each scan at its ``dim``,
+    and an ``a`` or ``b`` that expands a step-free value over the steps (a constant decay ``lam.expand_as(bx)``,
+    ``lam.expand(T, B, N)`` of a re-rolled loop) at the scan's dim too, where :func:`analyze` accepts an expand
+    along it."""
+    seeds: dict[fx.Node, int] = {}
+    for s in scan_nodes:
+        sa = scan_args(s)
+        seeds[s] = sa["dim"]
+        for v in (sa["a"], sa["b"]):
+            if isinstance(v, fx.Node) and v.op != "placeholder" and raw_name(v) in EXPANDS:
+                seeds.setdefault(v, sa["dim"])
     return seeds

@@ -49,7 +49,13 @@ def expand(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     x = node.args[0]
     d, s, out = ctx.sd(x), step_shape(x), ctx.out_shape
     if d is None:
-        return None, None
+        # a step-free x broadcast to a step-carrying tensor's shape (``lam.expand_as(bx)``, a constant decay):
+        # the output carries that tensor's step axis, and a shard's expand gives its L steps
+        other = ctx.arg(1, "other") if op_label(node) == "expand_as" else None
+        do = ctx.sd(other)
+        if do is None or out is None or step_shape(other) != out:
+            return None, None
+        return do, None
     if out is None:
         return None, f"no shape for {node.name}"
     return d + len(out) - len(s), None
@@ -241,3 +247,17 @@ def cat(stack: bool) -> Rule:
         return d, None
 
     return rule
+
+
+def complex_view(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """``view_as_real`` (a new last dim of 2: the real and imaginary parts) and ``view_as_complex`` (the last dim of
+    2 folded into complex elements): every other dim, the step dim included, stays where it was."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    d, s = ctx.sd(x), step_shape(x)
+    if d is None:
+        return None, None
+    if s is None:
+        return None, f"no shape for {node.name}"
+    if op_label(node) == "view_as_complex" and d == len(s) - 1:
+        return None, "view_as_complex folds the step dim into complex elements"
+    return d, None

@@ -43,10 +43,11 @@ atan atan2 arcsin arccos arctan sigmoid logit relu relu6 gelu silu mish softplus
 hardtanh hardswish hardsigmoid logsigmoid tanhshrink softshrink hardshrink threshold clamp clip clamp_min clamp_max
 where maximum minimum fmax fmin reciprocal square sign sgn floor ceil round trunc frac lerp addcmul addcdiv eq ne lt
 le gt ge logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not and_ or_ xor
-invert erf erfc erfinv nan_to_num masked_fill xlogy hypot copysign heaviside isnan isinf isfinite signbit""")
+invert erf erfc erfinv nan_to_num masked_fill xlogy hypot copysign heaviside isnan isinf isfinite signbit
+real imag complex polar conj conj_physical angle""")
 #: the output has the shape of the first argument: casts, copies, ``*_like``.
 SAME_SHAPE = _names("""to type type_as float half double bfloat16 int long bool contiguous clone detach cpu cuda
-zeros_like ones_like empty_like full_like requires_grad_ alias""")
+zeros_like ones_like empty_like full_like requires_grad_ alias resolve_conj resolve_neg""")
 #: plain numbers about a tensor (no step axis).
 METADATA = _names("size dim numel stride is_contiguous element_size nelement")
 #: draw from torch's generator (a shard's recomputation would draw other numbers).
@@ -66,6 +67,11 @@ MOVEDIMS = _names("movedim moveaxis")
 SPLITS = _names("split chunk tensor_split")
 CATS = _names("cat concat concatenate")
 CONVS = _names("conv1d conv2d conv3d conv_transpose1d conv_transpose2d")
+#: a complex tensor as real pairs in a new last dim of 2, and back (``x.real`` / ``x.imag`` are attribute reads:
+#: :data:`COMPLEX_PARTS`).
+COMPLEX_VIEWS = _names("view_as_real view_as_complex")
+#: attributes of a tensor read as ``getattr(x, name)`` nodes that act on each element alone.
+COMPLEX_PARTS = _names("real imag")
 #: repeat each element along one dim (Mamba-2's groups of B and C spread over the heads)
 REPEATS = _names("repeat_interleave")
 #: ops with a rule of their own.
@@ -101,7 +107,7 @@ INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "relu
 BATCH_POINTWISE = _names("""add sub rsub mul div truediv true_divide floordiv neg pos clone contiguous sigmoid tanh exp
 exp2 expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min
 clamp_max elu leaky_relu logsigmoid mish softsign hardtanh where maximum minimum float double half bfloat16 to type_as
-sign erf lerp""")
+sign erf lerp real imag complex polar conj conj_physical angle resolve_conj resolve_neg""")
 #: basic indexing (ints, slices, None, ``...``): a leading full slice keeps the step axis.
 BATCH_INDEX = _names("getitem")
 #: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.
@@ -112,7 +118,7 @@ BATCH_DIM_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
 }
 BATCH_VIEWS = _names("view reshape")
 #: act on trailing feature dims only: a leading step axis is a batch dim.
-BATCH_FEATURE_OPS = _names("layer_norm rms_norm linear")
+BATCH_FEATURE_OPS = _names("layer_norm rms_norm linear view_as_real view_as_complex")
 BATCH_MATMULS = _names("matmul")
 BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FEATURE_OPS | BATCH_MATMULS | BATCH_INDEX
 
@@ -122,8 +128,8 @@ BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FE
 #: every name of the table.
 KNOWN: frozenset[str] = frozenset().union(
     POINTWISE, SAME_SHAPE, METADATA, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
-    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, REPEATS, SINGLE, EXPLICIT.values(), LINEAR_IN_CARRY, SUM_OPS,
-    NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
+    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, COMPLEX_VIEWS, REPEATS, SINGLE, EXPLICIT.values(),
+    LINEAR_IN_CARRY, SUM_OPS, NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
 
 _SPELLED: dict[Any, str] = dict(EXPLICIT)
 for _name in sorted(KNOWN - set(EXPLICIT.values())):

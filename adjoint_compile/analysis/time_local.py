@@ -91,6 +91,7 @@ _by_name(ops.CATS, lr.cat(False))
 _by_name(["stack"], lr.cat(True))
 _by_name(ops.CONVS, r.conv)
 _by_name(ops.REPEATS, r.repeat_interleave)
+_by_name(ops.COMPLEX_VIEWS, lr.complex_view)
 _by_name(["pad"], r.pad)
 _by_name(["shift_steps"], r.shift)
 # NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
@@ -105,6 +106,8 @@ def rule_for(node: fx.Node) -> Rule | None:
     if node.op == "call_function":
         if is_linear_scan(node):
             return r.scan
+        if node.target is getattr and len(node.args) == 2 and node.args[1] in ops.COMPLEX_PARTS:
+            return r.same_shape  # x.real, x.imag: elementwise views of the same shape
         name = ops.spelling(node.target)
         if name is not None:
             return RULES.get(name)
@@ -378,6 +381,20 @@ def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
     return Shift(first=first, sliced=sliced, scan=sliced.args[0], dim=d)
 
 
+def _expands_along(node: fx.Node, d: int, T: int | None) -> bool:
+    """``node`` is ``x.expand(...)`` / ``broadcast_to`` of a step-free x whose output has T steps at dim ``d``, where x
+    has no dim or a dim of 1: each step sees the same x, so a shard's expand to L steps is the same op (the shard
+    program rewrites the literal T there)."""
+    if node.op not in ("call_method", "call_function") or ops.raw_name(node) not in ("expand", "broadcast_to"):
+        return False
+    x, out = node.args[0] if node.args else None, step_shape(node)
+    s = step_shape(x)
+    if s is None or out is None or T is None or not 0 <= d < len(out) or out[d] != T:
+        return False
+    k = d - (len(out) - len(s))
+    return k < 0 or s[k] == 1
+
+
 class _PendingSlices:
     """Membership test for slices tentatively kept local by :func:`_shift_slice_dim` and not yet confirmed."""
 
@@ -461,6 +478,8 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
                 d, why = rule(node, Ctx(node, info))
             except Exception as e:  # a rule that cannot read its node must not guess
                 d, why = None, f"could not analyze {op_label(node)}: {type(e).__name__}: {e}"
+        if seed is not None and d is None and why is None and _expands_along(node, seed, T):
+            d = seed  # a step-free value broadcast along the step dim, e.g. a constant decay lam.expand(B, T, N)
         if seed is not None and d != seed:
             why = why or f"seeded at step dim {seed} but the op puts it at {d}"
             d = seed

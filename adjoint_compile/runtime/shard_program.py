@@ -49,6 +49,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..analysis.fx import is_linear_scan, scan_args
+from ..analysis.grow import scan_seeds
 from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
@@ -190,8 +191,7 @@ class ShardProgram:
         fakes = [self._mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         FakeTensorProp(self.region_gm, self._mode).propagate_dont_convert_inputs(*fakes)
         seeds = {p: d for p, d in zip(self.placeholders, self.in_step_dims) if d is not None}
-        for s in self.scans:
-            seeds[s] = scan_args(s)["dim"]
+        seeds.update(scan_seeds(self.scans))  # the scans, and a constant decay expanded over the steps
         # NB: causal convs are carried by the exact sweep only; the truncated adjoint's ν carries scans alone
         info = analyze(self.region_gm, seeds, halo=self.window is None)
         for n in self.region_gm.graph.nodes:

@@ -248,8 +248,20 @@ def make_sharded(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
     return ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size, verify, window=window)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x detached in fp64 (complex128 for complex x: never its real part alone)."""
+    return x.detach().to(torch.complex128 if x.is_complex() else torch.float64)
+
+
+def _flat_real(x: torch.Tensor) -> torch.Tensor:
+    """x as a flat fp64 vector, a complex x as its (real, imaginary) pairs: dot products and norms of these are the
+    real inner products of the gradients."""
+    x = _wide(x)
+    return (torch.view_as_real(x) if x.is_complex() else x).flatten()
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = _wide(a), _wide(b)
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
@@ -275,7 +287,7 @@ def region_fidelity(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None
     ``grad_outputs`` default to random cotangents (a fixed seed).
     """
     def leaves() -> list[torch.Tensor]:
-        return [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        return [x.detach().clone().requires_grad_(x.is_floating_point() or x.is_complex()) for x in inputs]
 
     ref_in = leaves()
     ref = region_gm(*ref_in)
@@ -297,8 +309,8 @@ def region_fidelity(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None
             err = max(err, float("inf"))
         elif a is not None:
             err = max(err, _rel_err(a, b))
-            got.append(a.detach().double().flatten())
-            want.append(b.detach().double().flatten())
+            got.append(_flat_real(a))
+            want.append(_flat_real(b))
     g, r = (torch.cat(v) if v else torch.zeros(1, dtype=torch.double) for v in (got, want))
     rn = float(r.norm())
     fid = {"max_rel_err": err, "grad_rel_err": float((g - r).norm()) / max(rn, 1e-30),

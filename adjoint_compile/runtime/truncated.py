@@ -61,6 +61,22 @@ def truncated_scan_backward(g: Tensor, nu: Tensor, a: Tensor, h: Tensor, h0: Ten
     if reverse:
         ga, gb, nu_out = truncated_scan_backward(g.flip(dim), nu, a.flip(dim), h.flip(dim), h0, dim, window)
         return ga.flip(dim), gb.flip(dim), nu_out
+    if h.is_complex():
+        # complex: autograd's gradient J^H g is conj(J^T conj(g)) (h is holomorphic in a, b, h0), so the formulas
+        # below (transposes) run on conj(g) and conj(ν) and their results are conjugated back: ν carries stay in
+        # autograd's convention from shard to shard. NB: physical conjugates, as in the scan kernels (ops/ref.py).
+        ga, gb, nu_out = _truncated_backward(torch.conj_physical(g), torch.conj_physical(nu), a, h, h0, dim, window)
+        ga = torch.conj_physical(ga)
+        ga = (ga if a.is_complex() else ga.real).to(a.dtype)
+        return ga, torch.conj_physical(gb), torch.conj_physical(nu_out)
+    ga, gb, nu_out = _truncated_backward(g, nu, a, h, h0, dim, window)
+    return ga.to(a.dtype), gb, nu_out
+
+
+def _truncated_backward(g: Tensor, nu: Tensor, a: Tensor, h: Tensor, h0: Tensor | None, dim: int, window: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`truncated_scan_backward` of a forward scan with the real formulas (the transposes, no conjugation), in
+    h's dtype."""
     from ..ops import linear_scan  # NB: the op's node stays one node in traced VJP programs
 
     d, W, L = dim, window, a.shape[dim]
@@ -83,7 +99,7 @@ def truncated_scan_backward(g: Tensor, nu: Tensor, a: Tensor, h: Tensor, h0: Ten
     if W > L:
         more = nu_out.narrow(d, L - 1, 1) + p.narrow(d, L - 1, 1) * nu.narrow(d, 0, W - L)
         nu_out = torch.cat([nu_out, more], d)
-    return (mu * h_prev).to(a.dtype), mu, nu_out
+    return mu * h_prev, mu, nu_out
 
 
 class _TruncatedScan(torch.autograd.Function):
@@ -102,6 +118,8 @@ class _TruncatedScan(torch.autograd.Function):
         a, h, h0 = ctx.saved_tensors
         dim, window, reverse, b_dtype = ctx.args
         ga, gb, nu_out = truncated_scan_backward(g, g_nu, a, h, h0, dim, window, reverse)
+        if gb.is_complex() and not b_dtype.is_complex:
+            gb = gb.real  # a real b of a complex scan: the real part (autograd's convention)
         return ga, gb.to(b_dtype), None, nu_out, None, None, None
 
 
