@@ -264,6 +264,44 @@ def test_lru_truncated_mode(window):
         assert max(rel(a, b) for a, b in zip(got[1], exact[1])) > 1e-3
 
 
+def test_lru_written_as_a_loop_is_rerolled_and_exact():
+    model = LRU(loop=True)
+    x = torch.randn(2, 13, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    step = torch.compile(lambda x: lru_loss(model, x), backend="adjoint",
+                         options={"shard_size": 4, "inner": "aot_eager"})
+    got = loss_and_grads(model, step, x)
+    assert_close(got, loss_and_grads(model, lambda x: lru_loss(model, x), x), 1e-10)
+    rep = ac.report(step)
+    (region,) = rep.regions
+    assert region.source == "unrolled_loop" and region.rewrite == "adjoint", region.reason
+    assert region.rerolled_from is not None
+    readouts = rep.to_dict()["graphs"][0]["normalized"]["readouts"]
+    assert all(v.startswith("re-rolled") for v in readouts.values()), readouts  # Re(C h_t) too: x.real batched
+
+
+def test_loop_with_a_complex_constant_decay_and_real_pair_readouts():
+    """h = (0.6 + 0.5j) h + x_t W: a Python complex constant is a coefficient of the re-rolled scan, and the readout
+    through view_as_real and abs is re-rolled with it."""
+    W = torch.randn(4, 6, dtype=torch.complex128, generator=torch.Generator().manual_seed(8), requires_grad=True)
+
+    def f(x):
+        h = torch.zeros(x.shape[0], 6, dtype=torch.complex128)
+        ys = []
+        for t in range(x.shape[1]):
+            h = (0.6 + 0.5j) * h + x[:, t].to(torch.complex128) @ W
+            ys.append(torch.view_as_real(h).sum(-1) + h.abs())
+        return torch.stack(ys, 1).pow(2).mean()
+
+    x = torch.randn(2, 13, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    step = torch.compile(f, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    loss = step(x)
+    assert rel(loss, f(x)) < 1e-12
+    assert rel(torch.autograd.grad(loss, W)[0], torch.autograd.grad(f(x), W)[0]) < 1e-10
+    (region,) = ac.report(step).regions
+    assert (region.source, region.rewrite) == ("unrolled_loop", "adjoint"), region.reason
+    assert region.details["sums_over_time"]  # the readouts and the loss are inside the region
+
+
 def test_complex_ops_are_time_local():
     """torch.complex, polar, view_as_complex / view_as_real, conj, real / imag, abs and angle act on each step alone:
     one region from the inputs to the loss, with no bound."""

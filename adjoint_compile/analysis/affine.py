@@ -252,6 +252,8 @@ def _affine(n: Any, carry: fx.Node, depends: Callable[[fx.Node], bool], memo: di
     if not isinstance(n, fx.Node):
         if _num(n):
             return Affine(None, None if n == 0 else Const(float(n)))
+        if isinstance(n, complex):  # a complex constant (``(0.6 + 0.5j) * h``): kept complex
+            return Affine(None, None if n == 0 else Const(n))
         raise NotAffine(carry, f"unexpected operand {n!r}")
     if n in memo:
         return memo[n]

@@ -39,6 +39,8 @@ def batch_op(n: fx.Node) -> str | None:
     method's name whatever it is."""
     if n.op == "call_method":
         return str(n.target)
+    if n.op == "call_function" and n.target is getattr and len(n.args) == 2 and isinstance(n.args[1], str):
+        return "getattr"  # an attribute read: copied once when step-free (``C.T``); ``x.real`` / ``x.imag`` batched
     if n.op == "call_function":
         name = ops.spelling(n.target)
         return name if name in ops.BATCHABLE else None
@@ -182,6 +184,12 @@ class Batcher:
             return Value(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), False)
         first = args[0] if args else None
         rest_unbatched = all(not x.batched for x in vals if x is not first)
+        if name == "getattr":
+            attr = args[1]
+            if attr not in ops.COMPLEX_PARTS:
+                raise Unproven(f"attribute {attr!r} of a per-step value ({v.name}) has no batching rule")
+            # x.real, x.imag: elementwise, so the same read of the batched value (as torch.real / torch.imag)
+            return Value(self.em(getattr(torch, attr), (first.node,)), True)
         if name in ops.BATCH_POINTWISE:
             if any(k in ("dim", "dims", "axis") for k in kwargs):
                 raise Unproven(f"pointwise op {v.name} has a dim argument")
@@ -298,7 +306,7 @@ def emit_expr(b: Batcher, e: Expr, atom: Callable[[fx.Node], Value]) -> Value:
         return Value(em(fn, (x.node, y.node)), x.batched or y.batched)
 
     if isinstance(e, Const):
-        return Value(float(e.value), False)
+        return Value(e.value if isinstance(e.value, complex) else float(e.value), False)
     if isinstance(e, Atom):
         return atom(e.n)
     if isinstance(e, Sum):
