@@ -321,3 +321,86 @@ def test_complex_ops_are_time_local():
     assert region.rewrite == "adjoint" and not region.bounds, (region.reason, region.bounds)
     assert region.details["sums_over_time"]
     assert rel(torch.autograd.grad(loss, p)[0], torch.autograd.grad(f(x, p), p)[0]) < 1e-10
+
+
+# --------------------------------------------------------------------------------------------- inductor's fallback
+
+
+def _complex_view_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    def f(x, w):
+        z = torch.view_as_complex(x * 2)
+        return ((z * w).real.sum(),)
+
+    gm = fx.symbolic_trace(f)
+    return gm, [torch.randn(3, 4, 2, requires_grad=True), torch.randn(4, dtype=torch.complex64)]
+
+
+def _failing_inductor(monkeypatch, calls):
+    import torch._inductor.compile_fx as cfx
+
+    def fail(gm, example_inputs, *args, **kwargs):
+        calls.append(gm)
+        raise NotImplementedError("view_as_complex: complex views are not supported\nnode dump ...")
+
+    monkeypatch.setattr(cfx, "compile_fx", fail)
+    monkeypatch.setattr(inner_mod, "_warned", set())
+
+
+def test_compile_inner_falls_back_to_aot_eager_with_one_warning(monkeypatch):
+    calls: list = []
+    _failing_inductor(monkeypatch, calls)
+    gm, (x, w) = _complex_view_graph()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fns = [inner_mod.compile_inner(gm, [x, w], "inductor") for _ in range(2)]
+    ours = [c for c in caught if issubclass(c.category, AdjointCompileWarning)]
+    assert len(calls) == 2 and len(ours) == 1, [str(c.message) for c in caught]
+    assert "NotImplementedError: view_as_complex: complex views are not supported" in str(ours[0].message)
+    assert "aot_eager" in str(ours[0].message)
+    want = torch.autograd.grad(gm(x, w)[0], x)[0]
+    for fn in fns:
+        out = fn(x, w)[0]
+        assert torch.equal(out, gm(x, w)[0])
+        assert torch.allclose(torch.autograd.grad(out, x)[0], want)
+
+
+def test_a_model_inductor_cannot_compile_still_trains(monkeypatch):
+    """Every inner compile of the backend (partitions, shard forwards, shard VJPs) fails with inductor: all of them run
+    with aot_eager, one warning in all, and the gradients are eager's."""
+    calls: list = []
+    _failing_inductor(monkeypatch, calls)
+    model = LRU()
+    x = torch.randn(2, 13, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    step = torch.compile(lambda x: lru_loss(model, x), backend="adjoint", options={"shard_size": 4})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = loss_and_grads(model, step, x)
+    ours = [c for c in caught if issubclass(c.category, AdjointCompileWarning)]
+    assert len(calls) >= 3 and len(ours) == 1, [str(c.message) for c in ours]
+    assert ac.report(step).regions[0].rewrite == "adjoint"
+    assert_close(got, loss_and_grads(model, lambda x: lru_loss(model, x), x), 1e-10)
+
+
+@pytest.mark.slow
+def test_lru_trains_with_inductor():
+    """The default inner compiler, no monkeypatch: inductor compiles what it can (or falls back), the sharded LRU's
+    gradients equal eager's and a few Adam steps lower the loss."""
+    torch.manual_seed(0)
+    model, ref = LRU(dtype=torch.float32), LRU(dtype=torch.float32)
+    x = torch.randn(4, 24, 4)
+    y = torch.roll(x, 1, 1) * 0.5
+    step = torch.compile(lambda x: (model(x) - y).pow(2).mean(), backend="adjoint", options={"shard_size": 8})
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    losses = []
+    for i in range(6):
+        loss = step(x)
+        opt.zero_grad()
+        loss.backward()
+        if i == 0:
+            want = torch.autograd.grad((ref(x) - y).pow(2).mean(), list(ref.parameters()))
+            for p, g in zip(model.parameters(), want):
+                assert rel(p.grad, g) < 1e-4
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert ac.report(step).regions[0].rewrite == "adjoint"
