@@ -30,7 +30,8 @@ from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_b
 from . import options as _options
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
 from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
-from .inner import COMPILE_LOCK, compile_inner
+from .inner import compile_inner
+from .lengths import LengthDispatch
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
@@ -39,7 +40,7 @@ from .passes.lower_per_sample import PerSampleLowering, lower_per_sample
 from .passes.lower_seqpar import lower_seqpar
 from .passes.partition import stitch_partitions
 from .passes.recognize import recognize as _recognize
-from .passes.specialize import no_guards, specialize
+from .passes.specialize import no_guards
 from .analysis.fx import source_line
 from .regions import Fallback, Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
@@ -50,7 +51,7 @@ from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["adjoint_backend", "run_pipeline", "CompiledGraph", "CompiledGraphFn", "compile_inner", "SPECIALIZE_LIMIT"]
+__all__ = ["adjoint_backend", "run_pipeline", "CompiledGraph", "CompiledGraphFn", "compile_inner"]
 
 _sequence = itertools.count()
 
@@ -188,64 +189,6 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
     return ForwardCheck(fn, pristine, fallback, names, written, result.fallbacks, result.timing)
 
 
-#: distinct call signatures a graph with symbolic sizes is specialized to (like dynamo's recompile limit); later
-#: signatures run the symbolic graph with ordinary autograd, with a warning.
-SPECIALIZE_LIMIT = 8
-
-
-class _Specializing:
-    """The callable for a graph with symbolic sizes that holds recurrences the sharded runtime could take: each new
-    call signature gets the graph specialized to its sizes (passes/specialize.py) and its own pipeline run."""
-
-    def __init__(self, owner: CompiledGraph, opts: Options) -> None:
-        self.owner, self.gm, self.opts = owner, owner.captured.gm, opts
-        # NB: compiled now, while dynamo's tracing context (with the graph's symbolic sizes) is active: compiled
-        # later, aot_autograd would take the sizes of the call at hand as static and fail on the next length
-        self.fallback = stitch(owner.captured, [], opts)
-        self.cache: dict[tuple, Callable[..., Any]] = {}
-        self._warned = False
-
-    def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
-        if len(self.cache) >= SPECIALIZE_LIMIT and self.opts.per_sample_clip is not None:
-            # NB: the symbolic graph under ordinary autograd would give unclipped gradients: never fall back to it
-            raise PerSampleError(f"adjoint-compile per_sample_clip: {SPECIALIZE_LIMIT} call signatures (batch "
-                                 f"sizes) already specialized (SPECIALIZE_LIMIT); pad batches to a few fixed sizes")
-        if len(self.cache) >= SPECIALIZE_LIMIT:
-            if not self._warned:
-                self._warned = True
-                log.warning("adjoint-compile: %d call signatures already specialized (SPECIALIZE_LIMIT); further "
-                            "sizes run with ordinary autograd", SPECIALIZE_LIMIT)
-            return self.fallback
-        try:
-            sgm = specialize(self.gm, args)
-        except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
-            if self.opts.per_sample_clip is not None:
-                raise
-            log.warning("adjoint-compile: could not specialize a graph with symbolic sizes (%s: %s); it keeps "
-                        "ordinary autograd", type(e).__name__, e)
-            fn = self.fallback
-        else:
-            result = run_pipeline(sgm, list(args), self.opts)
-            self.owner.specializations.append(result)
-            fn = result.fn
-        self.cache[key] = fn
-        return fn
-
-    def __call__(self, *args: Any) -> Any:
-        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
-        fn = self.cache.get(key)
-        if fn is None:
-            with COMPILE_LOCK:
-                fn = self.cache.get(key) or self._specialize(key, args)
-        return fn(*args)
-
-
-def _refuse_unspecialized(*args: Any) -> Any:
-    raise SequenceParallelError(f"sequence_parallel: a graph with symbolic sizes could not be specialized to this "
-                                f"call's sizes (or more than {SPECIALIZE_LIMIT} sizes were seen); compile with "
-                                f"dynamic=False")
-
-
 def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:
     """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): every scan and causal conv along time
     exchanges its carry / halo with the other ranks; in exact mode, recognized one-scan regions are sharded inside
@@ -268,7 +211,7 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
 
     if captured.symbolic:
         if compile:
-            result.fn = _Specializing(result, opts)
+            result.fn = LengthDispatch(result, opts, run_pipeline, stitch(captured, [], opts))
     else:
         sp = lower_seqpar(captured.gm, list(example_inputs), opts, shard=shard if regions else None)
         result.lowered = list(sp.calls)
@@ -333,7 +276,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
     # per call signature like one with regions to shard
     symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None)
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
-        plans = decide.plan(regions, opts, specialize_limit=SPECIALIZE_LIMIT)
+        plans = decide.plan(regions, opts, symbolic=True)
     outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
@@ -348,7 +291,9 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
         # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)
         guard_parameters(gm, example_inputs)
     if compile and symbolic:
-        result.fn = _Specializing(result, opts)
+        # NB: the fallback is compiled now, while dynamo's tracing context (with the graph's symbolic sizes) is
+        # active: compiled later, aot_autograd would take the sizes of the call at hand as static
+        result.fn = LengthDispatch(result, opts, run_pipeline, stitch(captured, [], opts, pristine))
     elif compile:
         result.fn = stitch(captured, calls, opts, pristine)
         if calls:
@@ -381,7 +326,7 @@ def adjoint_backend(
         _check_ddp_split(ddp, result)
     # NB: graphs with symbolic sizes are verified per specialization by their regions only
     # NB: and not under sequence_parallel, where plain autograd of one rank's graph is not the reference
-    keep = (original is not None and bool(result.lowered) and not isinstance(result.fn, _Specializing)
+    keep = (original is not None and bool(result.lowered) and not isinstance(result.fn, LengthDispatch)
             and opts.sequence_parallel is None)
     return CompiledGraphFn(result, original if keep else None)
 

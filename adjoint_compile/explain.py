@@ -165,7 +165,8 @@ class Report:
         with nothing recognized lie between them."""
         seen: dict[tuple[str, str, str], int] = {}
         for b in self.graph_breaks:
-            seen[b.reason, b.location, b.code] = seen.get((b.reason, b.location, b.code), 0) + 1
+            key = (b.reason, b.location, b.code)
+            seen[key] = seen.get(key, 0) + 1
         lines = ["graph breaks:"]
         for i, ((why, where, code), k) in enumerate(seen.items()):
             at = where + (f": `{code}`" if code and where else "")

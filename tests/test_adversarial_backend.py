@@ -45,20 +45,21 @@ def _assert_close(got, ref, tol=1e-5):
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
-def test_more_lengths_than_the_specialization_limit_fall_back_with_exact_gradients(inner, monkeypatch, caplog):
-    """Past SPECIALIZE_LIMIT distinct lengths the symbolic graph runs with ordinary autograd (it crashed with
-    aot_eager: the fallback was compiled later, outside dynamo's symbolic context, for the first call's sizes)."""
-    monkeypatch.setattr(backend, "SPECIALIZE_LIMIT", 2)
+def test_more_lengths_than_dynamos_recompile_limit_keep_the_rewrite(inner, caplog):
+    """More distinct lengths than dynamo's recompile limit (8) all run the rewrite: one symbolic graph serves them
+    (there was a limit of 8 specializations, past which the symbolic graph ran with ordinary autograd)."""
     torch.manual_seed(0)
     model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
     f = torch.compile(model, backend="adjoint", options={"inner": inner, "shard_size": 4})
-    with caplog.at_level("WARNING", logger="adjoint_compile.backend"):
-        for T in (10, 12, 14, 16, 18, 12):  # static, then symbolic: 2 specializations, then the fallback
+    lengths = (10, 12, 14, 16, 18, 12, 20, 22, 24, 26, 28, 30, 11)
+    with caplog.at_level("WARNING", logger="adjoint_compile"):
+        for T in lengths:
             x = torch.randn(2, T, 8)
             _assert_close(_grads(f, model, x), _grads(model, model, x))
-    assert "SPECIALIZE_LIMIT" in caplog.text
+    assert "ordinary autograd" not in caplog.text
     graphs = ac.report(f).compiled
-    assert sum(1 for g in graphs if g.lowered) == 3  # T = 10, 12, 14 sharded; 16 and 18 not
+    # T = 10 static, then one symbolic graph for all the others (and the specialization it was lowered from)
+    assert sum(1 for g in graphs if g.lowered) == 3
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])

@@ -66,56 +66,26 @@ def test_selective_ssm_stack_bf16_tolerance():
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
-def test_dynamic_shapes_are_specialized_per_length_and_sharded(dynamic):
+def test_dynamic_shapes_are_lowered_once_and_sharded_at_every_length(dynamic):
     """A new T makes dynamo recompile with a symbolic length (dynamic=None) or starts symbolic (dynamic=True); the
-    backend specializes that graph to each call's sizes, so every length is sharded, with exact gradients."""
-    from adjoint_compile.passes.specialize import has_symbolic_sizes
+    backend lowers that graph once, and its region serves every later length, with exact gradients."""
+    from adjoint_compile.runtime.length_generic import LengthGenericRegion
 
     torch.manual_seed(0)
     model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
     f = torch.compile(model, backend="adjoint", dynamic=dynamic, options={"inner": "eager", "shard_size": 4})
-    start = len(ac.report(f).compiled)
-    seen = set()
-    for T in (13, 17, 22, 17):
+    for T in (13, 17, 22, 17, 9):
         x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
         ref = _step(model, model, x, w)
-        before = len(ac.report(f).compiled)
         got = _step(f, model, x, w)
         for a, b in zip(got, ref):
             assert _rel(a, b) <= 1e-5, T
-        if T in seen:  # its specialization is reused: nothing new compiled
-            assert len(ac.report(f).compiled) == before
-            continue
-        seen.add(T)
-        # the graph that ran for this T: a static one with the stack sharded
-        res = ac.report(f).compiled[-1]
-        assert res.lowered and not has_symbolic_sizes(res.captured.gm), T
-        vals = [n.meta["example_value"] for n in res.captured.gm.graph.nodes if n.op == "placeholder"]
-        assert any(isinstance(v, torch.Tensor) and tuple(v.shape) == (2, T, 8) for v in vals), T
-    new = ac.report(f).compiled[start:]
-    symbolic = [r for r in new if has_symbolic_sizes(r.captured.gm)]
-    assert symbolic, "dynamo never handed over a symbolic graph: the test does not exercise specialization"
-    rec = [r for r in symbolic[0].regions if r.kind == "linear_recurrence"]
-    assert rec and all("specialized" in r.reason for r in rec)
-    assert len([r for r in new if not has_symbolic_sizes(r.captured.gm)]) == 3  # one static graph per distinct T
-
-
-def test_past_the_specialization_limit_sizes_keep_ordinary_autograd_with_a_warning(monkeypatch, caplog):
-    from adjoint_compile import backend
-
-    monkeypatch.setattr(backend, "SPECIALIZE_LIMIT", 1)
-    torch.manual_seed(0)
-    model = _ssm().SSMStack(d_model=8, d_state=3, n_layers=2)
-    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 4})
-    # 13: static; 17: dynamo recompiles with a symbolic T, specialized to 17; 22: past the limit of 1
-    for T in (13, 17, 22):
-        x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
-        ref = _step(model, model, x, w)
-        with caplog.at_level("WARNING", logger="adjoint_compile.backend"):
-            got = _step(f, model, x, w)
-        for a, b in zip(got, ref):
-            assert _rel(a, b) <= 1e-5, T
-    assert "SPECIALIZE_LIMIT" in caplog.text
+    generic = [getattr(c.fn, "generic", None) for c in ac.report(f).compiled]
+    regions = [m for g in generic if g is not None for m in getattr(g, "fn", g).modules()
+               if isinstance(m, LengthGenericRegion)]
+    assert len(regions) == 1
+    # dynamic=None: 13 has its own static graph; every other length ran the one symbolic graph's region
+    assert regions[0].lengths == ({17, 22, 9} if dynamic is None else {13, 17, 22, 9})
 
 
 def test_the_residual_chain_swallowed_by_the_sharded_region_says_so():

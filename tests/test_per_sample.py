@@ -290,15 +290,12 @@ def test_a_graph_break_norms_span_both_graphs():
 
 
 def test_changing_batch_sizes_are_specialized_never_unclipped():
-    """A new batch size makes dynamo recompile with a symbolic batch: the backend specializes it per size (as it
-    does for regions to shard), so every step is clipped; past SPECIALIZE_LIMIT sizes it refuses instead of falling
-    back to unclipped autograd."""
-    from adjoint_compile import backend
-
+    """A new batch size makes dynamo recompile with a symbolic batch: the backend specializes it per size, so every
+    step is clipped, with no limit on the number of sizes."""
     torch.manual_seed(16)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
     f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, "inner": "aot_eager"})
-    for B in (3, 4, 6):
+    for B in (3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 5):
         x = torch.randn(B, 4)
         want_grads, _ = loop_clipped(model, (x,), 0.5)
         model.zero_grad()
@@ -306,10 +303,7 @@ def test_changing_batch_sizes_are_specialized_never_unclipped():
         torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=RTOL, atol=0)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6)
-    assert any(c.specializations for c in ac.report(f).compiled), "the symbolic graph was not exercised"
-    with pytest.raises(ac.PerSampleError, match="SPECIALIZE_LIMIT"):
-        for B in range(7, 8 + backend.SPECIALIZE_LIMIT):
-            f(torch.randn(B, 4))
+    assert any(len(c.specializations) >= 9 for c in ac.report(f).compiled), "the symbolic graph was not exercised"
 
 
 def _three_layers() -> nn.Module:

@@ -71,8 +71,8 @@ SEQUENCE_PARALLEL_MULTI = ("sequence_parallel: a region of {scans} scans is not 
                            "scans run as distributed scans with ordinary autograd around them")
 
 #: the reason of a linear recurrence in a graph with symbolic sizes: each call's sizes get their own graph
-SYMBOLIC = ("dynamic shapes: the graph is specialized to each call's sizes and sharded then (up to {limit} "
-            "signatures; see the later compiled graphs)")
+SYMBOLIC = ("dynamic shapes: the graph is specialized to the first call's sizes, lowered there and run for every "
+            "length (see the later compiled graphs)")
 
 
 #: the reason of a region under per_sample_clip whose rewrite is not the exact adjoint (only the exact sharded VJP
@@ -81,10 +81,10 @@ PER_SAMPLE = ("per_sample_clip: kept unrewritten (ordinary autograd with per-exa
               "parameters); of the rewrites only the exact adjoint composes with per-example clipping yet")
 
 
-def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | None = None) -> list[Plan]:
+def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) -> list[Plan]:
     """One :class:`Plan` per region, from :data:`TABLE`.
 
-    ``specialize_limit``: the graph has symbolic sizes and is specialized per call (backend.py); its rewritable
+    ``symbolic``: the graph has symbolic sizes and is lowered from a specialization (lengths.py); its rewritable
     regions are planned "none" here and say so.
     """
     plans = []
@@ -99,8 +99,8 @@ def plan(regions: Sequence[Region], opts: Options, *, specialize_limit: int | No
             elif opts.sequence_parallel is not None and opts.mode != "exact":
                 # NB: exact mode shards one-scan regions inside each rank (runtime/seqpar_sharded.py)
                 p = Plan("none", SEQUENCE_PARALLEL)
-            elif specialize_limit is not None:
-                p = Plan("none", SYMBOLIC.format(limit=specialize_limit))
+            elif symbolic:
+                p = Plan("none", SYMBOLIC)
         plans.append(p)
     return plans
 

@@ -152,6 +152,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
             "sums_over_time": sums, "embeddings": lookups,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
+            "members": [n.name for n in nodes],
             "memory": memory}
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))

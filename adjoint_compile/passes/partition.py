@@ -36,8 +36,9 @@ class _LazyInner(torch.nn.Module):
     cost is the inner compiler's time on the first call, which torch.compile users already expect.
     """
 
-    def __init__(self, gm: fx.GraphModule, inner: str) -> None:
+    def __init__(self, gm: fx.GraphModule, inner: str, dynamic: bool = False) -> None:
         super().__init__()
+        self.dynamic = dynamic
         # NB: split_module returns a lone output bare; aot_autograd wants a tuple, so wrap it and unwrap on call.
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self._unwrap = not isinstance(out.args[0], (tuple, list))
@@ -51,16 +52,22 @@ class _LazyInner(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self._compiled is None:
             with COMPILE_LOCK:  # two threads' first calls: one compiles, the other waits and reuses it
-                if self._compiled is None:
+                if self._compiled is None and self.dynamic and self.inner != "eager":
+                    # NB: a partition of a graph with symbolic sizes: dynamo traces it once with those sizes
+                    # symbolic, so one compile serves every length
+                    self._compiled = torch.compile(self.gm, backend=self.inner, dynamic=True)
+                elif self._compiled is None:
                     self._compiled = compile_inner(self.gm, list(args), self.inner)
         out = self._compiled(*args)
         return out[0] if self._unwrap else out
 
 
-def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str) -> Callable[..., Any]:
+def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str,
+                      dynamic: bool = False) -> Callable[..., Any]:
     """Split ``gm`` at the nodes named in ``region_nodes`` and compile the rest with ``inner``.
 
     ``region_nodes`` are call nodes made by a lowering pass; each becomes its own partition and is run as is.
+    ``dynamic``: ``gm`` has symbolic sizes, and each partition is compiled once for all of them.
     """
     region_set = set(region_nodes)
     part_of: dict[str, int] = {}
@@ -83,6 +90,6 @@ def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: st
         if idx in region_parts:
             continue
         assert isinstance(child, fx.GraphModule)
-        setattr(split, name, _LazyInner(child, inner))
+        setattr(split, name, _LazyInner(child, inner, dynamic))
     log.debug("stitched %d partitions (%d region calls)", len(list(split.children())), len(region_parts))
     return split

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.fx as fx
 
 __all__ = ["MIN_SHARD_BYTES", "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state",
            "autocast_as"]
@@ -40,6 +41,35 @@ def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> i
         return max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
     balance = math.isqrt(-(-T * boundary_bytes // step_bytes) - 1) + 1
     return max(1, balance, -(-MIN_SHARD_BYTES // step_bytes))
+
+
+def h0_index(node: fx.Node) -> int | None:
+    """The position of a linear_scan node's h0 argument."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = t.default
+    names = [a.name for a in t._schema.arguments] if isinstance(t, torch._ops.OpOverload) else None
+    return names.index("h0") if names and "h0" in names else 2
+
+
+def shard_bounds(T: int, S: int, pow2_tail: bool = False) -> list[tuple[int, int]]:
+    """The shards [s, e) of T steps in shards of S, left to right: the last one shorter, or (``pow2_tail``) the rest
+    after the full shards cut into powers of two, largest first, so that every length needs few shard programs."""
+    if not pow2_tail:
+        return [(s, min(s + S, T)) for s in range(0, T, S)]
+    out = [(s, s + S) for s in range(0, T - T % S, S)]
+    s, rest = T - T % S, T % S
+    while rest:
+        L = 1 << (rest.bit_length() - 1)
+        out.append((s, s + L))
+        s, rest = s + L, rest - L
+    return out
+
+
+def without_steps(layout: tuple, step_dims: list) -> tuple:
+    """Per-input ``(shape, dtype, ...)`` entries with the step dim's size replaced by -1 (other entries as they are)."""
+    return tuple(((*(-1 if i == d else v for i, v in enumerate(x[0])),), *x[1:]) if d is not None else x
+                 for x, d in zip(layout, step_dims))
 
 
 def own_bytes(v: object) -> int:

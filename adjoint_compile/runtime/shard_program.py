@@ -55,7 +55,8 @@ from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, autocast_as,
-                          autocast_state, default_shard_size, own_bytes, wanted_shard_size)
+                          autocast_state, default_shard_size, own_bytes, shard_bounds, wanted_shard_size,
+                          without_steps, h0_index as _h0_index)
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
 
@@ -68,14 +69,6 @@ _SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 
 def _ev(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
-
-
-def _h0_index(node: fx.Node) -> int | None:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        t = t.default
-    names = [a.name for a in t._schema.arguments] if isinstance(t, torch._ops.OpOverload) else None
-    return names.index("h0") if names and "h0" in names else 2
 
 
 def _devices(args: Sequence[Any]) -> tuple:
@@ -147,6 +140,11 @@ class ShardProgram:
             else:
                 raise UnsupportedRegion(f"scan {s.name}: h0 must be None or an input of the region")
         self.specialized: dict[int, fx.GraphModule] = {}
+        #: for a region that serves every length (runtime/length_generic.py): shards of ``shard_size`` steps and a
+        #: tail of powers of two, programs free of T (a mean over time is scaled by 1/T outside them), and compiled
+        #: programs shared through ``shared`` (keyed by the layout without the step dims) with the other lengths
+        self.length_free = False
+        self.shared: dict[tuple, tuple[dict, dict]] | None = None
         self.prepared_for: tuple | None = None
         #: hashed dropouts (kernels/random.py): their masks depend on each element's global step, so shard programs
         #: take the shard's first step as one more input
@@ -187,6 +185,8 @@ class ShardProgram:
         if len(Ts) != 1:
             raise ValueError(f"the step-carrying inputs disagree on the number of steps: {sorted(Ts)}")
         self.T = Ts.pop()
+        if self.T < 1:
+            raise UnsupportedRegion(f"T={self.T} steps: nothing to shard")
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [self._mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         FakeTensorProp(self.region_gm, self._mode).propagate_dont_convert_inputs(*fakes)
@@ -205,6 +205,7 @@ class ShardProgram:
         self.out_step_dims = [info.step_dim.get(n) if isinstance(n, fx.Node) else None for n in self.out_nodes]
         #: per output, whether it is a sum over time (``info.sums``): a sweep adds up its shards' values
         self.out_sums = [n in info.sums for n in self.out_nodes]
+        self.out_means = [n in info.sums and info.sums[n].mean for n in self.out_nodes]
         for n, d, is_sum in zip(self.out_nodes, self.out_step_dims, self.out_sums):
             if d is None and not is_sum:
                 raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis")
@@ -234,14 +235,19 @@ class ShardProgram:
         #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
         self.wanted_shard_size = shard_size or wanted_shard_size(self.T, self.boundary_bytes(), self.step_bytes())
         self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
+        if self.length_free and shard_size is None:  # NB: a power of two: few shard lengths over all T
+            self.shard_size = 1 << (self.wanted_shard_size.bit_length() - 1)
         self.specialized = {}
         # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
         # alternating between two devices compiles twice, not on every switch
-        if self.prepared_for is None or _layout(self.prepared_for) != _layout(key):
+        if self.shared is not None:
+            self.compiled, self.vjps = self.shared.setdefault(_layout(without_steps(key[1:], self.in_step_dims)),
+                                                              ({}, {}))
+        elif self.prepared_for is None or _layout(self.prepared_for) != _layout(key):
             self.compiled, self.vjps = {}, {}
         self.prepared_for = key
         # build and check the programs for the lengths this T needs now, so that problems surface up front
-        for L in {min(self.shard_size, self.T), self.T % self.shard_size or min(self.shard_size, self.T)}:
+        for L in {e - s for s, e in self.bounds()}:
             self.program(L)
         return self.shard_size
 
@@ -313,10 +319,11 @@ class ShardProgram:
                 new.args, new.kwargs = tuple(a), {}
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
-            if n in self.info.sums and self.info.sums[n].mean and L != self.T:
+            if n in self.info.sums and self.info.sums[n].mean and (L != self.T or self.length_free):
                 # NB: a shard's mean weighted by L/T: the shards' values then add up to the mean over all T steps
+                # (length-free programs weigh by L alone; run() and vjp() apply the 1/T)
                 with g.inserting_after(new):
-                    env[n] = g.call_function(operator.mul, (new, L / self.T))
+                    env[n] = g.call_function(operator.mul, (new, float(L) if self.length_free else L / self.T))
         for k, s in enumerate(self.scans):
             new, i = env[s], _h0_index(s)
             if len(new.args) > i:
@@ -392,8 +399,14 @@ class ShardProgram:
     # --------------------------------------------------------------------------------------------------- running
 
     def bounds(self) -> list[tuple[int, int]]:
-        """The shards [s, e) of the prepared T and shard size, left to right (the last one may be shorter)."""
-        return [(s, min(s + self.shard_size, self.T)) for s in range(0, self.T, self.shard_size)]
+        """The shards [s, e) of the prepared T, left to right (:func:`~.shard_parts.shard_bounds`)."""
+        return shard_bounds(self.T, self.shard_size, self.length_free)
+
+    def _mean_scaled(self, values: Sequence[Any]) -> list[Any]:
+        """Length-free programs: the outputs that are means over time, times 1/T (see :meth:`_build`)."""
+        if not self.length_free or not self.out_means:
+            return list(values)
+        return [v / self.T if m and v is not None else v for v, m in zip(values, self.out_means)]
 
     def initial_carries(self, inputs: Sequence[Any]) -> list[Any]:
         """The first shard's carries: per scan, its h0 input, or None (zeros); per conv, None (its zero padding)."""
@@ -416,7 +429,7 @@ class ShardProgram:
         args = [*xs, *carries, *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)
         n = len(self.out_nodes)
-        return list(res[:n]), list(res[n:])
+        return self._mean_scaled(res[:n]), list(res[n:])
 
     def _callable(self, L: int, args: list[Any]) -> Any:
         """The shard program for L steps, compiled by the inner compiler on first use for this call pattern.
@@ -429,6 +442,8 @@ class ShardProgram:
         grad = torch.is_grad_enabled()
         key = (L, _devices(args), autocast_state(), grad,
                tuple(None if a is None else (grad and a.requires_grad) for a in args))
+        if self.shared is not None:
+            key += (self.program(L).code,)  # NB: shared with other lengths: the same key must mean the same graph
         fn = self.compiled.get(key)
         if fn is None:
             with COMPILE_LOCK:
@@ -456,6 +471,7 @@ class ShardProgram:
         and compiled by the inner compiler, so a shard costs one call instead of a compiled forward, a compiled
         backward and an autograd-engine pass between them.
         """
+        gouts = self._mean_scaled(gouts)
         wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and isinstance(x, torch.Tensor)]
         wrt_c = [j for j, n in enumerate(needs_c) if n]
         has_g = tuple(g is not None for g in gouts)
@@ -475,6 +491,8 @@ class ShardProgram:
         # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
         fwd = autocast_state() if autocast is None else autocast
         key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
+        if self.shared is not None:
+            key += (self.program(L).code,)
         fn = self.vjps.get(key)
         if fn is None:
             with COMPILE_LOCK:

@@ -1,0 +1,139 @@
+"""The callable of a graph with symbolic sizes (a new sequence length made dynamo recompile with a symbolic T, or
+``torch.compile(dynamic=True)``) that holds something to rewrite.
+
+On its first call the graph is specialized to that call's sizes (passes/specialize.py) and run through the pipeline
+up to lowering; the lowered regions are then put back into the symbolic graph (passes/lower_generic.py), whose
+partitions compile for symbolic sizes once. From then on every length runs that one graph: the regions read T from
+their inputs at each call (runtime/length_generic.py).
+
+Where the regions cannot be put back (normalization changed them) or per-example clipping needs concrete sizes, each
+call signature is specialized and compiled on its own, without a limit on how many (each costs a compile). Nothing
+falls back to ordinary autograd silently: a length that runs without the rewrite is an ``AdjointCompileWarning``
+naming the cause, once, and a row of ``report()``'s fallbacks with the lengths it affected.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import AdjointCompileWarning
+from .inner import COMPILE_LOCK
+from .passes.lower_generic import generalize
+from .passes.partition import stitch_partitions
+from .passes.specialize import specialize
+from .regions import Fallback
+from .runtime.verify import ForwardCheck, copy_graph_module
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LengthDispatch"]
+
+
+def _key(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class LengthDispatch:
+    """See the module docstring. ``owner`` is the symbolic graph's record (``CompiledGraph``); ``pipeline(gm, args,
+    opts, compile)`` runs the backend's pipeline on a specialized graph; ``fallback`` runs the symbolic graph with the
+    inner compiler (compiled while dynamo's symbolic context is active)."""
+
+    def __init__(self, owner: Any, opts: Any, pipeline: Callable[..., Any], fallback: Callable[..., Any]) -> None:
+        self.owner, self.gm, self.opts, self.pipeline, self.fallback = owner, owner.captured.gm, opts, pipeline, fallback
+        # NB: copied now, before anything runs: the first-call check's reference and the generic graph's base
+        self.pristine = copy_graph_module(self.gm)
+        self.generic: Callable[..., Any] | None = None
+        #: why the one graph for every length could not be made ("" not tried yet; "short": retried on a new size)
+        self.generic_failed = ""
+        self.declined: Any = None
+        #: the inputs' total elements at the last try ("short" is retried on larger calls only)
+        self.tried_size = 0
+        self.cache: dict[tuple, Callable[..., Any]] = {}
+        self.fallback_lengths: dict[str, list[tuple]] = {}
+
+    def _fell_back(self, cause: str, remedy: str, key: tuple) -> Callable[..., Any]:
+        """Run this call signature with ordinary autograd, said once per cause, listed in the report."""
+        seen = self.fallback_lengths.setdefault(cause, [])
+        seen.append(key)
+        if len(seen) == 1:
+            fb = Fallback(cause, remedy, {"signatures": seen})
+            self.owner.fallbacks.append(fb)
+            warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}; these sizes run with ordinary autograd "
+                                                f"(no memory saved); {remedy}"), stacklevel=3)
+        return self.fallback
+
+    def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
+        """The one graph for every length (module docstring), or (None, why not): ``"short"`` when nothing was lowered
+        at these sizes (too short to shard: a longer call may still make it), else the reason."""
+        opts = self.opts
+        if opts.per_sample_clip is not None or opts.sequence_parallel is not None or opts.mode == "highway":
+            return None, "per-example clipping, sequence parallelism and Highway-BP are specialized per size"
+        sgm = specialize(copy_graph_module(self.gm), args)
+        result = self.pipeline(sgm, list(args), opts, compile=False)
+        if not result.lowered:
+            self.declined = result
+            return None, "short"
+        sym = copy_graph_module(self.pristine)
+        calls, why = generalize(sym, result.captured.gm, result.lowered, opts.shard_size)
+        if why:
+            log.info("adjoint-compile: the regions cannot serve every length (%s); each length is specialized", why)
+            return None, why
+        self.owner.specializations.append(result)
+        self.owner.lowered = list(calls)
+        fn = stitch_partitions(sym, calls, opts.inner, dynamic=True)
+        if opts.check_forward:
+            names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")
+            fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names, [],
+                              self.owner.fallbacks, self.owner.timing)
+        log.info("adjoint-compile: one graph with %d region call(s) serves every length", len(calls))
+        return fn, ""
+
+    def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
+        why = self.generic_failed
+        size = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+        if not why or why == "short" and size > self.tried_size:
+            self.tried_size = size
+            try:
+                self.generic, why = self._try_generic(args)
+            except Exception as e:  # noqa: BLE001 - fail soft: per-length specialization still works
+                why = f"{type(e).__name__}: {e}"
+                log.warning("adjoint-compile: lowering once for every length failed (%s); each length is "
+                            "specialized", why, exc_info=log.isEnabledFor(logging.DEBUG))
+            self.generic_failed = why
+            if self.generic is not None:
+                return self.generic
+        if why == "short":
+            # NB: nothing to shard at these sizes; a longer call tries again
+            reasons = "; ".join(sorted({r.reason for r in self.declined.regions if r.kind != "residual_chain"}))
+            fn = self._fell_back(f"a length too short to shard ({reasons})", "longer sequences are sharded; "
+                                 "a smaller shard_size shards shorter ones", key)
+            self.cache[key] = fn
+            return fn
+        try:
+            sgm = specialize(copy_graph_module(self.gm), args)
+        except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
+            if self.opts.per_sample_clip is not None:
+                raise
+            fn = self._fell_back(f"a graph with symbolic sizes could not be specialized ({type(e).__name__}: {e})",
+                                 "compile with dynamic=False, or report the model", key)
+            self.cache[key] = fn
+            return fn
+        result = self.pipeline(sgm, list(args), self.opts)
+        self.owner.specializations.append(result)
+        fn = result.fn
+        self.cache[key] = fn
+        return fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.generic is not None:
+            return self.generic(*args)
+        key = _key(args)
+        fn = self.cache.get(key)
+        if fn is None:
+            with COMPILE_LOCK:
+                fn = self.generic or self.cache.get(key) or self._specialize(key, args)
+        return fn(*args)

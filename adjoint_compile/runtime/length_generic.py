@@ -1,0 +1,87 @@
+"""One sharded region for every sequence length: the region lowered at one length T₀ serves calls of any T ≥ 1.
+
+The region graph is lowered from a graph specialized to T₀ (passes/specialize.py), so its shape arguments hold T₀
+as a literal at the step position (``h.view(B, T₀, D, N)``). The shard programs already rewrite that literal to
+their shard length L; a call of another length T gets the region graph with the literal rewritten to T
+(:func:`retarget`), prepared once per T (shape propagation and checks on fake tensors, no compilation), and shares
+the compiled shard programs of every other length:
+
+    calls of T = 300, 301, 977 ─► LengthGenericRegion ─► ShardedRegion(T) per T  (cheap: analysis only)
+                                                   └────► shard programs of S, S/2, S/4, ... steps
+                                                          (compiled once; the sweep cuts T into S-step shards
+                                                           and a tail of powers of two)
+
+Whatever T, the shards partition the steps, so the gradients are exact; the compiled programs number at most
+1 + log₂ S per call pattern, not one per length.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedRegion
+from .sharded import ShardedRegion
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LengthGenericRegion", "retarget"]
+
+
+def retarget(region: ShardedRegion, T: int) -> fx.GraphModule:
+    """``region``'s graph (prepared at its own length) with the length literal at every step position rewritten to
+    ``T``; raises :class:`UnsupportedRegion` where a shape argument holds another literal at a step position."""
+    plan = region._plan
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in region.region_gm.graph.nodes:
+        new = g.node_copy(n, env.__getitem__)
+        env[n] = new
+        if n.op in ("call_method", "call_function") and T != plan.T:
+            plan._rewrite_lengths(n, new, T)
+    return fx.GraphModule(region.region_gm, g)
+
+
+class LengthGenericRegion(torch.nn.Module):
+    """A region call that serves every length (module docstring). ``template`` is the region lowered and prepared
+    at its own length; ``shard_size`` (None: chosen per length from the region's costs, rounded down to a power of
+    two so that the shard lengths stay few)."""
+
+    def __init__(self, template: ShardedRegion, shard_size: int | None) -> None:
+        super().__init__()
+        if getattr(template._plan, "per_sample", None) is not None:
+            raise UnsupportedRegion("per-example clipping regions are specialized per length")
+        self.template = template
+        self.shard_size = shard_size
+        self.label = template.label
+        self.T0 = template._plan.T
+        #: the compiled shard programs of every length, by layout without the step dims (ShardProgram.shared)
+        self.shared: dict[tuple, tuple[dict, dict]] = {}
+        self.regions: dict[int, ShardedRegion] = {}
+        #: distinct lengths seen (report)
+        self.lengths: set[int] = set()
+
+    def _length(self, inputs: Sequence[Any]) -> int:
+        return next(x.shape[d] for x, d in zip(inputs, self.template.in_step_dims) if d is not None)
+
+    def _region(self, T: int) -> ShardedRegion:
+        r = self.regions.get(T)
+        if r is not None:
+            return r
+        t = self.template
+        r = ShardedRegion(retarget(t, T), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
+                          window=t.window)
+        r.label = t.label
+        r._plan.length_free, r._plan.shared = True, self.shared
+        self.regions[T] = r
+        return r
+
+    def forward(self, *inputs: Any) -> Any:
+        T = self._length(inputs)
+        if T < 1:
+            raise ValueError(f"{self.label}: T={T} steps; a sharded region needs at least one")
+        self.lengths.add(T)
+        return self._region(T)(*inputs)

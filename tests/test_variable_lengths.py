@@ -1,0 +1,112 @@
+"""Training data as it comes: one compiled graph serves every sequence length, exactly, with bounded compile work.
+
+The oracle is the same model run eagerly; every length's loss and every gradient are compared."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import adjoint_compile as ac
+from adjoint_compile import inner as inner_mod
+from adjoint_compile import lengths as lengths_mod
+from adjoint_compile.errors import AdjointCompileWarning
+from adjoint_compile.models.selective_ssm import SSMStack
+from adjoint_compile.runtime.length_generic import LengthGenericRegion
+
+#: 50 distinct lengths: odd, prime, below, at and above two shards of 8, and a long tail, in a shuffled order
+LENGTHS = [17, 3, 64, 31, 8, 9, 100, 2, 23, 47, 16, 5, 33, 61, 12, 127, 7, 40, 19, 53, 11, 90, 29, 15, 37, 41, 24,
+           43, 13, 71, 18, 59, 6, 67, 25, 73, 4, 79, 83, 27, 89, 21, 97, 10, 35, 101, 14, 103, 45, 1]
+assert len(set(LENGTHS)) == 50
+
+
+def _run(lengths, options, dynamic=None, dtype=torch.float64, tol=1e-9):
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).to(dtype)
+    params = list(model.parameters())
+
+    def loss_fn(x):
+        return model(x).square().mean()
+
+    step = torch.compile(loss_fn, backend="adjoint", options=options, dynamic=dynamic)
+    for T in lengths:
+        x = torch.randn(2, T, 8, dtype=dtype)
+        want = loss_fn(x)
+        gw = torch.autograd.grad(want, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            got = step(x)
+        gg = torch.autograd.grad(got, params)
+        assert torch.allclose(got, want, rtol=tol, atol=tol), T
+        for a, b in zip(gg, gw):
+            assert torch.allclose(a, b, rtol=tol, atol=tol), (T, float((a - b).abs().max()))
+    return step
+
+
+def _generic_regions(step):
+    """The length-generic region modules of the compiled graphs."""
+    out = []
+    for rec in ac.report(step).compiled:
+        fn = getattr(rec.fn, "generic", None)
+        fn = getattr(fn, "fn", fn)  # under the first-call check
+        if fn is not None:
+            out += [m for m in fn.modules() if isinstance(m, LengthGenericRegion)]
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypatch):
+    pipelines, compiles = [], []
+    real_compile = inner_mod.compile_inner
+
+    def counting(gm, ex, inner):
+        compiles.append(len(ex))
+        return real_compile(gm, ex, inner)
+
+    import adjoint_compile.runtime.shard_program as sp
+    monkeypatch.setattr(sp, "compile_inner", counting)
+    real_dispatch = lengths_mod.LengthDispatch._specialize
+
+    def spec(self, key, args):
+        pipelines.append(key)
+        return real_dispatch(self, key, args)
+
+    monkeypatch.setattr(lengths_mod.LengthDispatch, "_specialize", spec)
+    step = _run(LENGTHS, {"inner": "aot_eager", "shard_size": 8}, dynamic)
+    (region,) = _generic_regions(step)
+    # every length from the first one that shards on; the static first call (17) and T = 1 (dynamo specializes it)
+    # have graphs of their own, and the short ones before the first long one run with ordinary autograd
+    assert set(LENGTHS[2:-1]) <= region.lengths, sorted(set(LENGTHS) - region.lengths)
+    # the one graph was made by at most one try at a short length and one that lowered
+    assert len(pipelines) <= 2, pipelines
+    # shard programs: lengths 8, 4, 2, 1 (forward, and recompute + VJP per call pattern): bounded, not per length
+    assert len(compiles) <= 24, len(compiles)
+    report = ac.report(step)
+    assert any(r.rewrite == "adjoint" for r in report.regions)
+    fallbacks = [f for rec in report.compiled for f in rec.fallbacks]
+    # a length too short to shard, said once per graph, is the only fallback, with the sizes it affected (auto-dynamic:
+    # T = 3 before the first long call; dynamic=True: T = 1, which dynamo compiles with batch symbolic and T static)
+    assert fallbacks and {f.cause.split(" (")[0] for f in fallbacks} == {"a length too short to shard"}
+    shorts = [next(a for a in sig if isinstance(a, tuple) and len(a[0]) == 3)[0][1]
+              for f in fallbacks for sig in f.details["signatures"]]
+    assert shorts and all(T <= 3 for T in shorts), shorts
+
+
+def test_short_lengths_and_zero_behave_as_eager():
+    step = _run([5, 7, 1, 2, 3], {"inner": "aot_eager", "shard_size": 4})
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager", "shard_size": 4})
+    empty = torch.randn(2, 0, 8, dtype=torch.float64)
+    assert f(empty).shape == model(empty).shape == (2, 0, 8)
+    assert step is not None
+
+
+def test_pow2_tail_partitions_the_steps():
+    from adjoint_compile.runtime.shard_parts import shard_bounds
+
+    for T in range(1, 40):
+        b = shard_bounds(T, 8, pow2_tail=True)
+        assert b[0][0] == 0 and b[-1][1] == T and all(e1 == s2 for (_, e1), (s2, _) in zip(b, b[1:]))
+        assert {e - s for s, e in b} <= {8, 4, 2, 1}
