@@ -27,7 +27,7 @@ from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_of
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
-from .regions import Region, Rejection, group_rejections, rejection_lines
+from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
 from .runtime.verify import compare_grads, copy_graph_module, grads_of
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ class Report:
                    graphs if graphs is not None else [c.captured.gm for c in compiled], list(graph_breaks or []),
                    options, index, list(compiled), figures[0] if len(figures) == 1 else None)
 
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """Calls of the compiled graphs that ran with ordinary autograd although the graph had a rewrite (a
+        first-call check that found a difference, a length too short to shard, ...), each with cause and remedy."""
+        return [f for c in self.compiled for f in c.fallbacks]
+
     def to_dict(self) -> dict[str, Any]:
         regions = []
         for i, r in enumerate(self.regions):
@@ -98,6 +104,7 @@ class Report:
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
             "regions": regions,
             "rejections": [j.to_dict() for j in self.rejections],
+            "fallbacks": [f.to_dict() for f in self.fallbacks],
             **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 
@@ -152,6 +159,9 @@ class Report:
         uses = [u for c in self.compiled if c.per_sample is not None for u in c.per_sample.uses]
         if self.options.per_sample_clip is not None:
             lines += _per_sample_lines(uses, self.options.per_sample_clip)
+        if self.fallbacks:
+            lines.append("fallbacks (calls that ran with ordinary autograd although the graph had a rewrite):")
+            lines += [f"  {i + 1}. {f.cause}; {f.remedy}" for i, f in enumerate(self.fallbacks)]
         if self.fidelity is not None:
             f = self.fidelity
             lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "

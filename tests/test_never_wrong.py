@@ -235,6 +235,8 @@ def test_first_call_check_falls_back_with_a_warning(monkeypatch):
     assert float(m.calls) == 1.0  # the buffer written in place is not written twice by the check or the fallback
     (fb,) = report.compiled[0].fallbacks
     assert "differs" in fb.cause and "check_forward" in fb.remedy and fb.details["rel_err"] > 0.1
+    assert report.fallbacks == [fb] and "fallbacks" in str(report) and fb.cause in str(report)
+    assert report.to_dict()["fallbacks"][0]["cause"] == fb.cause
     got2 = compiled(x)  # later calls run the fallback, with no new warning
     assert torch.allclose(got2, want, rtol=1e-12, atol=0) and float(m.calls) == 2.0
     assert len(report.compiled[0].fallbacks) == 1

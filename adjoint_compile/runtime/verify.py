@@ -44,7 +44,7 @@ def grads_of(run: Callable[..., Any], args: Sequence[Any], named: dict[str, torc
     ``args`` that require grad (named ``input i``)."""
     if named is None:
         args = [x.detach().clone().requires_grad_(x.requires_grad)
-                if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in args]
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) else x for x in args]
         named = {f"input {i}": x for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad}
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(seed)
@@ -63,10 +63,12 @@ def compare_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
     if not names:
         return {"grad_rel_err": 0.0, "grad_cosine": 1.0, "worst": "", "worst_rel_err": 0.0, "tensors": 0,
                 "missing": sorted(set(want) ^ set(got))}
-    a = torch.cat([got[n].double().flatten().cpu() for n in names])
-    b = torch.cat([want[n].double().flatten().cpu() for n in names])
-    rel = {n: float((got[n].double() - want[n].double()).norm() / want[n].double().norm().clamp_min(1e-30))
-           for n in names}
+    def real(x: torch.Tensor) -> torch.Tensor:  # NB: a complex gradient as (real, imaginary) pairs, never its real part
+        return torch.view_as_real(x.to(torch.complex128)) if x.is_complex() else x.double()
+
+    a = torch.cat([real(got[n]).flatten().cpu() for n in names])
+    b = torch.cat([real(want[n]).flatten().cpu() for n in names])
+    rel = {n: float((real(got[n]) - real(want[n])).norm() / real(want[n]).norm().clamp_min(1e-30)) for n in names}
     worst = max(rel, key=rel.__getitem__)
     return {"grad_rel_err": float((a - b).norm() / b.norm().clamp_min(1e-30)),
             "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
