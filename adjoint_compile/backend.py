@@ -291,9 +291,11 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
         # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)
         guard_parameters(gm, example_inputs)
     if compile and symbolic:
-        # NB: the fallback is compiled now, while dynamo's tracing context (with the graph's symbolic sizes) is
-        # active: compiled later, aot_autograd would take the sizes of the call at hand as static
-        result.fn = LengthDispatch(result, opts, run_pipeline, stitch(captured, [], opts, pristine))
+        # NB: the fallback compiles on first use, by dynamo with symbolic sizes (stitch_partitions' dynamic mode):
+        # compiled now, inside the outer frame's tracing context, inductor's guards on T (e.g. T <= 128) would
+        # become the frame's and recompile it at longer lengths
+        fallback = stitch_partitions(pristine if pristine is not None else gm, [], opts.inner, dynamic=True)
+        result.fn = LengthDispatch(result, opts, run_pipeline, fallback)
     elif compile:
         result.fn = stitch(captured, calls, opts, pristine)
         if calls:
