@@ -14,6 +14,7 @@ import torch.fx as fx
 from .fx import example_value, nodes_in, reachable, reentry, scan_args
 from .rules import Ctx, norm_dim, step_shape
 from .optable import EXPANDS, POINTWISE, op_name, raw_name
+from .losses import loss_args
 from .time_local import (TimeLocalInfo, analyze, causal_conv, conv_args, embedding_ids, padded_causal_conv, rule_for,
                          shift_of)
 
@@ -54,34 +55,47 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             if n in members:
                 continue
             members.add(n)
-            for m in list(n.all_input_nodes) + list(n.users):
+            # NB: through a sum over time that reads n (a loss), to its other operands (the targets' views)
+            via_sums = [a for u in n.users if u in info.sums and info.sums[u].input is n for a in u.all_input_nodes]
+            for m in list(n.all_input_nodes) + list(n.users) + via_sums:
                 if m in cand and m not in members:
                     stack.append(m)
         # a getitem of a tuple made outside the region becomes an input: region inputs must be tensors
         cut = {n for n in members if n.op == "call_function" and n.target is operator.getitem
                and isinstance(n.args[0], fx.Node) and n.args[0] not in members
                and isinstance(example_value(n.args[0]), (tuple, list))}
+        # NB: a value with the batch folded into its step dim is neither a region input nor an output: a shard's
+        # rows of it are not one slice
+        cut |= {n for n in members if (n in info.folds and any(u not in members and u not in info.sums
+                                                                for u in n.users))
+                or any(a in info.folds and a not in members for a in n.all_input_nodes)}
         if cut:
             cand -= cut
             continue
         # convexity: a path that leaves the members and comes back (member -> non-member -> member)
         entry = reentry(gm.graph.nodes, members)
-        if entry is None:
+        if entry is not None:
+            # NB: drop the members downstream of the path, unless that drops a scan we grow the region for (e.g. a
+            # causal conv between two SSM layers): then drop the members upstream of it, which go to a later region.
+            dropped = reachable(entry) & members
+            if any(x in dropped for x in seeds):
+                near = reachable(entry, forward=False) & members
+                if not any(x in near for x in seeds):
+                    dropped = near
+            cand -= dropped
+            log.debug("region_around: dropping %s to keep the region convex", sorted(x.name for x in dropped))
+            continue
+        # a sum over time of a member ends the region: its shards' sums add up (none of its users may be members)
+        for t, ts in info.sums.items():
+            if (ts.input in members and not any(u in members for u in t.users)
+                    and not any(a in info.folds and a not in members for a in t.all_input_nodes)
+                    and reentry(gm.graph.nodes, members | {t}) is None):
+                members.add(t)
+        # NB: a folded value read outside (by a sum that could not join) would be an output: it stays out
+        cut = {n for n in members if n in info.folds and any(u not in members for u in n.users)}
+        if not cut:
             break
-        # NB: drop the members downstream of the path, unless that drops a scan we grow the region for (e.g. a
-        # causal conv between two SSM layers): then drop the members upstream of it, which go to a later region.
-        dropped = reachable(entry) & members
-        if any(x in dropped for x in seeds):
-            near = reachable(entry, forward=False) & members
-            if not any(x in near for x in seeds):
-                dropped = near
-        cand -= dropped
-        log.debug("region_around: dropping %s to keep the region convex", sorted(x.name for x in dropped))
-    # a sum over time of a member ends the region: its shards' sums add up (none of its users may be members)
-    for t, ts in info.sums.items():
-        if ts.input in members and not any(u in members for u in t.users) and reentry(
-                gm.graph.nodes, members | {t}) is None:
-            members.add(t)
+        cand -= cut
     nodes = sorted(members, key=order.__getitem__)
     bounds: list[tuple[str, str]] = []
     seen: set[fx.Node] = set()
@@ -116,7 +130,7 @@ def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
     for combo in itertools.product(*cands):
         if all(c is None for c in combo):
             continue
-        trial = TimeLocalInfo(step_dim=dict(zip(ins, combo)), mixing={}, length=T)
+        trial = TimeLocalInfo(step_dim=dict(zip(ins, combo)), mixing={}, length=T, fold_ok=True)
         try:
             d, why = rule(node, Ctx(node, trial))
         except Exception:  # noqa: BLE001 - an assignment the rule cannot read is not valid
@@ -201,7 +215,8 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
         inv = (halo and (_through_conv(n, d) or _through_embedding(n, d))) or (
             _inverse(n, d, T) if n.op in ("call_function", "call_method") else None)
         if not inv:
-            seeds[n] = d
+            if (sn := step_shape(n)) is None or sn[d] == T:  # NB: a value with the batch folded in is no seed
+                seeds[n] = d
             continue
         for a, k in inv.items():
             if want.setdefault(a, k) != k:
@@ -218,6 +233,15 @@ def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, 
     that dim (nothing is guessed: the alignment is the broadcast's, or gather's same-shape rule)."""
     found: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
+        if (m := loss_args(n)) is not None and info.step_dim.get(m["input"]) is not None:
+            # the targets of a loss: row for row with its input (analysis/losses.py)
+            t, x, d = m["target"], m["input"], info.step_dim[m["input"]]
+            st = step_shape(t)
+            k = d if st is not None and len(st) == len(step_shape(x)) else max(d - 1, 0)
+            if (isinstance(t, fx.Node) and t not in found and info.step_dim.get(t) is None and st is not None
+                    and k < len(st) and st[k] == info.steps_at(x) and d != 1):
+                found[t] = k
+            continue
         d = info.step_dim.get(n)
         if d is None or n.op not in ("call_function", "call_method") or op_name(n) not in POINTWISE | {"gather"}:
             continue
@@ -227,7 +251,7 @@ def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, 
             if a in found or info.step_dim.get(a) is not None or shp is None or out is None:
                 continue
             k = d - (len(out) - len(shp))
-            if 0 <= k < len(shp) and shp[k] == info.length and shp[k] > 1:
+            if 0 <= k < len(shp) and shp[k] == info.steps_at(n) and shp[k] > 1:
                 found[a] = k
     return found
 

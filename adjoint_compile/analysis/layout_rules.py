@@ -14,22 +14,33 @@ from .fx import example_value
 from .rules import Ctx, Rule, dims_arg, norm_dim, op_label, step_shape
 
 
-def _reshape_map(sin: tuple[int, ...], sout: tuple[int, ...], d: int) -> int | None:
-    """Where the step axis (dim d of sin) lands in a row-major reshape to sout, if it stays a dim of its own.
+def _reshape_map(sin: tuple[int, ...], sout: tuple[int, ...], d: int, fold: int = 1,
+                 T: int | None = None) -> tuple[int, int] | None:
+    """Where the step axis (dim d of sin) lands in a row-major reshape to sout: (dim k of sout, its fold), or None
+    when it does not stay a dim of its own.
 
-    The axis survives iff some dim d' of sout has the same size and the same number of elements before it.
-    NB: with several candidates (only possible next to size-1 dims when T == 1) the first is taken; with T == 1
-    every choice is time-local.
+    The axis survives at k iff dim k of sout has the same size and the same number of elements before it (fold
+    1). With ``T`` given, a dim k of G·T elements whose last T are the steps (the dims merged into it end with the
+    step dim: ``[B, T, V] -> [B·T, V]``) carries them with G folded in front (fold G); a step dim of ``fold``·T is
+    read as ``fold`` dims in front of T (so ``[B·T] -> [B, T]`` unfolds it).
+    NB: with several candidates (only possible next to size-1 dims when T == 1) the first is taken, fold 1 first;
+    with T == 1 every choice is time-local.
     """
+    if fold > 1:
+        if T is None or sin[d] != fold * T:
+            return None
+        sin, d = (*sin[:d], fold, T, *sin[d + 1:]), d + 1
     before = math.prod(sin[:d])
-    acc = 1
+    acc, folded = 1, None
     for k, n in enumerate(sout):
         if acc == before and n == sin[d]:
-            return k
+            return k, 1
+        if folded is None and T and acc * n == before * sin[d] and n % T == 0 and n > T:
+            folded = (k, n // T)
         acc *= n
-        if isinstance(acc, int) and isinstance(before, int) and acc > before > 0:
+        if isinstance(acc, int) and isinstance(before, int) and acc > before * sin[d] > 0:
             break
-    return None
+    return folded
 
 
 def view(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
@@ -39,10 +50,11 @@ def view(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
         return None, None
     if out is None:
         return None, f"no shape for {node.name}"
-    k = _reshape_map(s, out, d)
-    if k is None:
+    m = _reshape_map(s, out, d, ctx.info.folds.get(x, 1), ctx.T if ctx.info.fold_ok else None)
+    if m is None:
         return None, f"{op_label(node)} merges or splits the step dim ({list(s)} -> {list(out)})"
-    return k, None
+    ctx.fold = m[1]
+    return m[0], None
 
 
 def expand(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:

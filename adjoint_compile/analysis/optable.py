@@ -74,6 +74,8 @@ COMPLEX_VIEWS = _names("view_as_real view_as_complex")
 COMPLEX_PARTS = _names("real imag")
 #: repeat each element along one dim (Mamba-2's groups of B and C spread over the heads)
 REPEATS = _names("repeat_interleave")
+#: losses over rows (analysis/losses.py): one loss per row, or their sum or mean.
+LOSS_OPS = _names("cross_entropy nll_loss")
 #: ops with a rule of their own.
 SINGLE = _names("""linear einsum norm normalize flip roll topk permute unsqueeze squeeze select narrow index_select gather
 unbind stack getitem""")
@@ -128,7 +130,7 @@ BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FE
 #: every name of the table.
 KNOWN: frozenset[str] = frozenset().union(
     POINTWISE, SAME_SHAPE, METADATA, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
-    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, COMPLEX_VIEWS, REPEATS, SINGLE, EXPLICIT.values(),
+    EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, COMPLEX_VIEWS, REPEATS, LOSS_OPS, SINGLE, EXPLICIT.values(),
     LINEAR_IN_CARRY, SUM_OPS, NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
 
 _SPELLED: dict[Any, str] = dict(EXPLICIT)

@@ -38,6 +38,15 @@ class TimeLocalInfo:
     #: sums (and means) over the step axis of a time-local value (``analyze(..., halo=True)``): node -> the parts.
     #: Their outputs carry no step axis; a region may end in them, adding up its shards' partial sums.
     sums: dict[fx.Node, "TimeSum"] = dataclasses.field(default_factory=dict)
+    #: values whose step dim holds the batch folded in front of the steps (``logits.flatten(0, 1)`` of a
+    #: ``[B, T, V]`` value: a ``[B·T, V]`` value whose row b·T + t is step t of sequence b): node -> the fold (B).
+    #: Its length there is fold·T; a shard's is fold·L. Only with ``fold_ok`` (``analyze(..., halo=True)``).
+    folds: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    fold_ok: bool = False
+
+    def steps_at(self, n: fx.Node) -> int | None:
+        """The length of ``n``'s step dim: T, or fold·T for a value with the batch folded into it."""
+        return None if self.length is None else self.length * self.folds.get(n, 1)
 
     def carries_step(self, n: fx.Node) -> bool:
         return self.step_dim.get(n) is not None
@@ -95,6 +104,9 @@ class TimeSum:
     input: fx.Node
     dim: int
     mean: bool
+    #: a loss's mean over its valid targets (``cross_entropy(..., reduction="mean")``): the sum of the shards'
+    #: sums over the sum of their counts (:func:`~.losses.loss_count`), both whole-batch quantities
+    ratio: bool = False
 
 
 Rule = Callable[[fx.Node, "Ctx"], "tuple[int | None, str | None]"]
@@ -125,6 +137,9 @@ class Ctx:
         self.node = node
         self.info = info
         self.method = node.op == "call_method"
+        #: the fold of the output's step dim, when the rule sets it (a reshape that merges or splits the batch and
+        #: the steps); None: the fold of the step-carrying inputs
+        self.fold: int | None = None
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         """Positional argument i (counting self for methods) or keyword ``name``."""
@@ -167,7 +182,8 @@ def broadcast(node: fx.Node, ctx: Ctx, operands: list[Any] | None = None) -> tup
         d_out = d
     if d_out is None:
         return None, None
-    if out[d_out] != ctx.T and ctx.T is not None:
+    want = ctx.info.steps_at(next(a for a in tensors if ctx.sd(a) is not None))
+    if want is not None and out[d_out] != want:
         return None, f"output length {out[d_out]} at the step dim differs from T={ctx.T}"
     for a in tensors:
         if ctx.sd(a) is not None:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from . import layout_rules as lr
 from . import optable as ops
+from .losses import loss_sum, row_loss
 from . import rules as r
 from .fx import example_value, is_linear_scan, nodes_in
 from ..kernels.shift import shift_steps
@@ -94,6 +95,7 @@ _by_name(ops.REPEATS, r.repeat_interleave)
 _by_name(ops.COMPLEX_VIEWS, lr.complex_view)
 _by_name(["pad"], r.pad)
 _by_name(["shift_steps"], r.shift)
+_by_name(ops.LOSS_OPS, row_loss)
 # NB: hashed_dropout's mask is a function of (seed, position): a shard's recomputation makes the same one
 _by_name(["hashed_dropout"], r.same_shape)
 assert set(RULES) <= ops.KNOWN, sorted(set(RULES) - ops.KNOWN)  # NB: a name the table lacks would match nothing
@@ -296,6 +298,8 @@ def _embedding_in_region(node: fx.Node, info: TimeLocalInfo) -> int | None:
     # NB: ids that mix steps themselves (a slice of a longer input) still carry the axis: the region reads them
     if m is None or info.step_dim.get(m[0]) is None or info.step_dim.get(m[1]) is not None or m[1] in info.mixing:
         return None
+    if m[0] in info.folds:  # NB: ids with the batch folded into their step dim give rows folded alike
+        info.folds[node] = info.folds[m[0]]
     return info.step_dim[m[0]]
 
 
@@ -336,7 +340,7 @@ def _token_shift_in_region(node: fx.Node, info: TimeLocalInfo) -> CausalConv | N
         return None
     x, p, dim, fill = m
     d = info.step_dim.get(x)
-    if d is None or d != dim or x in info.mixing:
+    if d is None or d != dim or x in info.mixing or x in info.folds:
         return None
     return CausalConv(conv=node, sliced=None, input=x, halo=p, dim=d, kind="shift", fill=fill)
 
@@ -421,7 +425,7 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
     size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
-    info = TimeLocalInfo(step_dim={}, mixing={}, length=T)
+    info = TimeLocalInfo(step_dim={}, mixing={}, length=T, fold_ok=halo)
     pending_slices = _PendingSlices(info)
     for node in gm.graph.nodes:
         seed = seeds.get(node)
@@ -454,7 +458,7 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
         if halo and (m := padded_causal_conv(node)) is not None and m[0] not in info.mixing:
             info.step_dim[m[0]] = None  # NB: the tentatively local pad before a conv that does not join
             info.mixing[m[0]] = "pad along the step dim (before a conv that cannot join a region)"
-        if halo and (ts := _time_sum(node, info)) is not None:
+        if halo and (ts := (_time_sum(node, info) or loss_sum(node, info))) is not None:
             # NB: no step axis and not mixing: a region may end in it (analysis/grow.py), summing its shards' sums
             info.step_dim[node] = None
             info.sums[node] = ts
@@ -470,12 +474,12 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
         if not any(info.step_dim.get(a) is not None for a in inputs) and seed is None:
             info.step_dim[node] = None  # step-free: parameter math and constants, whatever the op
             continue
-        rule = rule_for(node)
+        rule, ctx = rule_for(node), Ctx(node, info)
         if rule is None:
             d, why = None, f"unknown op {op_label(node)}"
         else:
             try:
-                d, why = rule(node, Ctx(node, info))
+                d, why = rule(node, ctx)
             except Exception as e:  # a rule that cannot read its node must not guess
                 d, why = None, f"could not analyze {op_label(node)}: {type(e).__name__}: {e}"
         if seed is not None and d is None and why is None and _expands_along(node, seed, T):
@@ -483,9 +487,18 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
         if seed is not None and d != seed:
             why = why or f"seeded at step dim {seed} but the op puts it at {d}"
             d = seed
+        if d is not None:
+            folds = {info.folds.get(a, 1) for a in inputs if info.step_dim.get(a) is not None} or {1}
+            fold = ctx.fold or (1 if seed is not None else folds.pop() if len(folds) == 1 else None)
+            if fold is None:
+                why = why or "operands with the batch folded into their step dim differently"
+            elif fold > 1:
+                info.folds[node] = fold
         if (d is not None and T is not None and (s := step_shape(node)) is not None
-                and not isinstance(example_value(node), (tuple, list)) and (d >= len(s) or s[d] != T)):
+                and not isinstance(example_value(node), (tuple, list))
+                and (d >= len(s) or s[d] != info.steps_at(node))):
             why, d = why or f"output has length {s[d] if d < len(s) else '?'} at the step dim, not T={T}", None
+            info.folds.pop(node, None)
         info.step_dim[node] = d
         if why is not None:
             info.mixing[node] = why

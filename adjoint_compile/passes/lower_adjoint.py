@@ -113,6 +113,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
             raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(_ev(a)).__name__}){hint}")
     if not outputs:
         raise UnsupportedRegion("the region has no outputs")
+    for n in [*inputs, *outputs]:
+        if n in info.folds:
+            raise UnsupportedRegion(f"{n.name} folds the batch into its step dim: a shard's rows of it are not one "
+                                    f"slice")
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)

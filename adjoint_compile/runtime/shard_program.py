@@ -50,6 +50,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..analysis.fx import is_linear_scan, scan_args
 from ..analysis.grow import scan_seeds
+from ..analysis.losses import loss_args, loss_count
+from ..analysis.step_literals import rewrite_lengths
 from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
@@ -63,8 +65,6 @@ from .truncated import nu_shape
 log = logging.getLogger(__name__)
 
 __all__ = ["MIN_SHARD_BYTES", "ShardProgram", "default_shard_size", "wanted_shard_size"]
-
-_SHAPE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 
 
 def _ev(n: fx.Node) -> Any:
@@ -207,8 +207,9 @@ class ShardProgram:
         self.out_sums = [n in info.sums for n in self.out_nodes]
         self.out_means = [n in info.sums and info.sums[n].mean for n in self.out_nodes]
         for n, d, is_sum in zip(self.out_nodes, self.out_step_dims, self.out_sums):
-            if d is None and not is_sum:
-                raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis")
+            if (d is None and not is_sum) or n in info.folds:
+                raise UnsupportedRegion(f"region output {getattr(n, 'name', n)} does not carry the step axis"
+                                        + (" as a dim of its own" if n in info.folds else ""))
         for n in info.sums:
             if any(u.op != "output" for u in n.users):
                 raise UnsupportedRegion(f"node {n.name} sums over the step dim and is read inside the region")
@@ -217,6 +218,12 @@ class ShardProgram:
         ] != self.out_step_dims:
             raise ValueError(f"out_step_dims={self.out_step_dims_given} but the region's outputs carry the step axis "
                              f"at {self.out_step_dims}")
+        #: the outputs that are means over valid targets (a loss, analysis/losses.py): each shard gives its sum and its
+        #: count, one more output per ratio after the others (summed like them; ShardedRegion divides)
+        self.ratios = [i for i, n in enumerate(self.out_nodes) if n in info.sums and info.sums[n].ratio]
+        self.out_step_dims += [None] * len(self.ratios)
+        self.out_sums += [True] * len(self.ratios)
+        self.out_means += [False] * len(self.ratios)
         self.scan_dims = [info.step_dim[s] for s in self.scans]
         self.carry_shapes = []
         self.carry_dtypes = []
@@ -284,6 +291,7 @@ class ShardProgram:
         shifts = list(self.info.shifts.items())
         prevs = [g.placeholder(f"prev_{j}") for j in range(len(shifts))]
         t0 = g.placeholder("step_offset") if self.random else None
+        dens: dict[fx.Node, fx.Node] = {}
         for n in self.region_gm.graph.nodes:
             if n.op in ("placeholder", "output"):
                 continue
@@ -319,6 +327,11 @@ class ShardProgram:
                 new.args, new.kwargs = tuple(a), {}
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
+            if n in self.info.sums and self.info.sums[n].ratio:  # NB: the shard's sum, and its count of targets
+                a = {k: v for k, v in loss_args(new).items() if k not in ("size_average", "reduce")}
+                new.args, new.kwargs = (), {**a, "reduction": "sum"}
+                with g.inserting_after(new):
+                    dens[n] = g.call_function(loss_count, (a["target"], a["ignore_index"], a["weight"]))
             if n in self.info.sums and self.info.sums[n].mean and (L != self.T or self.length_free):
                 # NB: a shard's mean weighted by L/T: the shards' values then add up to the mean over all T steps
                 # (length-free programs weigh by L alone; run() and vjp() apply the 1/T)
@@ -332,36 +345,13 @@ class ShardProgram:
                 new.kwargs = {**new.kwargs, "h0": carries[k]}
         finals = [g.call_function(torch.select, (env[s], d, -1)) for s, d in zip(self.scans, self.scan_dims)]
         finals += [g.call_function(_halo_out, (xp, cc.halo, cc.dim)) for xp, cc in zip(padded, self.convs)]
-        g.output(tuple(env[n] for n in self.out_nodes) + tuple(finals))
+        dens_out = tuple(dens[self.out_nodes[i]] for i in self.ratios)
+        g.output(tuple(env[n] for n in self.out_nodes) + dens_out + tuple(finals))
         return fx.GraphModule(self.region_gm, g), env
 
     def _rewrite_lengths(self, n: fx.Node, new: fx.Node, L: int) -> None:
-        """Shape arguments holding T at the step position become L (dynamo bakes literal sizes into the graph)."""
-        d = self.info.step_dim.get(n)
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if n.op == "call_function" and n.target not in (torch.reshape, torch.broadcast_to):
-            name = ""  # only these take a shape as a function; the checked run below catches anything else
-        if name not in _SHAPE_ARG_METHODS or d is None:
-            return
-        if n.op == "call_method":
-            rest = list(n.args[1:])
-            packed = len(rest) == 1 and isinstance(rest[0], (list, tuple))
-            sizes = list(rest[0]) if packed else rest
-        else:
-            packed, sizes = True, list(n.args[1])
-        if any(isinstance(v, fx.Node) for v in sizes) or "shape" in n.kwargs or "size" in n.kwargs:
-            raise UnsupportedRegion(f"node {n.name}: shape computed at run time ({sizes}); cannot shard it")
-        if len(sizes) != len(_ev(n).shape):
-            raise UnsupportedRegion(f"node {n.name}: cannot read its shape arguments {sizes}")
-        if sizes[d] == -1:
-            return
-        if sizes[d] != self.T:
-            raise UnsupportedRegion(f"node {n.name}: size {sizes[d]} at the step position, expected T={self.T}")
-        sizes[d] = L
-        if n.op == "call_method":
-            new.args = (new.args[0], tuple(sizes)) if packed else (new.args[0], *sizes)
-        else:
-            new.args = (new.args[0], tuple(sizes), *new.args[2:])
+        """Shape arguments holding T (fold·T) at the step position become L (fold·L): dynamo bakes literal sizes."""
+        rewrite_lengths(self.info, self.T, n, new, L)
 
     def _check(self, gm: fx.GraphModule, env: dict[fx.Node, fx.Node], L: int) -> None:
         """Run the shard program on fake tensors; every node must have its full-length shape with L at the step dim."""
@@ -391,6 +381,7 @@ class ShardProgram:
             d = self.info.step_dim.get(n)
             if d is not None:
                 want[d] = L - 1 if any(sh.sliced is n for sh in self.info.shifts.values()) else L
+                want[d] *= self.info.folds.get(n, 1)
             if not isinstance(w, torch.Tensor) or list(w.shape) != want:
                 got = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
                 raise UnsupportedRegion(f"node {n.name}: shape {got} in the {L}-step shard program, expected {want} "
@@ -428,7 +419,7 @@ class ShardProgram:
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
         args = [*xs, *carries, *prevs, *self._offset(t0)]
         res = self._callable(L, args)(*args)
-        n = len(self.out_nodes)
+        n = len(self.out_step_dims)
         return self._mean_scaled(res[:n]), list(res[n:])
 
     def _callable(self, L: int, args: list[Any]) -> Any:

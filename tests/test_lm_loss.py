@@ -1,0 +1,193 @@
+"""A language model compiled with its loss, head and cross-entropy included, flat in T (analysis/losses.py,
+analysis/layout_rules.py folds, runtime/shard_program.py): the loss forms training scripts write (flattened
+``(B·T, V)`` logits, the ``[B, V, T]`` layout, reductions "mean", "sum" and "none" followed by a reduction or a mask,
+``ignore_index`` with the mean over valid targets, label smoothing, class weights, the shift by one, a z-loss,
+``nn.CrossEntropyLoss``, transformers' ``ForCausalLMLoss``) join the sharded region, so the ``[B, T, V]`` logits
+exist one shard at a time. Against eager autograd in fp64 at T = 13 with shard sizes 1, 4 and 5, ignored targets at
+shard boundaries and whole shards of them; each form's report names the loss among the sums over time it takes in.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+
+V, D, B, T = 11, 8, 2, 13
+SHARDS = [1, 4, 5]
+#: ignored targets: at shard boundaries (t = 0, 4, 5) and every step from 8 on (the whole shards [8, 12), [10, 13)
+#: and [12, 13) at shard sizes 4 and 5; any of them at 1)
+IGNORED = [(0, 0), (1, 4), (0, 5), (1, 5)] + [(b, t) for b in range(B) for t in range(8, T)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.decay, self.inp, self.out = RMSNorm(d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.norm(x)
+        return x + self.out(ac.ops.linear_scan(torch.sigmoid(self.decay(u)), self.inp(u), dim=1))
+
+
+class LM(nn.Module):
+    """Embedding -> 2 x (RMSNorm, Linear, sigmoid decay, linear_scan, Linear, residual) -> RMSNorm -> head."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.Sequential(Layer(D), Layer(D))
+        self.norm, self.head = RMSNorm(D), nn.Linear(D, V, bias=not tied)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layers(self.emb(ids))))
+
+
+def _masked_gather(lg: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    logp = lg.view(-1, V).log_softmax(-1).gather(-1, t.clamp_min(0).view(-1, 1)).squeeze(-1)
+    valid = (t != -100).view(-1).to(lg.dtype)
+    return -(logp * valid).sum() / valid.sum()
+
+
+def _z_loss(lg: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(lg.flatten(0, 1), t.flatten()) + 1e-2 * torch.logsumexp(lg, -1).pow(2).mean()
+
+
+_CE = nn.CrossEntropyLoss(label_smoothing=0.05)
+_W = torch.rand(V, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+
+#: form -> (loss of the logits [B, T, V] and the targets [B, T], how many sums over time the region takes in)
+FORMS = {
+    "flatten(0, 1)": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten()), 1),
+    "view(-1, V)": (lambda lg, t: F.cross_entropy(lg.view(-1, V), t.view(-1)), 1),
+    "reshape(B*T, V)": (lambda lg, t: F.cross_entropy(lg.reshape(B * T, V), t.reshape(B * T)), 1),
+    "[B, V, T]": (lambda lg, t: F.cross_entropy(lg.transpose(1, 2), t), 1),
+    "sum": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="sum") / 50, 1),
+    "none, mean": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="none").mean(), 1),
+    "none, mask": (lambda lg, t: (F.cross_entropy(lg.view(-1, V), t.view(-1), reduction="none")
+                                  * (t % 3 != 0).view(-1)).sum() / (t % 3 != 0).sum(), 1),
+    "none, per sequence": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="none")
+                           .view(B, T).sum(1).pow(2).mean() / 100, 1),
+    "label smoothing": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), label_smoothing=0.2), 1),
+    "class weights": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), weight=_W.to(lg.dtype),
+                                                    label_smoothing=0.1), 1),
+    "nn.CrossEntropyLoss": (lambda lg, t: _CE(lg.view(-1, V), t.view(-1)), 1),
+    "ignore_index=3": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.clamp_min(0).flatten(), ignore_index=3), 1),
+    "nll_loss": (lambda lg, t: F.nll_loss(lg.log_softmax(-1).flatten(0, 1), t.flatten()), 1),
+    "log_softmax, gather": (_masked_gather, 2),
+    "z-loss": (_z_loss, 2),
+    "upcast": (lambda lg, t: F.cross_entropy(lg.double().view(-1, V), t.view(-1)), 1),
+    "labels padded by -100, [..., 1:]": (lambda lg, t: F.cross_entropy(
+        lg.view(-1, V), F.pad(t, (0, 1), value=-100)[..., 1:].contiguous().view(-1)), 1),
+}
+
+
+class Step(nn.Module):
+    """The model and its loss compiled as one: ``forward(ids, targets)`` returns the loss."""
+
+    def __init__(self, loss, tied: bool = False) -> None:
+        super().__init__()
+        self.lm, self.loss = LM(tied), loss
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.lm(ids), targets)
+
+
+class AllForms(nn.Module):
+    """Every form's loss of one forward: ``forward(ids, targets)`` returns them as a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = LM()
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        lg = self.lm(ids)
+        return tuple(f(lg, targets) for f, _ in FORMS.values())
+
+
+def _data(seed: int = 0, t: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids, tg = torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
+    for b, s in IGNORED:
+        if s < t:
+            tg[b, s] = -100
+    return ids, tg
+
+
+def _compile(model: nn.Module, shard: int) -> nn.Module:
+    torch._dynamo.reset()
+    return torch.compile(model, backend="adjoint", options={"shard_size": shard, "inner": "aot_eager"})
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _takes_in(rep: ac.Report, n_sums: int) -> dict:
+    """The one sharded region's details; it takes in the head and ``n_sums`` sums over time (the loss)."""
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert lin and all(r.rewrite == "adjoint" for r in lin), str(rep)
+    assert len({r.details["region_call"] for r in lin}) == 1, str(rep)
+    details = lin[0].details
+    assert len(details.get("sums_over_time", [])) == n_sums, str(rep)
+    assert "sum(s) over time" in lin[0].reason, lin[0].reason
+    return details
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_region_takes_in_the_loss(form):
+    """Each form: the region runs from the token lookup to the loss (the report's sums over time), so the logits
+    are never an output of it."""
+    torch.manual_seed(0)
+    step = Step(FORMS[form][0]).double()
+    rep = ac.explain(step, *_data(), options={"shard_size": 4})
+    details = _takes_in(rep, FORMS[form][1])
+    assert details["embeddings"], details
+
+
+def _check(model: nn.Module, shard: int, *data: torch.Tensor, tol: float = 1e-10, n_sums: int = 1,
+           weights: list[float] | None = None) -> ac.Report:
+    """The loss(es) of ``model`` compiled with shards of ``shard`` steps against eager autograd: values and every
+    parameter's gradient (of the losses weighted by ``weights``: one backward) to ``tol`` relative."""
+    ref = copy.deepcopy(model)
+    f = _compile(model, shard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(*data)
+    want = ref(*data)
+    got, want = (got,) if isinstance(got, torch.Tensor) else got, (want,) if isinstance(want, torch.Tensor) else want
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert abs(g.item() - w.item()) <= tol * abs(w.item()), (k, g.item(), w.item())
+    c = weights or [1.0] * len(got)
+    sum(ci * g for ci, g in zip(c, got)).backward()
+    sum(ci * w for ci, w in zip(c, want)).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= tol, (name, _rel(p.grad, q.grad))
+    rep = ac.report(f)
+    _takes_in(rep, n_sums)
+    return rep
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_every_form_is_exact(shard):
+    """All forms from one forward (fp64, 1e-10): each loss's value, and the gradients of a random combination of
+    them (a wrong gradient of any one form shows)."""
+    torch.manual_seed(0)
+    c = torch.rand(len(FORMS), generator=torch.Generator().manual_seed(shard)).add(0.5).tolist()
+    _check(AllForms().double(), shard, *_data(), n_sums=sum(n for _, n in FORMS.values()), weights=c)
