@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
 from . import options as _options
+from . import timing
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
 from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
 from .inner import compile_inner
@@ -48,6 +49,7 @@ from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .analysis.fx import written_inputs
 from .analysis.optable import RANDOM, DROPOUT
 from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
+from .timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class CompiledGraphFn:
         if self._original is not None:
             original, self._original = self._original, None
             self._verify(original, args)
-        return self._fn(*args)
+        return timing.call(self.result.timing, self._fn, args)  # NB: run-time compiles count to this graph
 
     def _verify(self, original: fx.GraphModule, args: tuple) -> None:
         fid = graph_fidelity(original, self._fn, args)
@@ -138,7 +140,7 @@ def stitch(captured: Captured, lowered: list[str], opts: Options,
     copy taken before normalization, when given): exactly what that compiler alone would give."""
     if not lowered:
         return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner)
-    return stitch_partitions(captured.gm, lowered, opts.inner)
+    return timed("stitch", stitch_partitions, captured.gm, lowered, opts.inner)
 
 
 def _draws_random(gm: fx.GraphModule) -> bool:
@@ -193,9 +195,9 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
     """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): every scan and causal conv along time
     exchanges its carry / halo with the other ranks; in exact mode, recognized one-scan regions are sharded inside
     the rank as well (runtime/seqpar_sharded.py)."""
-    captured = capture(gm, example_inputs, seed_dropout=False)
-    regions, rejections = recognize(captured, opts)
-    plans = decide.plan(regions, opts)
+    captured = timed("capture", capture, gm, example_inputs, seed_dropout=False)
+    regions, rejections = timed("recognize", recognize, captured, opts)
+    plans = timed("decide", decide.plan, regions, opts)
     result = CompiledGraph(captured, regions, rejections, [], None, opts)
     settled = []
 
@@ -262,22 +264,33 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
                  compile: bool = True) -> CompiledGraph:
     """capture -> recognize -> decide -> lower -> stitch on ``gm`` (modified in place).
 
-    ``compile=False`` stops before stitch (``explain()``: decisions and lowering only, nothing compiled).
+    ``compile=False`` stops before stitch (``explain()``: decisions and lowering only, nothing compiled). The
+    seconds of each stage are in the record's ``timing`` (adjoint_compile/timing.py), logged at INFO.
     """
-    if opts.sequence_parallel is not None:
-        return _run_seqpar(gm, example_inputs, opts, compile)
+    with timing.recording() as spent:
+        result = (_run_seqpar if opts.sequence_parallel is not None else _run_pipeline)(gm, example_inputs, opts,
+                                                                                         compile)
+    result.timing.update(spent)
+    if log.isEnabledFor(logging.INFO):
+        log.info("adjoint-compile: compile time of a graph of %d nodes: %s", len(gm.graph.nodes),
+                 timing.summary([result.timing]))
+    return result
+
+
+def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:
     # NB: normalization rewrites gm in place; the graph as captured goes to the inner compiler when nothing is
     # rewritten, and is the reference of the first-call check otherwise
-    pristine = copy_graph_module(gm) if compile else None
-    captured = capture(gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
-    regions, rejections = recognize(captured, opts)
-    plans = decide.plan(regions, opts)
+    pristine = timed("copy", copy_graph_module, gm) if compile else None
+    captured = timed("capture", capture, gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
+    regions, rejections = timed("recognize", recognize, captured, opts)
+    plans = timed("decide", decide.plan, regions, opts)
     # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized
     # per call signature like one with regions to shard
     symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None)
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, symbolic=True)
-    outcomes = lower(captured, regions, plans, opts) if regions and not captured.symbolic else [None] * len(regions)
+    outcomes = (timed("lower", lower, captured, regions, plans, opts) if regions and not captured.symbolic
+                else [None] * len(regions))
     decide.settle(regions, plans, outcomes)
     result = CompiledGraph(captured, regions, rejections, lowered_calls(outcomes), None, opts)
     calls = list(result.lowered)
@@ -285,7 +298,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Option
         # NB: after the lowering: a sharded region (exact adjoint) is one parameter use that records its own
         # per-example gradients; the uses it lowers run eagerly (their own partitions), the rest with the inner
         # compiler
-        result.per_sample = lower_per_sample(captured.gm, example_inputs, opts)
+        result.per_sample = timed("per_sample", lower_per_sample, captured.gm, example_inputs, opts)
         calls += result.per_sample.calls
     if opts.per_sample_clip is not None and compile:
         # NB: before anything of this frame can run eagerly (a later recompile past dynamo's limit, a graph break)

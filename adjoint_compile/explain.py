@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
-from . import polyfills
+from . import polyfills, timing
 from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_of
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
@@ -99,7 +99,8 @@ class Report:
             "graphs": [{"index": i, "nodes": len(g.graph.nodes),
                         "normalized": self.compiled[i].captured.normalized if i < len(self.compiled) else {},
                         **({"fidelity": self.compiled[i].fidelity}
-                           if i < len(self.compiled) and self.compiled[i].fidelity is not None else {})}
+                           if i < len(self.compiled) and self.compiled[i].fidelity is not None else {}),
+                        **({"timing": dict(self.compiled[i].timing)} if i < len(self.compiled) else {})}
                        for i, g in enumerate(self.graphs)],
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
             "regions": regions,
@@ -166,6 +167,8 @@ class Report:
             f = self.fidelity
             lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
                          f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})")
+        if (spent := timing.summary([c.timing for c in self.compiled])) is not None:
+            lines.append(f"compile time: {spent}")  # NB: adjoint_compile/timing.py; seconds, all graphs together
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -19,7 +19,9 @@ gets here.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
 
+from . import timing
 from .errors import AdjointCompileWarning
 
 log = logging.getLogger(__name__)
@@ -46,12 +49,26 @@ __all__ = ["compile_inner", "COMPILE_LOCK"]
 #: the causes of inductor failures already warned about (one warning per distinct cause, per process)
 _warned: set[str] = set()
 
+#: what a compile is, by the module that asks for it (adjoint_compile.timing: ``inner.{what}_s`` / ``_n``)
+_CALLERS = {"adjoint_compile.passes.partition": "partitions", "adjoint_compile.runtime.shard_program": "shard_programs",
+            "adjoint_compile.runtime.shard_vjp": "shard_vjps"}
+
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
     """Compile ``gm`` with the inner compiler named by the ``inner`` option (under :data:`COMPILE_LOCK`); with
-    "inductor", aot_eager where inductor fails (module docstring)."""
+    "inductor", aot_eager where inductor fails (module docstring). The seconds it takes count to the graph being
+    compiled or run (adjoint_compile.timing), by what asked for it (a partition, a shard program, ...)."""
     if inner == "eager":
         return gm.forward
+    what = _CALLERS.get(sys._getframe(1).f_globals.get("__name__", ""), "whole_graph")
+    t0 = time.perf_counter()
+    try:
+        return _compile(gm, example_inputs, inner)
+    finally:
+        timing.add_run_time(what, time.perf_counter() - t0)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
     with COMPILE_LOCK:
         if inner == "aot_eager":
             return lookup_backend("aot_eager")(gm, list(example_inputs))
@@ -78,7 +95,7 @@ def _inductor_or_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
             warnings.warn(f"adjoint-compile: inductor could not compile a graph ({cause}); it runs with aot_eager "
                           f"instead (same results, eager kernels). Pass options={{'inner': 'aot_eager'}} to use it "
                           f"everywhere, or TORCH_LOGS='+adjoint_compile' for inductor's traceback",
-                          AdjointCompileWarning, stacklevel=3)
+                          AdjointCompileWarning, stacklevel=4)
     return lookup_backend("aot_eager")(gm, list(example_inputs))
 
 

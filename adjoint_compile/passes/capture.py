@@ -41,6 +41,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.fx import is_linear_scan, written_inputs
+from ..timing import timed
 from ..regions import Recurrence, Rejection
 from .buffer_writes import stack_buffer_writes
 from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
@@ -81,9 +82,9 @@ class Captured:
 
 def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
     """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections."""
-    found, rejected = find_recurrences(gm)
-    loops, loop_rejected = find_unrolled(gm)
-    cells, _ = find_cells(gm)
+    found, rejected = timed("find_recurrences", find_recurrences, gm)
+    loops, loop_rejected = timed("find_unrolled", find_unrolled, gm)
+    cells, _ = timed("find_cells", find_cells, gm)
     return [*found, *loops, *cells], [*rejected, *loop_rejected]
 
 
@@ -97,26 +98,26 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured
-    known = replace_known_scans(gm)
-    noops, buffers = drop_noop_ops(gm), stack_buffer_writes(gm)
-    captured.writes = written_inputs(gm.graph)[1]
+    known = timed("known_scans", replace_known_scans, gm)
+    noops, buffers = timed("noop_ops", drop_noop_ops, gm), timed("buffer_writes", stack_buffer_writes, gm)
+    captured.writes = timed("written_inputs", written_inputs, gm.graph)[1]
     if captured.writes:
         captured.normalized = {"known_scans": known, "noop_ops": noops, "buffer_writes": buffers}
         log.debug("capture: in-place writes left (%s): not normalized", ", ".join(n.name for n in captured.writes))
         return captured
     try:
-        forms, _ = rewrite_scan_forms(gm)
-        matched = match_recurrences(gm)
+        forms, _ = timed("scan_forms", rewrite_scan_forms, gm)
+        matched = timed("match", match_recurrences, gm)
     except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
         log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
         return captured
     todo = [r for r in matched[0] if needs_reroll(r)]
-    made = reroll(gm, todo) if todo else []
-    readouts = reroll_readouts(gm, made) if made else {}
-    shifts = canonicalize_shifts(gm)
+    made = timed("reroll", reroll, gm, todo) if todo else []
+    readouts = timed("readouts", reroll_readouts, gm, made) if made else {}
+    shifts = timed("shifts", canonicalize_shifts, gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
-    token_shifts = canonicalize_token_shifts(gm) if has_scans else 0
-    dropouts = seed_dropouts(gm) if seed_dropout and has_scans else 0
+    token_shifts = timed("token_shifts", canonicalize_token_shifts, gm) if has_scans else 0
+    dropouts = timed("dropouts", seed_dropouts, gm) if seed_dropout and has_scans else 0
     captured.normalized = {"rerolled": made, "shifts": shifts, "token_shifts": token_shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms

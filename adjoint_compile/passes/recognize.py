@@ -33,6 +33,7 @@ from ..analysis.grow import region_around
 from ..analysis.time_local import analyze
 from ..options import Options
 from ..regions import PROVENANCE, Recurrence, Region, Rejection, ResidualChain
+from ..timing import stage
 from .find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from .find_residuals import find_residuals
 from .find_cells import find_cells
@@ -64,7 +65,8 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
         rejections += matched[1]
     for what, fn, out in matchers:
         try:
-            found, rejected = fn(gm)
+            with stage(fn.__name__):
+                found, rejected = fn(gm)
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
             log.debug("recognize: the %s matcher failed", what, exc_info=True)
             rejections.append(Rejection("graph", "<graph>", f"the {what} matcher raised {type(e).__name__}: {e}"))
@@ -73,7 +75,8 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
         rejections.extend(rejected)
     chains = _drop_time_chains(chains, recurrences)
     try:
-        _neighbourhoods(gm, recurrences)
+        with stage("time_local"):
+            _neighbourhoods(gm, recurrences)
     except Exception as e:  # noqa: BLE001
         log.debug("recognize: time-local analysis failed", exc_info=True)
         for r in recurrences:

@@ -4,11 +4,13 @@ shard's backward is one compiled call with no autograd-engine pass of its own.""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .. import timing
 from ..inner import compile_inner
 from .shard_parts import autocast_as
 from .truncated import truncate_program
@@ -54,7 +56,9 @@ def build_vjp(sp: Any, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[
         unused[:] = [g is None for g in got]
         return tuple(torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt))
 
+    t0 = time.perf_counter()
     gm = make_fx(joint, tracing_mode="fake")(*example)
+    timing.add_run_time("vjp_traces", time.perf_counter() - t0)
     gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
     log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
               len(gm.graph.nodes))
