@@ -139,6 +139,12 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     FakeTensorProp(new, mode).propagate_dont_convert_inputs(*fakes)
+    for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
+        v = n.meta.get("val")
+        if isinstance(a, torch.nn.Parameter) and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+            # NB: a parameter's value is a Parameter, as in dynamo's graphs: per_sample_clip's lowering tells the
+            # parameters by it (a sharded region's parameters were taken for activations in specializations)
+            n.meta["val"] = torch.nn.Parameter(v, requires_grad=a.requires_grad)
     folded = 0
     for n in list(new.graph.nodes):
         v = n.meta.get("val")
