@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..errors import PerSampleError
+from .per_sample_backward import accumulates, refuse_autograd_grad
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class DirectRecord(Record):
         self.g = g  # [B, *p.shape]
 
     def sq_norms(self) -> Tensor:
-        return self.g.flatten(1).float().pow(2).sum(1)
+        return self.g.flatten(1).to(torch.promote_types(self.g.dtype, torch.float32)).pow(2).sum(1)
 
     def per_example(self) -> Tensor:
         return self.g
@@ -103,7 +104,7 @@ class LinearRecord(Record):
         self.zeta, self.g, self.transposed = zeta, g, transposed
 
     def sq_norms(self) -> Tensor:
-        z, g = self.zeta.float(), self.g.float()
+        z, g = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (self.zeta, self.g))
         return ((z @ z.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
 
     def per_example(self) -> Tensor:
@@ -128,7 +129,8 @@ class EmbeddingRecord(Record):
     def sq_norms(self) -> Tensor:
         B, D = self.idx.shape[0], self.g.shape[-1]
         uniq, inv = torch.unique(self._keys(), return_inverse=True)
-        acc = self.g.new_zeros(len(uniq), D, dtype=torch.float32).index_add_(0, inv, self.g.reshape(-1, D).float())
+        wide = torch.promote_types(self.g.dtype, torch.float32)  # NB: fp32 at least; fp64 stays fp64
+        acc = self.g.new_zeros(len(uniq), D, dtype=wide).index_add_(0, inv, self.g.reshape(-1, D).to(wide))
         return acc.new_zeros(B).index_add_(0, uniq // self.rows, acc.pow(2).sum(1))
 
     def per_example(self) -> Tensor:
@@ -155,6 +157,8 @@ _steps = 0
 
 def _record(param: Tensor, rec: Record, site: Site, rows: tuple[int, int] | None = None) -> None:
     global _pending
+    if not accumulates(param):  # NB: autograd.grad (its hook refuses it), or backward(inputs=...) without it
+        return
     task = torch._C._current_graph_task_id()
     # NB: before the parameter's AccumulateGrad runs (it is downstream of this op): what its guard compares with
     param._adjoint_ps_snap = (task, *_grad_state(param))
@@ -249,6 +253,7 @@ def guard_parameter(p: Tensor, name: str) -> None:
     if isinstance(p, torch._subclasses.FakeTensor):
         return
     p.register_post_accumulate_grad_hook(_unclipped(name))
+    p.register_hook(refuse_autograd_grad(p, name))
     p._adjoint_ps_guard = id(p)
 
 
