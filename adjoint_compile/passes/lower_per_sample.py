@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..errors import PerSampleError
+from ..errors import AdjointCompileWarning, PerSampleError
 from ..options import Options
 from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ..runtime.sharded import ShardedRegion
@@ -80,7 +81,7 @@ def _name(n: fx.Node) -> str:
 def _where(n: fx.Node) -> str:
     st = (n.meta.get("stack_trace") or "").strip().splitlines()
     files = [ln.strip() for ln in st if ln.strip().startswith("File ")]
-    code = st[-1].strip() if st else ""
+    code = next((ln.strip() for ln in reversed(st) if set(ln.strip()) - set("^~ ")), "")  # NB: not the ^^^ line
     return f"{files[-1]}: {code}" if files else "(no source line recorded)"
 
 
@@ -467,6 +468,29 @@ class _Lowerer:
         return call
 
 
+_MEANS_WARNED: set[str] = set()  # the batch means warned about (their source lines): once each
+
+
+def _warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, clip: float) -> None:
+    """A loss that is a mean over the examples divides each example's gradient by the N values averaged: the bound
+    C then acts as N·C on the summed loss's per-example norms (C = 1 clips nothing of a typical model)."""
+    for n in gm.graph.nodes:
+        name, red = _name(n), n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "sum")), "mean"))
+        if _reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in ("mean", "nanmean") and (
+                name not in LOSSES or red != "mean") or (key := f"{_where(n)} {n.name}") in _MEANS_WARNED:
+            continue
+        t = _val(n.args[1]) if name in ("cross_entropy", "nll_loss") and len(n.args) > 1 else None
+        N = t.numel() if isinstance(t, torch.Tensor) else _val(n.args[0]).numel() // max(1, _val(n).numel())
+        if N > 1:
+            _MEANS_WARNED.add(key)
+            warnings.warn(f"adjoint-compile per_sample_clip: the loss is a mean over the batch ({name} at "
+                          f"{_where(n)}): it divides every example's gradient and its norm by the N = {N} values "
+                          f"averaged, so per_sample_clip={clip:g} bounds the summed loss's norms at N·C = "
+                          f"{N * clip:g} and may clip nothing. Reduce with a sum (.sum(), reduction=\"sum\") and "
+                          f"divide the clipped gradients by the batch size yourself (DP-SGD's form), or pass C/N "
+                          f"(here {clip / N:g}) to bound them at C", AdjointCompileWarning, stacklevel=2)
+
+
 def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> PerSampleLowering:
     """Replace every parameter use in ``gm`` with a book-keeping call; raise :class:`PerSampleError` for ops that
     mix examples."""
@@ -480,6 +504,7 @@ def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Op
         if kind_of.get(a) == "P":
             raise _refuse(a, "is a parameter value returned by the graph without meeting an example: its gradient "
                              "could not be attributed to examples")
+    _warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
     low = _Lowerer(gm, kind_of, opts, batch)
     for n in uses:
         for p in {q for a in n.all_input_nodes if kind_of.get(a) == "P" for q in low._param_leaves(a)}:
