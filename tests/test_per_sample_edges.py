@@ -1,0 +1,205 @@
+"""per_sample_clip at its edges: torch.autograd.grad of the parameters is refused with a PerSampleError that says to
+call .backward() (p.grad untouched), a loss that is a mean over the batch warns once (it shrinks every example's norm
+by 1/N), and clipping over 50 sequence lengths (each one a specialization of the symbolic graph) equals the
+torch.func oracles of tests/test_per_sample.py."""
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+from adjoint_compile.models.selective_ssm import SSMStack
+from test_per_sample import _loss, loop_clipped, vmap_norms
+
+OPTS = {"inner": "aot_eager"}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def _ssm() -> nn.Module:
+    """The shipped SSM at d_model=4, its parameters moved off their initial values (the final RMSNorm's weight of
+    ones makes the sum of squares of the output a constant)."""
+    torch.manual_seed(1)
+    model = SSMStack(d_model=4, d_state=2, n_layers=1).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+# --- torch.autograd.grad --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("allow_unused", [False, True])
+def test_autograd_grad_of_the_parameters_raises_naming_the_option_and_backward(allow_unused):
+    model = _mlp()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    x = torch.randn(3, 4)
+    with pytest.raises(ac.PerSampleError, match=r"per_sample_clip.*torch\.autograd\.grad.*loss\.backward\(\)"):
+        torch.autograd.grad(_loss(f(x)), list(model.parameters()), allow_unused=allow_unused)
+    assert all(p.grad is None for p in model.parameters()), "a refused autograd.grad wrote p.grad"
+    # NB: one parameter asked for is enough; a p.grad from an earlier backward stays as it was
+    _loss(f(x)).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ac.PerSampleError, match=r"0\.weight"):
+        torch.autograd.grad(_loss(f(x)), [model[0].weight])
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_after_a_refused_autograd_grad_backward_clips_as_before():
+    model = _mlp()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, **OPTS})
+    x = torch.randn(4, 4)
+    want, _ = loop_clipped(model, (x,), 0.5)
+    with pytest.raises(ac.PerSampleError):
+        torch.autograd.grad(_loss(f(x)), list(model.parameters()))
+    _loss(f(x)).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
+
+
+def test_autograd_grad_of_the_inputs_only_runs_and_writes_no_p_grad():
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    x = torch.randn(3, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(_loss(f(x)), [x])
+    (want,) = torch.autograd.grad(_loss(ref(x)), [x])
+    torch.testing.assert_close(gx, want)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_autograd_grad_through_a_sharded_region_raises_and_writes_no_p_grad():
+    model = _ssm()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "shard_size": 4, **OPTS})
+    x = torch.randn(2, 9, 4, dtype=torch.float64)
+    with pytest.raises(ac.PerSampleError, match="loss.backward()"):
+        torch.autograd.grad(_loss(f(x)), list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), ac.report(f)
+
+
+def test_backward_with_inputs_clips_over_the_named_parameters_and_writes_only_theirs():
+    model = _mlp()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.3, **OPTS})
+    x = torch.randn(4, 4)
+    named = [model[2].weight, model[2].bias]
+    _loss(f(x)).backward(inputs=named)
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    ref = copy.deepcopy(model)
+    per = []
+    for i in range(4):
+        per.append(torch.autograd.grad(_loss(ref(x[i:i + 1])), [ref[2].weight, ref[2].bias]))
+    norms = torch.stack([math.sqrt(sum(float(g.pow(2).sum()) for g in gs)) * torch.ones(()) for gs in per])
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), norms, rtol=1e-5, atol=0)
+    c = torch.clamp(0.3 / norms, max=1)
+    assert (c < 1).any()
+    for k, p in enumerate(named):
+        torch.testing.assert_close(p.grad, sum(c[i] * per[i][k] for i in range(4)), rtol=1e-4, atol=1e-6)
+
+
+# --- a mean over the batch --------------------------------------------------------------------------------------
+
+def _warnings_of(step, *inputs) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(*inputs).backward()
+    return [str(w.message) for w in caught if issubclass(w.category, ac.AdjointCompileWarning)
+            and "mean over the batch" in str(w.message)]
+
+
+def test_a_mean_over_the_batch_warns_once_with_the_remedy():
+    model = _mlp()
+    x = torch.randn(6, 4)
+
+    def mean_loss(x):
+        return model(x).pow(2).mean()
+    got = _warnings_of(torch.compile(mean_loss, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS}), x)
+    assert len(got) == 1, got
+    msg = got[0]
+    assert "N = 12" in msg and "per_sample_clip=1" in msg and "reduction=\"sum\"" in msg, msg
+    assert "C/N (here 0.0833333)" in msg and "mean_loss" in msg, msg
+    # NB: once: the same loss compiled again (or a new batch size) does not repeat it
+    assert _warnings_of(torch.compile(mean_loss, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS}),
+                        torch.randn(5, 4)) == []
+
+
+def test_cross_entropy_with_its_default_mean_warns():
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    step = torch.compile(lambda x: F.cross_entropy(model(x), y), backend="adjoint",
+                         options={"per_sample_clip": 1.0, **OPTS})
+    got = _warnings_of(step, x)
+    assert len(got) == 1 and "cross_entropy" in got[0] and "N = 6" in got[0], got
+
+
+@pytest.mark.parametrize("form", ["sum", "cross_entropy_sum", "mean_over_features", "inf"])
+def test_a_sum_or_a_mean_over_other_axes_does_not_warn(form):
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    loss = {"sum": lambda x: model(x).pow(2).sum(),
+            "cross_entropy_sum": lambda x: F.cross_entropy(model(x), y, reduction="sum"),
+            "mean_over_features": lambda x: model(x).pow(2).mean(-1).sum(),
+            "inf": lambda x: model(x).pow(2).mean()}[form]
+    clip = float("inf") if form == "inf" else 1.0
+    assert _warnings_of(torch.compile(loss, backend="adjoint", options={"per_sample_clip": clip, **OPTS}), x) == []
+
+
+# --- 50 lengths -----------------------------------------------------------------------------------------------------
+
+class _ScanLayer(nn.Module):
+    """Linear gates around one ac.ops.linear_scan: the smallest sequence model with a sharded region."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.gate, self.inp, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(ac.ops.linear_scan(torch.sigmoid(self.gate(x)), self.inp(x)))
+
+
+def _scan_layer() -> nn.Module:
+    torch.manual_seed(2)
+    return _ScanLayer().double()
+
+
+@pytest.mark.parametrize("make,sharded_from", [
+    (_scan_layer, 12),
+    # NB: ~110 s on a 2-core CPU (each length compiles the SSM's shard programs anew)
+    pytest.param(_ssm, 5, marks=pytest.mark.slow)], ids=["scan_layer", "ssm"])
+def test_clipping_over_50_lengths_equals_the_torch_func_oracle(make, sharded_from):
+    """A model under per_sample_clip with shard_size=4 at T = 1..50, fp64: one dynamo graph with a symbolic length,
+    specialized and compiled per length (short lengths keep ordinary autograd with per-example book-keeping: one
+    shard, or a rewrite that would not pay). Norms against vmap(grad), the clipped sum against a loop over the
+    examples, to 1e-9; every length from ``sharded_from`` on is sharded."""
+    model = make()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "shard_size": 4, **OPTS})
+    start, clipped = time.perf_counter(), 0
+    for T in range(1, 51):
+        x = torch.randn(3, T, 4, dtype=torch.float64)
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NB: the short lengths' 'declined' warnings
+            _loss(f(x)).backward()
+        want_norms = vmap_norms(model, (x,))
+        want, _ = loop_clipped(model, (x,), 1.0)
+        got = ac.per_sample_grad_norms(f)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want_norms, rtol=1e-9, atol=0, msg=lambda m: f"T={T}: {m}")
+        clipped += int((want_norms > 1.0).sum())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"T={T} {n}: {m}")
+    assert clipped > 50, "the test should clip"
+    rep = ac.report(f)
+    rewritten = {r.length for r in rep.regions if r.kind == "linear_recurrence" and r.rewrite == "adjoint"}
+    assert rewritten >= set(range(sharded_from, 51)), sorted(rewritten)
+    print(f"50 lengths: {time.perf_counter() - start:.1f} s")
