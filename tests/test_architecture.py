@@ -22,7 +22,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     # NB: the matchers are pure functions from a graph to typed records: capture uses the recurrence matchers to
     # find what to re-roll, recognition runs them all on the normalized graph
     ("matchers", ("passes", "passes.find_recurrences", "passes.unrolled", "passes.find_residuals",
-                  "passes.find_scan_forms", "passes.find_generic_scan", "passes.find_cells", "passes.find_tree_scans")),
+                  "passes.find_scan_forms", "passes.find_generic_scan", "passes.find_cells", "passes.find_tree_scans",
+                  "passes.prefilter")),
     ("capture", ("passes.capture", "passes.reroll", "passes.batching", "passes.canonical_shifts",
                  "passes.seeded_dropout", "passes.specialize", "passes.scan_forms", "passes.known_scans",
                  "passes.noop_ops", "passes.buffer_writes", "passes.reroll_readouts")),

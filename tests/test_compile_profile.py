@@ -1,19 +1,35 @@
-"""Compile-time profile (adjoint_compile/timing.py).
+"""Compile-time profile (adjoint_compile/timing.py) and the matchers' pre-filter (passes/prefilter.py).
 
 * every stage of the pipeline, and the inner compiles at run time (partitions, shard programs and their VJPs), are
   on the graph's record (``CompiledGraph.timing``) with non-negative seconds; ``report()`` / ``explain()`` show them
-  in one "compile time:" line and the backend logs them at INFO.
+  in one "compile time:" line and the backend logs them at INFO;
+* the pre-filter skips the matchers of a graph with nothing for them, and agrees with the full matchers on every
+  example and the tests' models: a matcher it would skip finds nothing there.
 """
 from __future__ import annotations
 
 import logging
+import runpy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
+import adjoint_compile.passes.capture as capture_mod
+import adjoint_compile.passes.recognize as recognize_mod
 from adjoint_compile import timing
+from adjoint_compile.backend import run_pipeline
+from adjoint_compile.options import validate
+from adjoint_compile.passes import prefilter
+from adjoint_compile.passes.find_cells import find_cells
+from adjoint_compile.passes.find_recurrences import find_recurrences
+from adjoint_compile.passes.find_residuals import find_residuals
+from adjoint_compile.passes.scan_forms import match_scan_forms
+from adjoint_compile.passes.unrolled import find_unrolled
+from adjoint_compile.runtime.verify import copy_graph_module
+from helpers import trace
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = ("copy", "capture", "recognize", "decide", "lower", "stitch")
@@ -51,8 +67,9 @@ def test_every_stage_and_the_run_time_compiles_are_on_the_record():
     for stage in PIPELINE + ("pipeline",):
         assert t.get(f"{stage}_s", -1.0) >= 0.0, (stage, t)
     # NB: each normalization pass and each matcher, nested under its stage
-    for sub in ("capture.known_scans", "capture.noop_ops", "capture.match", "capture.match.find_recurrences",
-                "capture.match.find_unrolled", "recognize.find_residuals", "recognize.time_local"):
+    for sub in ("capture.prefilter", "capture.known_scans", "capture.noop_ops", "capture.match",
+                "capture.match.find_recurrences", "capture.match.find_unrolled", "recognize.prefilter",
+                "recognize.find_residuals", "recognize.time_local"):
         assert f"{sub}_s" in t, (sub, sorted(t))
     assert all(v >= 0.0 for v in t.values()), t
     # NB: compiled at run time: the partitions and shard programs at the first forward, the VJPs at the backward
@@ -101,3 +118,109 @@ def test_stages_outside_a_recording_record_nothing():
             pass
     assert set(t) == {"capture_s", "capture.reroll_s", "pipeline_s"} and min(t.values()) >= 0.0
     assert timing.summary([t]).startswith("passes ")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pre-filter
+
+
+def test_the_matchers_do_not_run_on_a_graph_without_candidates(monkeypatch):
+    """An MLP has no scan, slice, recurrent cell or sum: no matcher runs on it (each would raise here)."""
+    def boom(gm):
+        raise AssertionError("a matcher ran")
+
+    for mod, name in [(capture_mod, "find_recurrences"), (capture_mod, "find_unrolled"), (capture_mod, "find_cells"),
+                      (capture_mod, "rewrite_scan_forms"), (recognize_mod, "find_recurrences"),
+                      (recognize_mod, "find_unrolled"), (recognize_mod, "find_cells"), (recognize_mod, "find_residuals")]:
+        monkeypatch.setattr(mod, name, boom)
+    monkeypatch.setattr(prefilter, "CHECK", False)
+    res = run_pipeline(trace(_mlp(), torch.randn(3, 8)), [], validate(None), compile=False)
+    assert res.regions == [] and res.rejections == [], res.rejections
+    # NB: with a candidate (a sum: the residual matcher's), that matcher runs, and here raises: a rejection says so
+    res = run_pipeline(trace(lambda x: torch.tanh(x) + x, torch.randn(3, 8)), [], validate(None), compile=False)
+    assert any("a matcher ran" in j.reason for j in res.rejections), res.rejections
+
+
+def _examples() -> dict:
+    out = {}
+    for name in ("selective_ssm", "mamba_conv", "gru_scan", "pre_ln_transformer", "post_ln_transformer",
+                 "relu_resnet"):
+        mod = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
+        out[f"example:{name}"] = (lambda mod=mod: (mod["make"](), tuple(mod["example_inputs"]())))
+    return out
+
+
+def _test_models() -> dict:
+    import test_highway_rnn as rnn
+    import test_known_scans as known
+    import test_loop_forms as loops
+    import test_recognize as rec
+    import test_recognize_unrolled as unrolled
+    import test_scan_forms as forms
+    import test_shift_readout as shifts
+    import test_token_shift as token
+    import test_tree_scans as trees
+
+    out = {f"loop_forms:{k}": (lambda fn=fn, make=make: (fn, tuple(make(6).values())))
+           for k, (fn, make) in loops.CASES.items()}
+    D = loops.D
+    out["loop_forms:gru_cell"] = lambda: (loops.GRULoop(), (torch.randn(2, 5, D), torch.randn(2, D)))
+    out["loop_forms:lstm_cell"] = lambda: (loops.LSTMLoop(), (torch.randn(2, 5, D), torch.randn(2, D)))
+    out.update({f"highway_rnn:cells_{lstm}_{feed}": (lambda lstm=lstm, feed=feed: (
+        rnn.CellLoop(lstm, feed), (torch.randn(2, 6, 5),))) for lstm in (False, True) for feed in (False, True)})
+    out.update({f"scan_forms:{k}": (lambda k=k: (forms.Form(k), (torch.randn(2, 7, forms.D),))) for k in forms.FORMS})
+    out.update({f"tree_scans:{k}": (lambda k=k: (trees.Model(k, torch.float32), (torch.randn(2, 9, trees.D),)))
+                for k in ("accel", "gateloop", "transformers", "wrong", "max")})
+    out.update({f"known_scans:{fn.__name__}": (lambda fn=fn: (known.Layer(6, fn), (torch.randn(2, 5, 6),)))
+                for fn in (known.LoopScan, known.Twice)})
+    out.update({f"recognize:res_{k}": (lambda k=k: (rec._Res(k), (torch.randn(2, 5, rec.D), torch.randn(2, 5, rec.D))))
+                for k in ("add", "relu_add", "scalar", "gated", "unrelated", "skip_across")})
+    out["recognize_unrolled:linear_loop"] = lambda: (unrolled.linear_loop, unrolled._inputs(5))
+    out["token_shift:pad"] = lambda: (token.TokenShiftStack("pad"), (torch.randn(2, 7, token.D),))
+    out["shift_readout:zeros"] = lambda: (shifts.PrevReadout("zeros"), (torch.randn(2, 7, shifts.D),))
+    out["mlp"] = lambda: (_mlp(), (torch.randn(3, 8),))
+    out["transformer"] = lambda: (nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                                  (torch.randn(2, 5, 16),))
+    return out
+
+
+MODELS = {**_examples(), **_test_models()}
+
+
+def _full(gm) -> dict[str, bool]:
+    """For each family: whether its full matchers find or reject anything in ``gm``."""
+    def some(fn):
+        found, rejected = fn(copy_graph_module(gm))
+        return bool(found or rejected)
+    return {"scans": some(find_recurrences), "slices": some(find_unrolled), "cells": some(find_cells),
+            "sums": some(find_residuals), "forms": some(match_scan_forms)}
+
+
+#: for each family, whether some model has a candidate for it and some has none (the test is not vacuous)
+_SEEN: dict[str, set[bool]] = {}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_prefilter_agrees_with_the_full_matchers(name, monkeypatch):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    monkeypatch.setattr(prefilter, "CHECK", True)
+    prefilter.DISAGREEMENTS.clear()
+    # NB: explain runs the pipeline: under CHECK every matcher the pre-filter skips in capture (on the graph as
+    # captured) and in recognition (on the normalized graph) runs anyway and notes what it finds
+    rep = ac.explain(model, *inputs)
+    assert not prefilter.DISAGREEMENTS, prefilter.DISAGREEMENTS
+    for gm in rep.graphs:  # NB: and on the graphs as dynamo made them, family by family
+        c, full = prefilter.candidates(gm), _full(gm)
+        wanted = {"scans": c.scans, "slices": c.slices, "cells": c.cells, "sums": c.sums,
+                  "forms": c.scans or c.slices}
+        missed = [k for k, v in full.items() if v and not wanted[k]]
+        assert not missed, (name, missed, c)
+        for k, v in wanted.items():
+            _SEEN.setdefault(k, set()).add(v)
+
+
+def test_the_agreement_test_saw_each_family_with_and_without_candidates():
+    if len(_SEEN) < 5:
+        pytest.skip("run with the agreement test (same session)")
+    assert all(v == {True, False} for v in _SEEN.values()), _SEEN

@@ -15,6 +15,11 @@ One layer (:class:`SelectiveSSM`), on x [B, T, d_model]:
 norm. Every op but the scan acts on each step on its own, so the whole stack is one time-local region, and
 ``torch.compile(fullgraph=True)`` captures it as one graph.
 
+Packed sequences: ``forward(x, reset)`` takes an optional ``reset`` [B, T] (bool or 0/1 float, 1 at the first token
+of each document packed into a row) and multiplies the decay by (1 - reset_t), so h_t = a_t (1 - reset_t) h_{t-1} +
+b_t starts every document from a zero state, as if it ran alone. :func:`resets_from_position_ids` and
+:func:`resets_from_cu_seqlens` build it from what packing collators hand out (docs/exact.md, "Packed sequences").
+
     python -m adjoint_compile.models.selective_ssm     # prints adjoint_compile.explain(...)
 """
 from __future__ import annotations
@@ -40,7 +45,9 @@ class SelectiveSSM(nn.Module):
         self.D_skip = nn.Parameter(torch.ones(d_model))
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """``reset``: optional [B, T] (bool or 0/1), 1 at the first step of each packed document: the state is
+        zeroed before that step (the decay is multiplied by 1 - reset)."""
         Bsz, T, D = u.shape
         N = self.d_state
         x, z = self.in_proj(u).chunk(2, dim=-1)
@@ -48,6 +55,8 @@ class SelectiveSSM(nn.Module):
         Bm, Cm = self.B_proj(x), self.C_proj(x)                            # [B, T, N]
         A = -torch.exp(self.A_log)                                         # [D, N]
         a = torch.exp(dt.unsqueeze(-1) * A)                                # [B, T, D, N]
+        if reset is not None:                                              # packed documents: h_{t-1} forgotten
+            a = a * (1 - reset.to(a.dtype))[:, :, None, None]
         b = (dt * x).unsqueeze(-1) * Bm.unsqueeze(2)                       # [B, T, D, N]
         h = ops.linear_scan(a.reshape(Bsz, T, D * N), b.reshape(Bsz, T, D * N))  # h_t = a_t h_{t-1} + b_t
         y = (h.view(Bsz, T, D, N) * Cm.unsqueeze(2)).sum(-1) + self.D_skip * x
@@ -63,10 +72,29 @@ class SSMStack(nn.Module):
         self.layers = nn.ModuleList(SelectiveSSM(d_model, d_state) for _ in range(n_layers))
         self.norm_f = nn.RMSNorm(d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """``reset``: optional [B, T] document starts of packed rows (:class:`SelectiveSSM`)."""
         for norm, layer in zip(self.norms, self.layers):
-            x = x + layer(norm(x))
+            x = x + layer(norm(x), reset)
         return self.norm_f(x)
+
+
+def resets_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[..., T] position ids of packed rows (restarting at 0 for each document, as transformers'
+    ``DataCollatorWithFlattening`` gives them) -> a bool tensor of the same shape, True where a document starts."""
+    return position_ids == 0
+
+
+def resets_from_cu_seqlens(cu_seqlens: torch.Tensor | list[int], T: int) -> torch.Tensor:
+    """The [T] bool resets of one packed row from its cumulative document lengths ``cu_seqlens`` = [0, l_1,
+    l_1 + l_2, ...] (flash-attention's / flash-linear-attention's layout): True at each document's first step.
+    Offsets at or past T (the row's end, or padding after the last document) start nothing."""
+    starts = torch.as_tensor(cu_seqlens, dtype=torch.long).flatten()
+    if starts.numel() and (starts[1:] < starts[:-1]).any():
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {starts.tolist()}")
+    reset = torch.zeros(T, dtype=torch.bool)
+    reset[starts[(starts >= 0) & (starts < T)]] = True
+    return reset
 
 
 def make(d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> SSMStack:

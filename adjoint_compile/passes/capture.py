@@ -48,9 +48,11 @@ from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
 from .find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
 from .noop_ops import drop_noop_ops
+from . import prefilter
+from .prefilter import Candidates, candidates, run_or_skip
 from .reroll import needs_reroll, reroll
 from .reroll_readouts import reroll_readouts
-from .scan_forms import rewrite_scan_forms
+from .scan_forms import match_scan_forms, rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
 from .find_cells import find_cells
@@ -72,19 +74,21 @@ class Captured:
     symbolic: bool = False
     #: what normalization did, for reports: pass name -> how many rewrites (``rerolled``: the scans made).
     normalized: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: the recurrence matchers' results on the graph, when normalization left it as it was (recognition reuses
-    #: them instead of matching again); None when the graph changed.
+    #: the recurrence matchers' results on the graph, when normalization did not change it after they ran
+    #: (recognition reuses them instead of matching again); None when it did.
     matched: tuple[list[Recurrence], list[Rejection]] | None = dataclasses.field(default=None, repr=False)
     #: in-place writes into tensors the graph made that normalization could not turn into values: the graph is
     #: not normalized further, and recognition refuses it
     writes: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
-def match_recurrences(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]]:
-    """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections."""
-    found, rejected = timed("find_recurrences", find_recurrences, gm)
-    loops, loop_rejected = timed("find_unrolled", find_unrolled, gm)
-    cells, _ = timed("find_cells", find_cells, gm)
+def match_recurrences(gm: fx.GraphModule, cands: Candidates | None = None) -> tuple[list[Recurrence], list[Rejection]]:
+    """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections.
+    Those without a candidate in ``cands`` (:func:`.prefilter.candidates` of ``gm`` when None) are not run."""
+    c = candidates(gm) if cands is None else cands
+    found, rejected = timed("find_recurrences", run_or_skip, c.scans, "scans", find_recurrences, gm)
+    loops, loop_rejected = timed("find_unrolled", run_or_skip, c.slices, "slices", find_unrolled, gm)
+    cells, _ = timed("find_cells", run_or_skip, c.cells, "cells", find_cells, gm)
     return [*found, *loops, *cells], [*rejected, *loop_rejected]
 
 
@@ -106,8 +110,11 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         log.debug("capture: in-place writes left (%s): not normalized", ", ".join(n.name for n in captured.writes))
         return captured
     try:
-        forms, _ = timed("scan_forms", rewrite_scan_forms, gm)
-        matched = timed("match", match_recurrences, gm)
+        cands = timed("prefilter", candidates, gm)
+        forms, _ = timed("scan_forms", _scan_forms, gm, cands.scans or cands.slices)
+        # NB: again after the closed-form pass ran: it makes scans, and says on a node why it left a tree scan
+        cands = timed("prefilter", candidates, gm) if cands.scans or cands.slices else cands
+        matched = timed("match", match_recurrences, gm, cands)
     except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
         log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
         return captured
@@ -125,7 +132,17 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.normalized["readouts"] = readouts
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
-    if not (noops or buffers or made or forms or shifts or dropouts or any(r.not_rerolled for r in todo)):
+    # NB: the matchers ran after the no-op, buffer-write and closed-form passes: only what changed the graph since
+    # (or a reroll that failed and said why on its nodes) makes recognition match again
+    if not (made or shifts or token_shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured
+
+
+def _scan_forms(gm: fx.GraphModule, wanted: bool) -> tuple[list[str], list[Rejection]]:
+    """:func:`.scan_forms.rewrite_scan_forms` when the graph has candidates for it (``wanted``: closed forms, scan
+    ops, indexing for tree scans); under :data:`.prefilter.CHECK` always, noting a disagreement."""
+    if not wanted and prefilter.CHECK:
+        run_or_skip(False, "scan forms", match_scan_forms, gm)
+    return rewrite_scan_forms(gm) if wanted or prefilter.CHECK else ([], [])

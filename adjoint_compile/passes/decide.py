@@ -150,6 +150,9 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
     if took:
         # NB: what the region starts or ends with is never stored whole: its inputs' and outputs' [B, T, ...]
         why += f"; takes in {' and '.join(took)}"
+    if out.details.get("resets"):
+        # NB: packed sequences (analysis/resets.py): the decay is zeroed where a document starts
+        why += f"; resets the state at document boundaries ({len(out.details['resets'])} mask(s))"
     if getattr(r, "rerolled_from", None):
         # NB: loops and scan ops are re-rolled; closed forms (log-space, cumprod) and registered scans are replaced
         how = "re-rolled" if r.source in ("scan", "associative_scan", "unrolled_loop") else "rewritten"

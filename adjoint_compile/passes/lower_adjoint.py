@@ -26,6 +26,7 @@ from ..analysis.fx import fresh_name, is_convex, is_linear_scan
 from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
+from ..analysis.resets import find_resets
 from ..analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ..errors import UnsupportedRegion
 from ..options import Options, validate
@@ -153,8 +154,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     gm.add_submodule(name, mod)
     sums = [n.name for n in nodes if n in info.sums]
     lookups = [n.name for n in nodes if embedding_ids(n) is not None]
+    # NB: for the report only: a decay zeroed at document starts (packed sequences) is an ordinary scan here
+    resets = [r for sc in scans for r in find_resets(sc, info.step_dim)]
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
-            "sums_over_time": sums, "embeddings": lookups,
+            "sums_over_time": sums, "embeddings": lookups, "resets": resets,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "members": [n.name for n in nodes],
             "memory": memory}
@@ -325,7 +328,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                 result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
                                  nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
                                  memory=dict(p["memory"]), bounds=list(bounds),
-                                 details={k: p[k] for k in ("sums_over_time", "embeddings") if p[k]})
+                                 details={k: p[k] for k in ("sums_over_time", "embeddings", "resets")
+                                          if p.get(k)})
             for x in scans_of:
                 done[x] = result
     for i, s in scan_of.items():

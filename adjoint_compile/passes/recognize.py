@@ -37,6 +37,7 @@ from ..timing import stage
 from .find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from .find_residuals import find_residuals
 from .find_cells import find_cells
+from .prefilter import candidates, run_or_skip
 from .unrolled import find_unrolled
 
 log = logging.getLogger(__name__)
@@ -56,17 +57,21 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
     recurrences: list[Recurrence] = []
     chains: list[ResidualChain] = []
     rejections: list[Rejection] = []
-    matchers = [("residual chains", find_residuals, chains)]
+    # NB: a matcher family with no candidate in the graph is not run (passes/prefilter.py)
+    with stage("prefilter"):
+        cands = candidates(gm)
+    matchers = [("residual chains", find_residuals, chains, cands.sums)]
     if matched is None:
-        matchers[:0] = [("scan nodes", find_recurrences, recurrences), ("unrolled loops", find_unrolled, recurrences),
-                        ("recurrent cells", find_cells, recurrences)]
+        matchers[:0] = [("scan nodes", find_recurrences, recurrences, cands.scans),
+                        ("unrolled loops", find_unrolled, recurrences, cands.slices),
+                        ("recurrent cells", find_cells, recurrences, cands.cells)]
     else:
         recurrences += matched[0]
         rejections += matched[1]
-    for what, fn, out in matchers:
+    for what, fn, out, wanted in matchers:
         try:
             with stage(fn.__name__):
-                found, rejected = fn(gm)
+                found, rejected = run_or_skip(wanted, what, fn, gm)
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
             log.debug("recognize: the %s matcher failed", what, exc_info=True)
             rejections.append(Rejection("graph", "<graph>", f"the {what} matcher raised {type(e).__name__}: {e}"))
