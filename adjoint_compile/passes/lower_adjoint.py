@@ -27,6 +27,7 @@ from ..analysis.fx import eliminate_dead_code
 from ..analysis.fx import stable_toposort as _toposort
 from ..analysis.grow import infer_seeds, region_around
 from ..analysis.resets import find_resets
+from ..analysis.shifted_losses import unshift_losses
 from ..analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ..errors import UnsupportedRegion
 from ..options import Options, validate
@@ -292,6 +293,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         # halos); the other sweeps (truncated, per-example, sequence-parallel) carry scan states alone
         halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
         info = analyze(gm, infer_seeds(gm, scans, halo), halo)
+        if halo and unshift_losses(gm, info):  # NB: a loss of logits[:, :-1]: the logits whole, the labels padded
+            info = analyze(gm, infer_seeds(gm, scans, halo), halo)
     except ValueError as e:
         info, why = None, f"step analysis failed: {e}"
     else:

@@ -1,0 +1,138 @@
+"""The shift by one of a language-model loss written on the logits, rewritten so that the loss joins a region.
+
+A loss of step t's logits against token t+1 is often written by dropping the last step of the logits and the first of
+the labels (transformers before 4.46, many training scripts)::
+
+    shift_logits = logits[..., :-1, :].contiguous()         # [B, T-1, V]: not T steps, ends the region
+    shift_labels = labels[..., 1:].contiguous()
+    loss = F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
+
+A sum or a mean over class-index targets is the same with the logits whole and the labels padded with one ignored
+target at the end (transformers' ``ForCausalLMLoss`` writes it that way): the last step adds nothing to the sum nor
+to the count of valid targets. :func:`unshift_losses` rewrites the first form to the second::
+
+    shift_labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index).contiguous()
+    loss = F.cross_entropy(logits.contiguous().view(-1, V), shift_labels.view(-1))
+
+The ops between the slices and the loss must be views, casts and transposes read by the time-local analysis (each
+used once); their literal sizes of the T-1 steps (fold·(T-1)) become T (fold·T). Anything else is left as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import types
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..errors import UnsupportedRegion
+from ..regions import PROVENANCE
+from .fx import example_value, nodes_in
+from .losses import loss_args
+from .optable import RESHAPES, SAME_SHAPE, TRANSPOSES, raw_name
+from .rules import TimeLocalInfo, step_shape
+from .step_literals import rewrite_lengths
+from .time_local import analyze, drops_last_step, slice_items
+
+log = logging.getLogger(__name__)
+
+__all__ = ["unshift_losses"]
+
+_CHAIN_OPS = RESHAPES | SAME_SHAPE | TRANSPOSES | {"permute"}
+
+
+def _chain(end: fx.Node, stop: Any) -> tuple[list[fx.Node], fx.Node] | None:
+    """The unary ops from a node where ``stop(node)`` holds down to ``end`` (each read once, by the next), in order,
+    and that node; None when something else comes first."""
+    chain, n = [], end
+    while not stop(n):
+        if (n.op not in ("call_method", "call_function") or raw_name(n) not in _CHAIN_OPS or len(n.users) > 1
+                or not n.args or not isinstance(n.args[0], fx.Node) or nodes_in((n.args[1:], n.kwargs))):
+            return None
+        chain.append(n)
+        n = n.args[0]
+    return chain[::-1], n
+
+
+def _drops_first_step(n: fx.Node, T: int) -> int | None:
+    """The dim e when ``n`` is ``y[..., 1:, ...]`` (``1:`` at dim e, full slices elsewhere) of a y with T steps there."""
+    items = slice_items(n)
+    if items is None:
+        return None
+    cut = [j for j, i in enumerate(items) if i != slice(None)]
+    if len(cut) != 1 or items[cut[0]] not in (slice(1, None), slice(1, None, 1)):
+        return None
+    return cut[0] if step_shape(n.args[0])[cut[0]] == T else None
+
+
+def _refresh(nodes: list[fx.Node]) -> None:
+    """New example values for ``nodes`` (in graph order), run on the fake tensors of their inputs."""
+    for n in nodes:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), example_value)
+        # NB: the inputs' own mode (dynamo's tracing context may hold another)
+        mode = next((v.fake_mode for v in map(example_value, nodes_in((n.args, n.kwargs))) if isinstance(
+            v, FakeTensor)), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            v = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        n.meta["example_value"] = v
+        if "val" in n.meta:
+            n.meta["val"] = v
+
+
+def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
+    a = loss_args(loss)
+    T = info.length
+    if a is None or a["reduction"] == "none" or not isinstance(a["ignore_index"], int) or not isinstance(T, int):
+        return False
+    xs = _chain(a["input"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
+        n.args[0], fx.Node) and info.step_dim.get(n.args[0]) is not None and drops_last_step(
+        n, info.step_dim[n.args[0]]))
+    ts = _chain(a["target"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
+        n.args[0], fx.Node) and step_shape(n.args[0]) is not None and _drops_first_step(n, T) is not None)
+    if xs is None or ts is None or len(xs[1].users) != 1 or not info.is_time_local(xs[1].args[0]):
+        return False
+    (x_chain, s), (t_chain, r) = xs, ts
+    h, d, e = s.args[0], info.step_dim[s.args[0]], _drops_first_step(r, T)
+    if len(step_shape(a["target"])) == len(step_shape(a["input"])):
+        return False  # class probabilities: the padded rows would not be ignored
+    # NB: where the step axis runs through the chains, read with the T-1 steps of the slices
+    short = analyze(gm, {s: d, r: e}, halo=True)
+    if loss not in short.sums:
+        return False
+    new_args = {}
+    try:
+        for c in x_chain + t_chain:
+            rewrite_lengths(short, T - 1, c, (out := types.SimpleNamespace(args=c.args)), T)
+            new_args[c] = out.args
+    except UnsupportedRegion:  # NB: a literal that is not the steps': nothing is rewritten
+        return False
+    for c, args in new_args.items():
+        c.args = args
+    g, prov = gm.graph, {"pass": "unshift_losses", "from": loss.name}
+    nd = len(step_shape(r))
+    with g.inserting_after(r):
+        pad = g.call_function(F.pad, (r, [0, 0] * (nd - 1 - e) + [0, 1]), {"value": a["ignore_index"]})
+    pad.meta[PROVENANCE] = prov
+    (t_chain[0] if t_chain else loss).replace_input_with(r, pad)
+    (x_chain[0] if x_chain else loss).replace_input_with(s, h)
+    g.erase_node(s)
+    _refresh([pad, *x_chain, *t_chain])
+    for c in x_chain + t_chain:
+        c.meta[PROVENANCE] = {**c.meta.get(PROVENANCE, {}), **prov}
+    return True
+
+
+def unshift_losses(gm: fx.GraphModule, info: TimeLocalInfo) -> int:
+    """Rewrite every loss of time-local logits without their last step against labels without their first (module
+    docstring) to the logits whole and the labels padded with one ignored target; returns how many."""
+    done = sum(_one(gm, n, info) for n in list(gm.graph.nodes) if loss_args(n) is not None)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("adjoint-compile: %d loss(es) of logits shifted by one step rewritten to padded labels", done)
+    return done
