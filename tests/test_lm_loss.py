@@ -330,3 +330,63 @@ def test_one_graph_for_every_length():
     regions = [m for rec in ac.report(f).compiled for fn in [getattr(rec.fn, "generic", None)]
                for m in (getattr(fn, "fn", fn).modules() if fn is not None else ()) if isinstance(m, LengthGenericRegion)]
     assert len(regions) == 1 and {17, 9, 22} <= regions[0].lengths, regions
+
+
+class FlatLayer(nn.Module):
+    """A layer that computes its decay on ``[B·T, D]`` rows and puts them back (``view``, ``unflatten`` or
+    ``reshape(B, -1, D)``), as implementations written with ``rearrange('b l d -> (b l) d')`` do."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(D, D), nn.Linear(D, D), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        a = torch.sigmoid(self.a(x.reshape(b * t, D)))
+        a = {"view": lambda: a.view(b, t, D), "unflatten": lambda: a.unflatten(0, (b, t)),
+             "reshape": lambda: a.reshape(b, -1, D)}[self.how]()
+        return x + ac.ops.linear_scan(a, self.b(x), dim=1)
+
+
+@pytest.mark.parametrize("how", ["view", "unflatten", "reshape"])
+def test_a_merge_of_batch_and_steps_inside_a_layer(how):
+    """Two such layers are one region (the merge and its inverse are time-local: literals B·T and T rewritten
+    per shard), exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(FlatLayer(how), FlatLayer(how)).double()
+    step = Step(lambda y, t: y.pow(2).mean())
+    step.lm = model
+    x = torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rep = _check(step, 4, x, x)
+    assert {r.details["region_nodes"] for r in rep.regions if r.kind == "linear_recurrence"} == {16}, str(rep)
+
+
+def test_a_merge_that_cannot_be_sharded_leaves_the_region_as_before(monkeypatch):
+    """A region through a merge whose shard programs cannot be built (here: every folded literal refused) is grown
+    again without merges: the two smaller regions of before, exact."""
+    import adjoint_compile.runtime.shard_program as sp
+    from adjoint_compile.errors import UnsupportedRegion
+
+    real = sp.rewrite_lengths
+
+    def refuse_folds(info, T, n, new, L):
+        if n in info.folds:
+            raise UnsupportedRegion(f"node {n.name}: refused by the test")
+        real(info, T, n, new, L)
+
+    monkeypatch.setattr(sp, "rewrite_lengths", refuse_folds)
+    torch.manual_seed(0)
+    step = Step(lambda y, t: y.pow(2).mean())
+    step.lm = nn.Sequential(FlatLayer("view"), FlatLayer("view")).double()
+    x = torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(step)
+    f = _compile(step, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(x, x).backward()
+    ref(x, x).backward()
+    for (name, p), q in zip(step.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-10, name
+    rep = ac.report(f)
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert [r.rewrite for r in lin] == ["adjoint", "adjoint"] and len({r.details["region_call"] for r in lin}) == 2

@@ -26,8 +26,11 @@ def rewrite_lengths(info: TimeLocalInfo, T: int, n: fx.Node, new: fx.Node, L: in
     raises :class:`UnsupportedRegion` for a shape computed at run time or another literal at the step position."""
     d = info.step_dim.get(n)
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    if n.op == "call_function" and n.target not in (torch.reshape, torch.broadcast_to):
+    if n.op == "call_function" and n.target not in (torch.reshape, torch.broadcast_to, torch.unflatten):
         name = ""  # only these take a shape as a function; the checked run of the programs catches anything else
+    if name == "unflatten" and d is not None:
+        _unflatten(info, T, n, new, L, d)
+        return
     if name not in SHAPE_ARG_METHODS or d is None:
         return
     if n.op == "call_method":
@@ -51,3 +54,25 @@ def rewrite_lengths(info: TimeLocalInfo, T: int, n: fx.Node, new: fx.Node, L: in
         new.args = (new.args[0], tuple(sizes)) if packed else (new.args[0], *sizes)
     else:
         new.args = (new.args[0], tuple(sizes), *new.args[2:])
+
+
+def _unflatten(info: TimeLocalInfo, T: int, n: fx.Node, new: fx.Node, L: int, d: int) -> None:
+    """``x.unflatten(dim, sizes)``: the size of the output's step dim among ``sizes`` (dims dim.. of the output)."""
+    a = {**dict(zip(("input", "dim", "sizes"), n.args)), **n.kwargs}
+    dim, sizes = a.get("dim"), a.get("sizes")
+    if not isinstance(dim, int) or not isinstance(sizes, (list, tuple)) or any(isinstance(v, fx.Node) for v in sizes):
+        raise UnsupportedRegion(f"node {n.name}: cannot read its unflatten sizes {sizes}")
+    dim += len(_ev(n.args[0]).shape) if dim < 0 else 0
+    k, sizes = d - dim, list(sizes)
+    if not 0 <= k < len(sizes) or sizes[k] == -1:
+        return
+    fold = info.folds.get(n, 1)
+    if sizes[k] != fold * T:
+        raise UnsupportedRegion(f"node {n.name}: size {sizes[k]} at the step position, expected T={fold * T}")
+    sizes[k] = fold * L
+    args = list(new.args)
+    if len(args) > 2:
+        args[2] = type(a["sizes"])(sizes)
+        new.args = tuple(args)
+    else:
+        new.kwargs = {**new.kwargs, "sizes": type(a["sizes"])(sizes)}

@@ -5,9 +5,10 @@ Given seeds ``{node: step_dim}`` (sequence inputs ``[B, T, D]`` with step dim 1,
 ``dim``), :func:`analyze` walks the graph once in topological order and, for every node, records
 
 * ``step_dim[n]``: the dim of ``n``'s output that is the step (time) axis of length T, or ``None`` when the output
-  does not carry it as a dim of its own;
+  does not carry it as a dim of its own; with ``halo``, a dim of fold·T that holds the batch folded in front of the
+  steps (``[B, T, V] -> [B·T, V]``, ``info.folds[n]`` = B) carries it too;
 * ``mixing[n]``: why ``n`` mixes steps (a convolution along time, a sum over time, attention, slicing along time,
-  a reshape that merges the step dim with another, an unknown op, ...).
+  a reshape that merges the step dim with another otherwise, an unknown op, ...).
 
 A node is *time-local* when it carries the step axis and does not mix (output step t depends only on input step t
 of every step-carrying input, and on step-free tensors); *step-free* when none of its inputs carries the step axis
@@ -412,7 +413,7 @@ class _PendingSlices:
                 and not any(sh.sliced is node for sh in self.info.shifts.values()))
 
 
-def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -> TimeLocalInfo:
+def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, folds: bool = True) -> TimeLocalInfo:
     """Propagate the step axis through ``gm`` from ``seeds`` (``{node: step dim}``); classify every node.
 
     Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
@@ -421,11 +422,12 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False) -
     it (recorded in ``info.convs``): a shard reads the p steps before it from its left neighbour; so is a token shift
     ``shift_steps(x, p, step dim)`` of a time-local x (recorded there too, ``kind="shift"``); an embedding lookup of
     step-carrying indices is time-local; a sum or mean over the step dim of a time-local value is recorded in
-    ``info.sums`` (a region may end in it).  Linear in the
+    ``info.sums`` (a region may end in it), and so is a loss's sum or mean over rows (:mod:`.losses`); with ``folds``
+    too, a reshape that merges the batch in front of the steps keeps the step axis (``info.folds``).  Linear in the
     size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
-    info = TimeLocalInfo(step_dim={}, mixing={}, length=T, fold_ok=halo)
+    info = TimeLocalInfo(step_dim={}, mixing={}, length=T, fold_ok=halo and folds)
     pending_slices = _PendingSlices(info)
     for node in gm.graph.nodes:
         seed = seeds.get(node)

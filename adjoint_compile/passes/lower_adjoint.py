@@ -186,6 +186,27 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     return call
 
 
+def _folds_refused(gm: fx.GraphModule, scans: list[fx.Node], info: TimeLocalInfo, opts: Options) -> str:
+    """Why a region around ``scans`` that merges the batch and the steps (``info.folds``) cannot be sharded (its
+    shard programs checked on fake tensors, ``gm`` untouched), or "" when each can (or would only not pay)."""
+    seen: set[fx.Node] = set()
+    for s in scans:
+        if s in seen:
+            continue
+        nodes, _ = region_around(gm, [s], info)
+        seen.update(x for x in nodes if is_linear_scan(x))
+        if not any(n in info.folds for n in nodes):
+            continue
+        try:
+            sub, inputs, outputs = outline(gm, nodes)
+            mod = ShardedRegion(sub, [info.step_dim.get(a) for a in inputs], [info.step_dim.get(o) for o in outputs],
+                                opts.shard_size, inner=opts.inner, window=_rewrite(opts)[1])
+            mod.prepare([_ev(a) for a in inputs])
+        except (UnsupportedRegion, ValueError) as e:
+            return f"region around {s.name}: {e}"
+    return ""
+
+
 def _rewrite(opts: Options) -> tuple[str, int | None]:
     """The rewrite a lowered region gets in ``opts.mode`` and its window: ("adjoint", None) or ("truncated", W)."""
     return ("truncated", opts.window) if opts.mode == "truncated" else ("adjoint", None)
@@ -306,6 +327,11 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         for i in scan_of:
             out[i] = NotLowered(why)
         return out
+    if info.folds and (e := _folds_refused(gm, scans, info, opts)):
+        # NB: a region through a merge of the batch and the steps that cannot be sharded (e.g. a literal size it cannot
+        # rewrite): the regions are grown without such merges, as they were before merges joined regions
+        log.info("adjoint-compile: regions without merges of batch and steps: %s", e)
+        info = analyze(gm, infer_seeds(gm, scans, halo), halo, folds=False)
     done: dict[fx.Node, Lowered | NotLowered] = {}
     for s in scans:
         if s in done:
