@@ -136,8 +136,8 @@ def stitch(captured: Captured, lowered: list[str], opts: Options,
            pristine: fx.GraphModule | None = None) -> Callable[..., Any]:
     """Stage 5: compile what was not rewritten with the inner compiler and join it with the region calls.
 
-    With nothing rewritten the graph goes to the inner compiler whole and as dynamo captured it (``pristine``, a
-    copy taken before normalization, when given): exactly what that compiler alone would give."""
+    With nothing rewritten the graph goes to the inner compiler whole: as dynamo captured it (``pristine``, a copy
+    taken before normalization, when given), exactly what that compiler alone would give, else as normalized."""
     if not lowered:
         return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner)
     return timed("stitch", stitch_partitions, captured.gm, lowered, opts.inner)
@@ -179,7 +179,8 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
             t = t.args[0]
         roots.add(t)
     written = [i for i, h in enumerate(holders) if h in roots]
-    names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none") or "per-example book-keeping"
+    names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none") or (
+        "per-example book-keeping" if result.per_sample is not None else "re-rolled loops")
 
     def fallback(reference: fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
         if opts.per_sample_clip is not None:
@@ -310,8 +311,13 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
         fallback = stitch_partitions(pristine if pristine is not None else gm, [], opts.inner, dynamic=True)
         result.fn = LengthDispatch(result, opts, run_pipeline, fallback)
     elif compile:
-        result.fn = stitch(captured, calls, opts, pristine)
-        if calls:
+        # NB: loops capture re-rolled but nothing rewritten: the re-rolled graph (one linear_scan per loop) compiles
+        # in seconds where the unrolled one takes the inner compiler minutes, and steps faster; checked on its first
+        # call against the graph as captured, which it falls back to
+        rolled = not calls and bool(captured.normalized.get("rerolled")) and not captured.normalized.get("dropouts") \
+            and opts.per_sample_clip is None
+        result.fn = stitch(captured, calls, opts, None if rolled else pristine)
+        if calls or rolled:
             result.fn = _checked(result, result.fn, pristine, opts)
     # NB: the record lives as long as dynamo's cache entry; it must not keep the first call's inputs alive
     captured.example_inputs = []

@@ -224,3 +224,36 @@ def test_the_agreement_test_saw_each_family_with_and_without_candidates():
     if len(_SEEN) < 5:
         pytest.skip("run with the agreement test (same session)")
     assert all(v == {True, False} for v in _SEEN.values()), _SEEN
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a loop re-rolled but not rewritten compiles re-rolled
+
+
+def _loop(a, b, h):
+    hs = []
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        hs.append(h)
+    return torch.stack(hs, 1).square().mean()
+
+
+def test_a_declined_rerolled_loop_compiles_rerolled_and_checked(monkeypatch):
+    import adjoint_compile.backend as backend_mod
+
+    compiled = []
+    real = backend_mod.compile_inner
+    monkeypatch.setattr(backend_mod, "compile_inner", lambda gm, ex, inner: compiled.append(gm) or real(gm, ex, inner))
+    torch.manual_seed(0)
+    a, b, h = torch.rand(2, 24, 3, requires_grad=True), torch.randn(2, 24, 3, requires_grad=True), torch.randn(2, 3)
+    f = torch.compile(_loop, backend="adjoint", options={"inner": "aot_eager"})
+    f(a, b, h).backward()
+    got = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    _loop(a, b, h).backward()
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, (a.grad, b.grad)))
+    rec = ac.report(f).compiled[0]
+    assert rec.lowered == [] and [r.rewrite for r in rec.regions] == ["none"]  # NB: one shard: declined
+    assert len(compiled) == 1 and len(compiled[0].graph.nodes) < 30, len(compiled[0].graph.nodes)  # NB: not 24 steps
+    assert any("linear_scan" in str(n.target) for n in compiled[0].graph.nodes)
+    assert "check_forward_s" in rec.timing and not rec.fallbacks  # NB: checked against the loop as captured
