@@ -390,3 +390,45 @@ def test_a_merge_that_cannot_be_sharded_leaves_the_region_as_before(monkeypatch)
     rep = ac.report(f)
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert [r.rewrite for r in lin] == ["adjoint", "adjoint"] and len({r.details["region_call"] for r in lin}) == 2
+
+
+def test_logits_exist_one_shard_at_a_time():
+    """A training step's live tensors at T = 2048 exceed those at T = 256 by the boundary states alone: the
+    [B, T, V] logits, their log-softmax and gradient are made one shard at a time, forward and backward (eager
+    autograd's grow by several times the logits)."""
+    from adjoint_compile.measure import track_peak
+
+    S, vocab = 16, 256
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.layers = nn.Embedding(vocab, D), nn.Sequential(Layer(D), Layer(D))
+            self.head = nn.Linear(D, vocab)
+
+        def forward(self, ids: torch.Tensor, tg: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.head(self.layers(self.emb(ids))).flatten(0, 1), tg.flatten())
+
+    def peak(t: int, adjoint: bool) -> int:
+        model = Big()
+        g = torch.Generator().manual_seed(2)
+        ids, tg = torch.randint(0, vocab, (B, t), generator=g), torch.randint(0, vocab, (B, t), generator=g)
+        tg[:, ::3] = -100
+        torch._dynamo.reset()
+        f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": S}) if adjoint else model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f(ids, tg).backward()
+        if adjoint:
+            _takes_in(ac.report(f), 1)
+        model.zero_grad(set_to_none=True)
+        with track_peak("cpu") as m:
+            f(ids, tg).backward()
+        return m["peak"]
+
+    boundary = 2 * B * D * 4  # two layers' scan states [B, D], fp32
+    grow = peak(2048, True) - peak(256, True)
+    assert grow <= (2048 - 256) // S * boundary * 1.5 + 64 * 1024, grow
+    logits = B * (2048 - 256) * vocab * 4
+    assert peak(2048, False) - peak(256, False) > 2 * logits
