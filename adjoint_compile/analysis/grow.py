@@ -36,7 +36,9 @@ def region_around(gm: fx.GraphModule, scan_nodes: list[fx.Node],
     mixing nodes are not members: they are the region's inputs or its bounds).  The set is also made convex: a
     member reachable from another member through a non-member (e.g. ``y + cumsum(y)``) is dropped, so that the set
     can be outlined into one call.  A sum over time of a member (``info.sums``: a loss) joins as a last node when
-    the set stays convex.  Returns ``(nodes in graph order, [(name, why) of bounding mixing nodes])``;
+    the set stays convex; the growth passes through it to its other operands (a loss's targets).  A value with the
+    batch folded into its step dim (``info.folds``) is never an input or an output of the set: a shard's rows of
+    it are not one slice (the members that would make it one are dropped).  Returns ``(nodes in graph order, [(name, why) of bounding mixing nodes])``;
     ``([], bounds)`` when no scan is time-local.
     """
     cand = _region_candidates(gm, info)
@@ -228,9 +230,11 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
 
 def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, int]:
     """Step-free operands of elementwise ops on step-carrying values whose broadcast lines their dim of length T up
-    with the step axis, e.g. ``q`` in ``(q[..., None] * states).sum(-2)`` when ``q`` is an input of its own, and
-    the index of a ``gather`` (each step's targets): step t reads element t of them, so they carry the step axis at
-    that dim (nothing is guessed: the alignment is the broadcast's, or gather's same-shape rule)."""
+    with the step axis, e.g. ``q`` in ``(q[..., None] * states).sum(-2)`` when ``q`` is an input of its own, the
+    index of a ``gather`` (each step's targets) and the targets of a loss (analysis/losses.py; ``t.flatten()`` of
+    ``[B, T]`` targets against ``[B·T, V]`` rows: the walk back finds ``t``): step t reads element t of them, so they
+    carry the step axis at that dim (nothing is guessed: the alignment is the broadcast's, gather's same-shape rule,
+    or the loss's rows)."""
     found: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
         if (m := loss_args(n)) is not None and info.step_dim.get(m["input"]) is not None:

@@ -60,7 +60,8 @@ def _chain(end: fx.Node, stop: Any) -> tuple[list[fx.Node], fx.Node] | None:
 
 
 def _drops_first_step(n: fx.Node, T: int) -> int | None:
-    """The dim e when ``n`` is ``y[..., 1:, ...]`` (``1:`` at dim e, full slices elsewhere) of a y with T steps there."""
+    """The dim e when ``n`` is ``y[..., 1:, ...]`` (``1:`` at dim e, full slices elsewhere) of a y with T steps
+    there."""
     items = slice_items(n)
     if items is None:
         return None
