@@ -55,15 +55,15 @@ class LengthDispatch:
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self.fallback_lengths: dict[str, list[tuple]] = {}
 
-    def _fell_back(self, cause: str, remedy: str, key: tuple) -> Callable[..., Any]:
-        """Run this call signature with ordinary autograd, said once per cause, listed in the report."""
+    def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "") -> Callable[..., Any]:
+        """Run this call signature with ordinary autograd, said once per cause, listed in the report with every
+        signature it affected."""
         seen = self.fallback_lengths.setdefault(cause, [])
         seen.append(key)
         if len(seen) == 1:
-            fb = Fallback(cause, remedy, {"signatures": seen})
-            self.owner.fallbacks.append(fb)
-            warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}; these sizes run with ordinary autograd "
-                                                f"(no memory saved); {remedy}"), stacklevel=3)
+            self.owner.fallbacks.append(Fallback(cause, remedy, {"signatures": seen, "first": why}))
+            warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}{f' ({why})' if why else ''}; these sizes "
+                                                f"run with ordinary autograd (no memory saved); {remedy}"), stacklevel=3)
         return self.fallback
 
     def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
@@ -109,8 +109,8 @@ class LengthDispatch:
         if why == "short":
             # NB: nothing to shard at these sizes; a longer call tries again
             reasons = "; ".join(sorted({r.reason for r in self.declined.regions if r.kind != "residual_chain"}))
-            fn = self._fell_back(f"a length too short to shard ({reasons})", "longer sequences are sharded; "
-                                 "a smaller shard_size shards shorter ones", key)
+            fn = self._fell_back("a length too short to shard, before any longer one", "longer sequences are "
+                                 "sharded; a smaller shard_size shards shorter ones", key, reasons)
             self.cache[key] = fn
             return fn
         try:

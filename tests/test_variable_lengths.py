@@ -87,7 +87,8 @@ def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypat
     fallbacks = [f for rec in report.compiled for f in rec.fallbacks]
     # a length too short to shard, said once per graph, is the only fallback, with the sizes it affected (auto-dynamic:
     # T = 3 before the first long call; dynamic=True: T = 1, which dynamo compiles with batch symbolic and T static)
-    assert fallbacks and {f.cause.split(" (")[0] for f in fallbacks} == {"a length too short to shard"}
+    assert fallbacks and {f.cause for f in fallbacks} == {"a length too short to shard, before any longer one"}
+    assert all("one shard" in f.details["first"] for f in fallbacks)
     shorts = [next(a for a in sig if isinstance(a, tuple) and len(a[0]) == 3)[0][1]
               for f in fallbacks for sig in f.details["signatures"]]
     assert shorts and all(T <= 3 for T in shorts), shorts
@@ -110,3 +111,51 @@ def test_pow2_tail_partitions_the_steps():
         b = shard_bounds(T, 8, pow2_tail=True)
         assert b[0][0] == 0 and b[-1][1] == T and all(e1 == s2 for (_, e1), (s2, _) in zip(b, b[1:]))
         assert {e - s for s, e in b} <= {8, 4, 2, 1}
+
+
+@pytest.mark.slow
+def test_fifty_lengths_with_the_default_shard_size_keep_the_rewrite():
+    """The default shard size (for this model in fp64 about 750 steps, 512 once rounded to a power of two, for every
+    length): 50 lengths below and above two shards, each exact, the rewrite there at the last, and at most
+    1 + log2(S) shard lengths compiled per call pattern."""
+    compiles = []
+    import adjoint_compile.runtime.shard_program as sp
+    real = sp.compile_inner
+
+    def counting(gm, ex, inner):
+        compiles.append(gm)
+        return real(gm, ex, inner)
+
+    rng = torch.Generator().manual_seed(0)
+    lengths = [3001, 2503] + sorted(set(torch.randint(1100, 4400, (80,), generator=rng).tolist()) - {3001, 2503})[:48]
+    lengths = lengths[:2] + [lengths[2:][i] for i in torch.randperm(48, generator=rng).tolist()]
+    assert len(set(lengths)) == 50
+    sp.compile_inner, saved = counting, sp.compile_inner
+    try:
+        step = _run(lengths, {"inner": "aot_eager"})
+    finally:
+        sp.compile_inner = saved
+    (region,) = _generic_regions(step)
+    assert region.lengths == set(lengths[1:])  # 3001 ran its own static graph
+    (S,) = {r._plan.shard_size for r in region.regions.values()}
+    assert S & (S - 1) == 0 and 2 * S < max(lengths)
+    assert len(compiles) <= 6 * (1 + S.bit_length()), len(compiles)
+    assert ac.report(step).fallbacks == []
+
+
+def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
+    step = torch.compile(lambda x: model(x).square().mean(), backend="adjoint",
+                         options={"inner": "aot_eager", "shard_size": 8})
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for T in (40, 3, 5, 6, 7, 40, 33):
+            step(torch.randn(2, T, 8, dtype=torch.float64)).backward()
+    short = [w for w in got if "too short to shard" in str(w.message)]
+    assert len(short) == 1 and issubclass(short[0].category, AdjointCompileWarning)
+    (fb,) = ac.report(step).fallbacks
+    assert [next(a for a in sig if isinstance(a, tuple) and len(a[0]) == 3)[0][1]
+            for sig in fb.details["signatures"]] == [3, 5, 6, 7]
+    (region,) = _generic_regions(step)
+    assert region.lengths == {40, 33}  # 40 first ran its static graph
