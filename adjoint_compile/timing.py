@@ -90,7 +90,8 @@ def add_run_time(what: str, seconds: float) -> None:
     run or differentiated in this thread, if any."""
     with _lock:
         _count[0] += 1
-        for rec in (TOTALS, _record.get() or _backward.get(threading.get_ident())):
+        rec = _record.get()
+        for rec in (TOTALS, rec if rec is not None else _backward.get(threading.get_ident())):
             if rec is not None:
                 rec[f"inner.{what}_s"] = rec.get(f"inner.{what}_s", 0.0) + seconds
                 rec[f"inner.{what}_n"] = rec.get(f"inner.{what}_n", 0) + 1
