@@ -20,6 +20,7 @@ import adjoint_compile as ac
 import adjoint_compile.inner as inner_mod
 from adjoint_compile.errors import AdjointCompileWarning
 from adjoint_compile.runtime.sharded import make_sharded
+from helpers import oracle_scan
 
 CDT = {torch.float64: torch.complex128, torch.float32: torch.complex64}
 RDT = {torch.complex128: torch.float64, torch.complex64: torch.float32}
@@ -47,25 +48,6 @@ def loop_scan(a, b, h0=None, dim=1, reverse=False, window=None):
         hs.append(h)
     h = torch.stack(hs, 0)
     return (h.flip(0) if reverse else h).movedim(0, dim)
-
-
-def truncated_loop_scan(a, b, h0=None, dim=1, W=1):
-    """The truncated adjoint's semantics (runtime/truncated.py): h_t recomputed from h_{t-W}.detach() over the last W
-    steps (from h0, or zeros, when t - W < 0); its values are the full scan's."""
-    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
-    T = a.shape[0]
-    start = torch.zeros_like(b[0]) if h0 is None else h0.expand_as(b[0])
-    full, h = [], start
-    for t in range(T):
-        h = a[t] * h + b[t]
-        full.append(h)
-    out = []
-    for t in range(T):
-        x = full[t - W].detach() if t - W >= 0 else start
-        for i in range(max(0, t - W + 1), t + 1):
-            x = a[i] * x + b[i]
-        out.append(x)
-    return torch.stack(out, 0).movedim(0, dim)
 
 
 def rel(x, y):
@@ -255,7 +237,7 @@ def test_lru_truncated_mode(window):
                          options={"mode": "truncated", "window": window, "shard_size": 4, "inner": "aot_eager"})
     got = loss_and_grads(model, step, x)
     assert ac.report(step).regions[0].rewrite == "truncated"
-    model.scan = lambda a, b: truncated_loop_scan(a, b, W=window)
+    model.scan = lambda a, b: oracle_scan(a, b, W=window)
     want = loss_and_grads(model, lambda x: lru_loss(model, x), x)
     assert_close(got, want, 1e-10)
     if window < 13:  # and it is not the exact gradient

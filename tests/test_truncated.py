@@ -15,33 +15,13 @@ import torch.nn.functional as F
 import adjoint_compile as ac
 import adjoint_compile.ops as ac_ops
 from adjoint_compile.analysis.fx import is_linear_scan, scan_args
+from helpers import oracle_scan
 from adjoint_compile.errors import AdjointVerifyReport
 from adjoint_compile.runtime.sharded import make_sharded
 from adjoint_compile.runtime.truncated import truncated_scan
 from test_sharded import B, D, N, ShapeLog, _full_state, region_inputs, stack_case
 
 # ------------------------------------------------------------------------------------------------ the oracle
-
-
-def oracle_scan(a, b, h0=None, dim=1, W=1, reverse=False):
-    """h^W_t, recomputed for every t from h_{t-W}.detach() (h0 if t - W < 0) over the last W steps."""
-    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
-    if reverse:
-        a, b = a.flip(0), b.flip(0)
-    T = a.shape[0]
-    start = torch.zeros_like(b[0]) if h0 is None else h0.expand_as(b[0])
-    full, h = [], start
-    for t in range(T):
-        h = a[t] * h + b[t]
-        full.append(h)
-    out = []
-    for t in range(T):
-        x = full[t - W].detach() if t - W >= 0 else start
-        for i in range(max(0, t - W + 1), t + 1):
-            x = a[i] * x + b[i]
-        out.append(x)
-    h = torch.stack(out, 0)
-    return (h.flip(0) if reverse else h).movedim(0, dim)
 
 
 def oracle_region(sub, W):
