@@ -45,7 +45,9 @@ def test_report_of_a_compiled_model_equals_explain_and_names_the_lowered_calls()
         assert call in {n.name for n in cg.captured.gm.graph.nodes}
     want = ac.explain(model, x, options=opts)
     assert _rows(got) == _rows(want)
-    assert str(got).splitlines()[1:] == str(want).splitlines()[1:]
+    # NB: the compile-time line differs by nature (report() has the compile and the first call, explain() passes only)
+    assert [ln for ln in str(got).splitlines()[1:] if not ln.startswith("compile time:")] == \
+        [ln for ln in str(want).splitlines()[1:] if not ln.startswith("compile time:")]
 
 
 def test_report_follows_graph_breaks_and_new_sizes():

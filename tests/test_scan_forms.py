@@ -93,8 +93,11 @@ def test_form_rewritten_and_exact(form, T, shard):
     ref = _reference(model, x, w)
     f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
     got = _grads(f, model, x, w)
-    for a, b in zip(got, ref):
-        assert _rel(a, b) <= 1e-5, (form, T)
+    eager = _grads(model, model, x, w)
+    for a, b, e in zip(got, ref, eager):
+        # NB: a declined region (one shard) runs the graph as captured: eager fp32's own rounding, whose gradient of
+        # the decay at T = 1 is ~1e-9 against an exact ~1e-18
+        assert _rel(a, b) <= max(1e-5, 2 * _rel(e, b)), (form, T)
     res = ac.report(f).compiled[-1]
     recs = [r for r in res.regions if r.kind == "linear_recurrence"]
     if form == "generic" and T == 1:  # no combine is ever called: the tree is the identity, nothing to recognize
