@@ -46,7 +46,6 @@ from .analysis.fx import source_line
 from .regions import Fallback, Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
-from .analysis.fx import written_inputs
 from .analysis.optable import RANDOM, DROPOUT
 from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
 from .timing import timed
@@ -171,14 +170,6 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
         log.info("adjoint-compile: first-call check skipped: the graph draws random numbers (dropout), which the "
                  "inner compiler draws differently from eager")
         return fn
-    holders = [n for n in pristine.graph.nodes if n.op == "placeholder"]
-    roots = set()
-    for w in written_inputs(pristine.graph)[0]:
-        t = w.args[0]
-        while t.op != "placeholder":
-            t = t.args[0]
-        roots.add(t)
-    written = [i for i, h in enumerate(holders) if h in roots]
     names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none") or (
         "per-example book-keeping" if result.per_sample is not None else "re-rolled loops")
 
@@ -189,7 +180,7 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
                                  f"possible under per_sample_clip (please report the model)")
         return compile_inner(reference, list(args), opts.inner)
 
-    return ForwardCheck(fn, pristine, fallback, names, written, result.fallbacks, result.timing)
+    return ForwardCheck(fn, pristine, fallback, names, result.fallbacks, result.timing)
 
 
 def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:

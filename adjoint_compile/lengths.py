@@ -87,7 +87,7 @@ class LengthDispatch:
         fn = stitch_partitions(sym, calls, opts.inner, dynamic=True)
         if opts.check_forward:
             names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")
-            fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names, [],
+            fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names,
                               self.owner.fallbacks, self.owner.timing)
         log.info("adjoint-compile: one graph with %d region call(s) serves every length", len(calls))
         return fn, ""

@@ -159,3 +159,20 @@ def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
             for sig in fb.details["signatures"]] == [3, 5, 6, 7]
     (region,) = _generic_regions(step)
     assert region.lengths == {40, 33}  # 40 first ran its static graph
+
+
+def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_length():
+    """The first-call check of the one graph for every length runs the graph as captured on copies of the inputs it
+    writes into (a call counter, like BatchNorm's running statistics)."""
+    from test_never_wrong import Scan
+
+    torch.manual_seed(0)
+    m = Scan()
+    f = torch.compile(m, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    for i, T in enumerate((9, 13, 17, 11), start=1):
+        x = torch.randn(2, T, 6, dtype=torch.float64)
+        want = Scan.forward(m, x)  # NB: counts too
+        m.calls -= 1
+        got = f(x)
+        assert float(m.calls) == i and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert len(_generic_regions(f)) == 1

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..analysis.fx import written_inputs
 from ..errors import AdjointCompileWarning
 from ..regions import Fallback
 
@@ -121,6 +122,18 @@ def output_mismatch(got: Any, want: Any) -> dict[str, Any] | None:
     return None
 
 
+def written_placeholders(gm: fx.GraphModule) -> set[int]:
+    """The positions of the graph's inputs that it writes into in place (a module buffer updated by the forward)."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    roots = set()
+    for w in written_inputs(gm.graph)[0]:
+        t = w.args[0]
+        while t.op != "placeholder":
+            t = t.args[0]
+        roots.add(t)
+    return {i for i, h in enumerate(holders) if h in roots}
+
+
 class ForwardCheck:
     """The callable of a rewritten graph while its first call has not run: that call also runs ``reference`` (the
     graph as captured, eager, under ``no_grad``, from the same RNG state, with private copies of the inputs it writes
@@ -130,9 +143,10 @@ class ForwardCheck:
 
     def __init__(self, fn: Callable[..., Any], reference: fx.GraphModule,
                  fallback: Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]],
-                 regions: str, written: Sequence[int], fallbacks: list[Fallback], timing: dict[str, float]) -> None:
+                 regions: str, fallbacks: list[Fallback], timing: dict[str, float]) -> None:
         self.fn, self._reference, self._fallback = fn, reference, fallback
-        self._regions, self._written, self._fallbacks, self._timing = regions, set(written), fallbacks, timing
+        self._regions, self._fallbacks, self._timing = regions, fallbacks, timing
+        self._written = written_placeholders(reference)
         self._checked = False
 
     def __call__(self, *args: Any) -> Any:
