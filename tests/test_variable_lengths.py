@@ -176,3 +176,12 @@ def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_lengt
         got = f(x)
         assert float(m.calls) == i and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
     assert len(_generic_regions(f)) == 1
+
+
+def test_prepared_lengths_are_bounded(monkeypatch):
+    from adjoint_compile.runtime import length_generic
+
+    monkeypatch.setattr(length_generic, "KEEP", 3)
+    step = _run([20, 21, 22, 23, 24, 25, 22], {"inner": "aot_eager", "shard_size": 4})
+    (region,) = _generic_regions(step)
+    assert list(region.regions) == [24, 25, 22] and region.lengths == {21, 22, 23, 24, 25}

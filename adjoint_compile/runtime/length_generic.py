@@ -17,6 +17,7 @@ Whatever T, the shards partition the steps, so the gradients are exact; the comp
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,10 @@ from .sharded import ShardedRegion
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LengthGenericRegion", "retarget"]
+__all__ = ["LengthGenericRegion", "retarget", "KEEP"]
+
+#: prepared lengths kept per region
+KEEP = 64
 
 
 def retarget(region: ShardedRegion, T: int) -> fx.GraphModule:
@@ -60,7 +64,9 @@ class LengthGenericRegion(torch.nn.Module):
         self.T0 = template._plan.T
         #: the compiled shard programs of every length, by layout without the step dims (ShardProgram.shared)
         self.shared: dict[tuple, tuple[dict, dict]] = {}
-        self.regions: dict[int, ShardedRegion] = {}
+        #: the prepared region of each recent length (the least recently used beyond :data:`KEEP` are dropped: they
+        #: hold shape analyses only, the compiled programs stay in ``shared``)
+        self.regions: OrderedDict[int, ShardedRegion] = OrderedDict()
         #: distinct lengths seen (report)
         self.lengths: set[int] = set()
 
@@ -70,6 +76,7 @@ class LengthGenericRegion(torch.nn.Module):
     def _region(self, T: int) -> ShardedRegion:
         r = self.regions.get(T)
         if r is not None:
+            self.regions.move_to_end(T)
             return r
         t = self.template
         r = ShardedRegion(retarget(t, T), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
@@ -77,6 +84,8 @@ class LengthGenericRegion(torch.nn.Module):
         r.label = t.label
         r._plan.length_free, r._plan.shared = True, self.shared
         self.regions[T] = r
+        while len(self.regions) > KEEP:
+            self.regions.popitem(last=False)
         return r
 
     def forward(self, *inputs: Any) -> Any:
