@@ -46,7 +46,7 @@ from .analysis.fx import source_line
 from .regions import Fallback, Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
-from .analysis.optable import RANDOM, DROPOUT
+from .analysis.optable import draws_random
 from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
 from .timing import timed
 
@@ -142,30 +142,13 @@ def stitch(captured: Captured, lowered: list[str], opts: Options,
     return timed("stitch", stitch_partitions, captured.gm, lowered, opts.inner)
 
 
-def _draws_random(gm: fx.GraphModule) -> bool:
-    """Whether the graph draws random numbers (dropout in training, ``rand*``, ``bernoulli``, ...): the inner compiler
-    draws other numbers than eager then, so its outputs cannot be compared with an eager run."""
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method"):
-            continue
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        name = str(name).rstrip("_")
-        if n.target in RANDOM or n.target in DROPOUT or name in ("rand", "randn", "randint", "randperm", "uniform",
-                                                                 "normal", "bernoulli", "exponential", "geometric",
-                                                                 "cauchy", "log_normal", "random", "multinomial",
-                                                                 "poisson", "rand_like", "randn_like", "randint_like"):
-            return True
-        if "dropout" in name:
-            return True
-    return False
-
-
 def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.GraphModule, opts: Options) -> Callable[..., Any]:
     """``fn`` wrapped in the first-call forward check (runtime/verify.py), when it applies: something was rewritten,
-    ``check_forward`` is on, and the graph draws no random numbers (see :func:`_draws_random`)."""
+    ``check_forward`` is on, and the graph draws no random numbers (dropout: the inner compiler draws other numbers than eager, so its
+    outputs cannot be compared with an eager run)."""
     if not opts.check_forward or opts.sequence_parallel is not None:
         return fn
-    if _draws_random(pristine):
+    if any(draws_random(n) for n in pristine.graph.nodes):
         result.timing["check_forward_skipped"] = 1.0
         log.info("adjoint-compile: first-call check skipped: the graph draws random numbers (dropout), which the "
                  "inner compiler draws differently from eager")

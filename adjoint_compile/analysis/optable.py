@@ -182,6 +182,16 @@ def name_of(n: fx.Node) -> str:
     return op_name(n) or fn_name(n)
 
 
+#: words in the name of an op that draws from torch's generator (``rand``, ``randn_like``, ``x.uniform_``, dropout)
+RANDOM_WORDS = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential",
+                "geometric", "cauchy")
+
+
+def draws_random(n: fx.Node) -> bool:
+    """Whether the node draws random numbers: a recomputation draws others, and so does another compiler."""
+    return n.op in ("call_function", "call_method") and any(w in name_of(n) for w in RANDOM_WORDS)
+
+
 def target_key(n: fx.Node) -> str:
     """A stable, address-free string for a node's op and target (``str(torch.add)`` contains an address)."""
     t = n.target

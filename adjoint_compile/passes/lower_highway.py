@@ -31,7 +31,7 @@ from ..analysis.affine import Const, Expr, UpdateForm, classify_update
 from ..analysis.fx import example_value as _ev
 from ..analysis.fx import fresh_name, hinted_shape, reachable
 from ..analysis.fx import stable_toposort as _toposort
-from ..analysis.optable import fn_name, op_name
+from ..analysis.optable import draws_random, fn_name, op_name
 from ..options import Options
 from ..regions import PROVENANCE, Lowered, NotLowered, PerStepSlice, Recurrence, Region, ResidualChain
 from ..runtime.highway import HighwayScan, StepChain
@@ -46,7 +46,6 @@ __all__ = ["lower_highway", "PATHS"]
 #: what k means, for reports (docs/highway.md).
 PATHS = "gradient = the sum over all backward paths through at most {k} Jacobian(s) of the blocks g"
 
-_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson")
 
 
 class _Refused(Exception):
@@ -145,7 +144,7 @@ def lower_scan(gm: fx.GraphModule, scan: fx.Node, opts: Options) -> Lowered:
     if not xs or len(phs) != n_c + len(xs) + len(extra) or len(results) < n_c:
         raise _Refused("the scan's step sub-graph does not match its arguments")
     for n in sub.graph.nodes:
-        if n.op in ("call_function", "call_method") and any(w in (op_name(n) or fn_name(n)) for w in _RANDOM):
+        if draws_random(n):
             raise _Refused(f"the step draws random numbers ({op_name(n) or fn_name(n)} at node {n.name}); Highway-BP recomputes "
                            f"the step in the backward")
     carries, news = phs[:n_c], results[:n_c]

@@ -28,7 +28,7 @@ import torch.fx as fx
 from ..analysis.fx import example_value as _ev
 from ..analysis.fx import reachable
 from ..analysis.fx import stable_toposort as _toposort
-from ..analysis.optable import fn_name, op_name
+from ..analysis.optable import draws_random, fn_name, op_name
 from ..options import Options
 from ..regions import PROVENANCE, Lowered, ResidualChain
 
@@ -41,7 +41,6 @@ R_OF = {"add": ("x + z (or c·x + z)", "identity / scalar"), "pre_ln": ("x + z",
         # NB: the cell c is the state; the gates read it only through h = o ⊙ tanh(c), inside the block g
         "lstm": ("z1 ⊙ c + z2 (the gates z from h = o ⊙ tanh(c))", "diag(z1)")}
 
-_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson")
 
 
 class ChainRefused(Exception):
@@ -101,7 +100,7 @@ def lower_chain(gm: fx.GraphModule, r: ResidualChain, opts: Options, name: str) 
             if n.op not in ("call_function", "call_method", "call_module"):
                 raise ChainRefused(f"node {n.name} ({n.op}) cannot be outlined")
             what = op_name(n) or fn_name(n)
-            if any(w in what for w in _RANDOM):
+            if draws_random(n):
                 raise ChainRefused(f"layer {i + 1} draws random numbers ({what} at node {n.name}); Highway-BP "
                                    f"recomputes the blocks in the backward")
             if n is not layer.out and any(u not in nodes for u in n.users):

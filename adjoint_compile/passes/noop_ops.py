@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis.fx import example_value
+from ..analysis.fx import example_value, is_inplace
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +75,16 @@ def _is_noop(n: fx.Node) -> bool:
     return False
 
 
-def _inplace(u: fx.Node) -> bool:
-    name = str(u.target) if u.op == "call_method" else getattr(u.target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_") or u.target is operator.setitem
-
-
 def drop_noop_ops(gm: fx.GraphModule) -> int:
     """Replace every no-op cast/slice of ``gm`` by its input (in place); returns how many were dropped."""
     dropped = 0
     for n in list(gm.graph.nodes):
-        if not _is_noop(n) or any(_inplace(u) for u in n.users):
+        if not _is_noop(n) or any(is_inplace(u) for u in n.users):
             continue
         src = n.args[0]
         if src.op == "placeholder" and any(u.op == "output" for u in n.users):
             continue  # NB: a graph output that would become one of its inputs: leave the aliasing as it was
-        if any(_inplace(u) for u in src.users if u is not n):
+        if any(is_inplace(u) for u in src.users if u is not n):
             continue
         n.replace_all_uses_with(src)
         gm.graph.erase_node(n)
