@@ -31,7 +31,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("decide", ("passes.decide",)),
     ("lower", ("passes.lower", "passes.lower_adjoint", "passes.lower_adjoint_ps", "passes.lower_highway",
                 "passes.lower_highway_chain", "passes.lower_highway_cells", "passes.lower_seqpar",
-                "passes.lower_per_sample", "passes.lower_generic")),
+                "passes.lower_per_sample", "passes.lower_per_sample_loss", "passes.lower_generic")),
     ("stitch", ("passes.partition",)),
     ("backend", ("backend", "lengths")),
     ("user", ("", "explain", "cli", "demo", "measure", "models", "models.*")),

@@ -5,6 +5,7 @@ On dynamo's torch-level graph each value is classified as
 - ``P``: computed from parameters (and constants) only, e.g. ``-exp(A_log)``;
 - ``A``: depends on an example (a graph input with the batch axis);
 - ``R``: reduced over the batch axis (a loss; only a linear tail may follow, up to the output);
+- ``D``: a value without parameters reduced over the batch axis (``mask.sum()``): it may scale or divide the loss;
 - ``C``: anything else (buffers, masks, sizes).
 
 A node with an ``A`` and a ``P`` input is a parameter use. It becomes a call of runtime/per_sample.py:
@@ -36,6 +37,7 @@ from ..errors import AdjointCompileWarning, PerSampleError
 from ..options import Options
 from ..runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ..runtime.sharded import ShardedRegion
+from .lower_per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,6 @@ ALONG = frozenset("softmax log_softmax cumsum cumprod logcumsumexp sort argsort 
 #: in-graph losses: with reduction "mean" or "sum" they reduce over the batch
 LOSSES = frozenset("cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
                    "binary_cross_entropy_with_logits kl_div".split())
-#: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
-LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
-                        "__neg__ sum mean float to".split())
 LINEARS = (torch._C._nn.linear, F.linear)
 MATMULS = (operator.matmul, torch.matmul)
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
@@ -182,16 +181,14 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, an op along the batch "
                              f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
                              "gradients are not defined")
-        if "R" in ins:
-            other = [k for k in ins if k in ("A", "P", "M")]
-            if other or _name(n) not in LINEAR_TAIL or (_name(n) in ("mul", "truediv", "div", "__mul__")
-                                                         and ins.count("R") > 1):
-                src = next(a for a in n.all_input_nodes if kind_of.get(a) == "R")
+        if "R" in ins or "D" in ins:  # NB: the loss's tail (passes/lower_per_sample_loss.py)
+            if (tail := tail_kind(n, kind_of)) is None:
+                src = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
                 raise _refuse(n, f"uses a value reduced over the batch axis before the loss ({_origin(src, kind_of)}"
                                  "): the examples interact, so per-example gradients are not defined")
-            kind_of[n] = "R"
-        elif red == "R":
-            kind_of[n] = "R"
+            kind_of[n] = tail
+        elif red == "R":  # NB: "D": a reduction of data alone (mask.sum()), a constant of the gradient
+            kind_of[n] = "R" if param_dependent(n.args[0], kind_of) else "D"
         elif "A" in ins or "M" in ins:
             kind_of[n] = "M" if "P" in ins else "A"
         elif "P" in ins:
@@ -207,8 +204,8 @@ def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int
 
 
 def _origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
-    while any(kind_of.get(a) == "R" for a in n.all_input_nodes):
-        n = next(a for a in n.all_input_nodes if kind_of.get(a) == "R")
+    while any(kind_of.get(a) in ("R", "D") for a in n.all_input_nodes):
+        n = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
     return f"{_name(n)} ({n.name}) at {_where(n)}"
 
 
@@ -277,8 +274,8 @@ class _Lowerer:
             return
         if n.target is F.multi_head_attention_forward:
             new = self._attention(n)
-        elif (flat := self._flat_addmm(n)) is not None:
-            new = self._addmm(n, flat)
+        elif (flat := flat_rows(n, k, self.bd, self.batch)) is not None:
+            new = self._flat(n, *flat)
         elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
@@ -352,24 +349,10 @@ class _Lowerer:
                           tuple(args[k] for k in names), "attention", params,
                           form="q/k/v/out projections (gram or direct per slice), attention without parameters")
 
-    def _flat_addmm(self, n: fx.Node) -> fx.Node | None:
-        """``addmm(b, x.view(-1, d), W)`` (transformers' Conv1D, GPT-2's projections): the activation before the
-        flattening when it keeps the examples on an axis the flattening merges; else None."""
-        if n.target is not torch.addmm or len(n.args) != 3 or n.kwargs or not all(
-                _direct_param(a, self.kind_of) for a in (n.args[0], n.args[2])):
-            return None
-        v = n.args[1]
-        if not (isinstance(v, fx.Node) and _name(v) in ("view", "reshape") and v.args and
-                isinstance(v.args[0], fx.Node) and self.kind_of.get(v.args[0]) in ("A", "M")):
-            return None
-        x, xv, vv = v.args[0], _val(v.args[0]), _val(v)
-        if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and vv.dim() == 2 and
-                xv.dim() - 1 > self.bd and xv.shape[-1] == vv.shape[1] and int(xv.shape[self.bd]) == self.batch):
-            return None
-        return x
-
-    def _addmm(self, n: fx.Node, x: fx.Node) -> fx.Node:
-        lin = self._linear(n, x, n.args[2], n.args[0], transposed=True, flat=True)
+    def _flat(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
+        """A parameter matrix on rows of x merged into [rows, d] (passes/lower_per_sample_loss.py): the use on x
+        itself, its output flattened the same way."""
+        lin = self._linear(n, x, w, b, transposed=transposed, flat=True)
         with self.gm.graph.inserting_before(n):
             flat = self.gm.graph.call_method("reshape", (lin, -1, int(_val(n).shape[-1])))
         flat.meta.update(n.meta)
@@ -476,8 +459,9 @@ def _warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, c
     C then acts as N·C on the summed loss's per-example norms (C = 1 clips nothing of a typical model)."""
     for n in gm.graph.nodes:
         name, red = _name(n), n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "sum")), "mean"))
-        if _reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in ("mean", "nanmean") and (
-                name not in LOSSES or red != "mean") or (key := f"{_where(n)} {n.name}") in _MEANS_WARNED:
+        if kind_of.get(n) == "D" or _reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in (
+                "mean", "nanmean") and (name not in LOSSES or red != "mean") or (
+                key := f"{_where(n)} {n.name}") in _MEANS_WARNED:
             continue
         t = _val(n.args[1]) if name in ("cross_entropy", "nll_loss") and len(n.args) > 1 else None
         N = t.numel() if isinstance(t, torch.Tensor) else _val(n.args[0]).numel() // max(1, _val(n).numel())
@@ -505,6 +489,7 @@ def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Op
             raise _refuse(a, "is a parameter value returned by the graph without meeting an example: its gradient "
                              "could not be attributed to examples")
     _warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
+    warn_data_divisor(gm, kind_of, float(opts.per_sample_clip or float("inf")), _where)
     low = _Lowerer(gm, kind_of, opts, batch)
     for n in uses:
         for p in {q for a in n.all_input_nodes if kind_of.get(a) == "P" for q in low._param_leaves(a)}:

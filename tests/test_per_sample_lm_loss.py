@@ -1,0 +1,270 @@
+"""per_sample_clip on a language model compiled with its loss (issue 33, part 4): embedding -> linear recurrences
+(``ac.ops.linear_scan``, or the shipped selective SSM) -> head -> cross-entropy in the forms training scripts write
+(tests/test_lm_loss.py's FORMS: flattened ``(B·T, V)`` logits, ``[B, V, T]``, reductions, ignore_index, label
+smoothing, class weights, the shift by one, a z-loss, ``.float()``/``.double()``, masks divided by their count),
+a head on flattened rows (``F.linear_cross_entropy``), a tied head. Every p.grad and ``per_sample_grad_norms`` equal,
+in fp64 to 1e-8, an oracle of plain eager autograd: example n's gradient is the gradient of the loss as written with
+respect to a copy of the parameters that only example n uses (one copy per example, the logits concatenated), then
+clipped and summed. For a loss that is a sum over examples that is each example's own loss's gradient (checked
+against a loop over the examples); for a mean it is that divided by the count the mean divides by. T = 13 (odd),
+shard sizes 1, 4, 5, ignored targets at shard boundaries, whole shards and a whole example of them. Forms the
+per-example analysis cannot attribute are refused with a PerSampleError naming the op.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+from adjoint_compile.models.selective_ssm import SSMStack
+from adjoint_compile.passes import lower_per_sample, lower_per_sample_loss
+from test_lm_loss import FORMS, LM, D, V, _data
+
+TOL = 1e-8
+T3 = 13
+
+
+def _data3(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """B = 3 examples of 13 steps: example 0's targets ignored at t = 0, 4, 5 (shard boundaries at sizes 4 and 5),
+    example 1's from 8 on (whole shards), every one of example 2's."""
+    g = torch.Generator().manual_seed(seed)
+    ids, tg = torch.randint(0, V, (3, T3), generator=g), torch.randint(0, V, (3, T3), generator=g)
+    tg[0, [0, 4, 5]] = -100
+    tg[1, 8:] = -100
+    tg[2] = -100
+    return ids, tg
+
+
+def _ce(reduction: str, **kw):
+    return lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction=reduction, **kw)
+
+
+class Step(nn.Module):
+    """``forward(ids, targets)``: the loss(es) of ``lm``'s logits; ``logits`` is what the oracle concatenates."""
+
+    def __init__(self, lm: nn.Module, loss) -> None:
+        super().__init__()
+        self.lm, self.loss = lm, loss
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor):
+        return self.loss(self.logits(ids), targets)
+
+
+def oracle(model: Step, ids: torch.Tensor, tg: torch.Tensor, weights=None) -> list[dict[str, torch.Tensor]]:
+    """Per example n, the gradient of the loss as written with respect to a copy of the parameters only example n
+    uses: one eager forward per example, the logits concatenated, one backward."""
+    copies = [copy.deepcopy(model) for _ in range(ids.shape[0])]
+    lg = torch.cat([c.logits(ids[n:n + 1]) for n, c in enumerate(copies)])
+    out = model.loss(lg, tg)
+    out = out if isinstance(out, torch.Tensor) else sum(w * o for w, o in zip(weights, out))
+    out.backward()
+    return [{k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in c.named_parameters()}
+            for c in copies]
+
+
+def clipped(per: list[dict[str, torch.Tensor]], clip: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    norms = torch.tensor([math.sqrt(sum(float(g.pow(2).sum()) for g in d.values())) for d in per],
+                         dtype=torch.float64)
+    c = [1.0 if n <= clip else clip / n for n in norms.tolist()]
+    return {k: sum(ci * d[k] for ci, d in zip(c, per)) for k in per[0]}, norms
+
+
+def check(model: Step, ids: torch.Tensor, tg: torch.Tensor, shard: int, weights=None,
+          clip: float | None = None) -> ac.Report:
+    """Compile ``model`` with per_sample_clip (half-way between the least and the largest nonzero oracle norm, so
+    some examples are clipped and some not, unless ``clip`` is given), one backward, p.grad and the norms against the
+    oracle; returns the report."""
+    per = oracle(model, ids, tg, weights)
+    _, norms = clipped(per, math.inf)
+    pos = norms[norms > 0]
+    clip = float(pos.min() + pos.max()) / 2 if clip is None else clip
+    want, _ = clipped(per, clip)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": shard,
+                                                          "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(ids, tg)
+    out = out if isinstance(out, torch.Tensor) else sum(w * o for w, o in zip(weights, out))
+    out.backward()
+    got = ac.per_sample_grad_norms(f)
+    assert torch.allclose(got, norms, rtol=TOL, atol=1e-300), (got, norms)
+    assert (norms > clip).any() and (norms < clip).any(), "the test should clip some examples and not others"
+    for k, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        err = float((p.grad - want[k]).norm() / want[k].norm().clamp_min(1e-300))
+        assert err <= TOL or float((p.grad - want[k]).abs().max()) <= 1e-14, (k, err)
+    rep = ac.report(f)
+    assert not rep.fallbacks, str(rep)
+    assert any(r.rewrite == "adjoint" for r in rep.regions), str(rep)
+    return rep
+
+
+@pytest.mark.parametrize("shard", [1, 4, 5])
+def test_every_form_at_once(shard):
+    """All forms of tests/test_lm_loss.py from one forward (B = 2, T = 13, targets ignored at shard boundaries and
+    in whole shards), one backward of a random combination of them: a wrong per-example gradient of any one form
+    shows in the norms and the clipped sum."""
+    torch.manual_seed(0)
+    model = Step(LM(), lambda lg, t: tuple(fn(lg, t) for fn, _ in FORMS.values())).double()
+    w = (torch.rand(len(FORMS), generator=torch.Generator().manual_seed(shard), dtype=torch.float64) + 0.5).tolist()
+    check(model, *_data(), shard=shard, weights=w)
+
+
+@pytest.mark.parametrize("form", ["[B, V, T]", "log_softmax, gather", "z-loss", "logits[:, :-1], labels[:, 1:]"])
+def test_each_form_alone(form):
+    """A few forms alone (their norms are not blended with the others')."""
+    torch.manual_seed(0)
+    check(Step(LM(), FORMS[form][0]).double(), *_data(), shard=4)
+
+
+@pytest.mark.parametrize("shard", [1, 5])
+def test_a_sum_is_each_examples_own_loss_a_whole_example_ignored(shard):
+    """reduction="sum": example n's gradient is that of its own loss alone (an eager loop over the examples, which
+    the oracle also equals); the example whose every target is ignored has norm 0 and adds nothing."""
+    torch.manual_seed(2)
+    model = Step(LM(), _ce("sum", label_smoothing=0.1)).double()
+    ids, tg = _data3()
+    per = oracle(model, ids, tg)
+    for n in range(3):
+        one = copy.deepcopy(model)
+        one(ids[n:n + 1], tg[n:n + 1]).backward()
+        for k, p in one.named_parameters():
+            assert torch.allclose(p.grad, per[n][k], rtol=1e-12, atol=1e-14), (n, k)
+    check(model, ids, tg, shard)
+
+
+def test_a_mean_divides_each_norm_by_the_count_of_valid_targets(monkeypatch):
+    """reduction="mean" (the default): per_sample_clip bounds the norms of the mean loss's per-example gradients,
+    each the sum loss's divided by the number of targets that are not ignored in the whole batch (here 39 - 3 - 5 -
+    13 = 18), as for every model under per_sample_clip; the warning names it."""
+    torch.manual_seed(2)
+    ids, tg = _data3()
+    mean = Step(LM(), _ce("mean")).double()
+    summed = copy.deepcopy(mean)
+    summed.loss = _ce("sum")
+    valid = int((tg != -100).sum())
+    _, n_mean = clipped(oracle(mean, ids, tg), math.inf)
+    _, n_sum = clipped(oracle(summed, ids, tg), math.inf)
+    assert valid == 18 and torch.allclose(n_mean * valid, n_sum, rtol=1e-12)
+    check(mean, ids, tg, 4)
+    monkeypatch.setattr(lower_per_sample, "_MEANS_WARNED", set())  # NB: warned once per source line
+    f = torch.compile(copy.deepcopy(mean), backend="adjoint", options={"per_sample_clip": 1e-3, "shard_size": 4,
+                                                                      "inner": "aot_eager"})
+    with pytest.warns(ac.AdjointCompileWarning, match="mean over the batch"):
+        f(ids, tg)
+
+
+class FlatHead(nn.Module):
+    """The head on rows of the final norm's output merged into [B·T, D]."""
+
+    def __init__(self, how: str, reduction: str) -> None:
+        super().__init__()
+        self.lm, self.how, self.reduction = LM(), how, reduction
+        self.w = nn.Parameter(0.3 * torch.randn(D, V))
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.norm(self.lm.layers(self.lm.emb(ids)))
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(ids)
+        return h @ self.w if self.how == "view @ W" else self.lm.head(h)
+
+    def loss(self, lg: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(lg.flatten(0, 1), t.flatten(), label_smoothing=0.1, reduction=self.reduction)
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(ids)
+        if self.how == "linear_cross_entropy":
+            return F.linear_cross_entropy(h.flatten(0, 1), self.lm.head.weight, t.flatten(),
+                                          linear_bias=self.lm.head.bias, label_smoothing=0.1,
+                                          reduction=self.reduction)
+        flat = h.view(-1, D) @ self.w if self.how == "view @ W" else self.lm.head(h.flatten(0, 1))
+        return F.cross_entropy(flat, t.flatten(), label_smoothing=0.1, reduction=self.reduction)
+
+
+@pytest.mark.parametrize("how,reduction", [("linear(flatten)", "sum"), ("linear_cross_entropy", "mean"),
+                                           ("linear_cross_entropy", "sum"), ("view @ W", "mean")])
+def test_a_head_on_flattened_rows(how, reduction):
+    """``head(h.flatten(0, 1))``, ``F.linear_cross_entropy(h.flatten(0, 1), W, ...)`` (its reference path) and
+    ``h.view(-1, D) @ W``: the rows of [B·T, D] are attributed to their examples (the use is lowered on h)."""
+    if how == "linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
+        pytest.skip("F.linear_cross_entropy is new in torch 2.13")
+    torch.manual_seed(3)
+    model = FlatHead(how, reduction).double()
+    for p in ([model.w] if how != "view @ W" else model.lm.head.parameters()):
+        p.requires_grad_(False)  # NB: the head this form does not use
+    rep = check(model, *_data3(), shard=4)
+    uses = [u for c in rep.compiled if c.per_sample is not None for u in c.per_sample.uses]
+    head = [u for u in uses if u["kind"] in ("linear", "matmul") and u["steps"] == T3]
+    assert head and head[0]["d_out"] == V, uses
+
+
+@pytest.mark.parametrize("shard", [4])
+def test_a_tied_head(shard):
+    torch.manual_seed(4)
+    check(Step(LM(tied=True), _ce("sum")).double(), *_data3(), shard=shard)
+
+
+class SSMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ssm, self.head = nn.Embedding(V, D), SSMStack(d_model=D, d_state=2, n_layers=1), nn.Linear(D, V)
+        with torch.no_grad():
+            for p in self.ssm.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ssm(self.emb(ids)))
+
+
+def test_the_selective_ssm_lm():
+    torch.manual_seed(5)
+    ids, tg = _data3()
+    check(Step(SSMLM(), lambda lg, t: F.cross_entropy(lg[:, :-1].flatten(0, 1), t[:, 1:].flatten())).double(),
+          ids, tg, shard=4)
+
+
+def test_a_loss_divided_by_a_count_of_its_targets_warns(monkeypatch):
+    """``(ce * mask).sum() / mask.sum()`` divides every example's norm by the count, as a mean does: warned."""
+    monkeypatch.setattr(lower_per_sample_loss, "_WARNED", set())
+    torch.manual_seed(0)
+    f = torch.compile(Step(LM(), FORMS["none, mask"][0]).double(), backend="adjoint",
+                      options={"per_sample_clip": 1e-3, "shard_size": 4, "inner": "aot_eager"})
+    with pytest.warns(ac.AdjointCompileWarning, match="divided by a value reduced over the batch"):
+        f(*_data()).backward()
+
+
+def _refused(loss, match: str) -> None:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    f = torch.compile(Step(LM(), loss).double(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "shard_size": 4, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match=match):
+        f(*_data())
+
+
+@pytest.mark.parametrize("what", ["a loss in the divisor", "a product of losses", "logits over a batch count",
+                                  "per-row losses over a batch count"])
+def test_forms_it_cannot_attribute_are_refused(what):
+    """Not a sum of per-example losses (the first two), or a batch-wide count meeting per-example values before the
+    loss's reduction (refused, though a constant of the gradient): a PerSampleError naming the op, never a
+    gradient."""
+    mask = lambda t: (t != -100).to(torch.float64)  # noqa: E731
+    loss = {
+        "a loss in the divisor": lambda lg, t: 1.0 / F.cross_entropy(lg.flatten(0, 1), t.flatten()),
+        "a product of losses": lambda lg, t: _ce("sum")(lg, t) * _ce("mean")(lg, t),
+        "logits over a batch count": lambda lg, t: _ce("sum")(lg / mask(t).sum(), t),
+        "per-row losses over a batch count": lambda lg, t: (_ce("none")(lg, t) / mask(t).sum()).pow(2).sum(),
+    }[what]
+    _refused(loss, r"per_sample_clip: \w+ .*reduced over the batch axis before the loss")
