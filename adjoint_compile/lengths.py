@@ -75,6 +75,9 @@ class LengthDispatch:
         sgm = specialize(copy_graph_module(self.gm), args)
         result = self.pipeline(sgm, list(args), opts, compile=False)
         if not result.lowered:
+            failed = sorted({r.reason for r in result.regions if r.details.get("lowering_failed")})
+            if failed:
+                return None, "; ".join(failed)
             self.declined = result
             return None, "short"
         sym = copy_graph_module(self.pristine)

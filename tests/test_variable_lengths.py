@@ -185,3 +185,46 @@ def test_prepared_lengths_are_bounded(monkeypatch):
     step = _run([20, 21, 22, 23, 24, 25, 22], {"inner": "aot_eager", "shard_size": 4})
     (region,) = _generic_regions(step)
     assert list(region.regions) == [24, 25, 22] and region.lengths == {21, 22, 23, 24, 25}
+
+
+def test_sizes_fold_when_fake_propagation_drops_python_numbers(monkeypatch):
+    """Before torch 2.13 FakeTensorProp recorded tensors and symbolic numbers only: a size computed from a now static
+    shape kept dynamo's symbolic value (a tuple of sizes became Nones). Specialization must fold those sizes anyway,
+    or every length after the first runs with ordinary autograd."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    real = FakeTensorProp.run_node
+
+    def before_2_13(self, n):
+        before = n.meta.get("val")
+        out = real(self, n)
+        if isinstance(out, (bool, int, float)):
+            n.meta["val"] = before
+        elif isinstance(out, (tuple, list)) and not any(isinstance(x, torch.Tensor) for x in out):
+            n.meta["val"] = tuple(None for _ in out)
+        return out
+
+    monkeypatch.setattr(FakeTensorProp, "run_node", before_2_13)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        step = _run([40, 33, 57, 21], {"inner": "aot_eager", "shard_size": 8})
+    assert not [w for w in got if issubclass(w.category, AdjointCompileWarning)], [str(w.message) for w in got]
+    assert ac.report(step).fallbacks == []
+    (region,) = _generic_regions(step)
+    assert region.lengths == {33, 57, 21}
+
+
+def test_a_lowering_failure_is_not_called_a_short_length(monkeypatch, caplog):
+    """A region whose lowering fails for a reason other than its size is not reported as "too short to shard":
+    each length is specialized and says its own reason."""
+    from adjoint_compile.passes import lower_adjoint
+
+    def failing(gm, nodes):
+        raise lower_adjoint.UnsupportedRegion("a planted failure")
+
+    monkeypatch.setattr(lower_adjoint, "outline", failing)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        _run([40, 33], {"inner": "aot_eager", "shard_size": 8})
+    assert not [str(w.message) for w in got if "too short" in str(w.message)]
+    said = [r.getMessage() for r in caplog.records if "kept ordinary autograd" in r.getMessage()]
+    assert len(said) == 2 and all("a planted failure" in m for m in said), said

@@ -188,6 +188,9 @@ def settle(regions: Sequence[Region], plans: Sequence[Plan],
         r.rewrite, r.reason = "none", out.why if isinstance(out, NotLowered) else p.reason
         if isinstance(out, NotLowered) and out.memory:
             r.details["expected_memory_bytes"] = dict(out.memory)
+        elif isinstance(out, NotLowered) and not out.covered:
+            # NB: a lowering that failed on the region itself, not on its size: a longer call fails the same way
+            r.details["lowering_failed"] = True
         if isinstance(out, NotLowered) and out.covered:
             r.details["covered"] = True
         if r.kind == "residual_chain" and calls and r.nodes:

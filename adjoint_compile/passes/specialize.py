@@ -123,6 +123,19 @@ def _arith_with_tensor(u: fx.Node, item: fx.Node) -> bool:
     return isinstance(ov, torch.Tensor) and ov.ndim >= 1 and ov.is_floating_point()
 
 
+class _Propagate(FakeTensorProp):
+    """Fake propagation that records every node's Python number, bool or size tuple in ``meta["val"]``.
+
+    NB: FakeTensorProp before torch 2.13 records tensors and symbolic numbers only (a plain int became None), so
+    a size computation on the now static shapes kept no literal to fold and stayed an input of the region."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if _literal(result):
+            n.meta["val"] = fx.node.map_aggregate(result, lambda x: x)
+        return result
+
+
 def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers).
 
@@ -138,7 +151,7 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     # dynamic=True turned into a 0-dim tensor input) is an unbacked symbol that stays a run-time node, not an error
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    FakeTensorProp(new, mode).propagate_dont_convert_inputs(*fakes)
+    _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
     for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
         v = n.meta.get("val")
         if isinstance(a, torch.nn.Parameter) and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
