@@ -420,10 +420,18 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
         return f" [{line}]" if line else ""
 
     declined = [r for r in result.regions if _declined(r, opts)]
+    # NB: with recurrences in the graph, a residual chain left alone by a mode without its rewrite (Highway-BP) is
+    # informational: the recurrences' rows say what was kept; it is listed, not counted
+    info = [r for r in declined if r.kind == "residual_chain" and opts.mode != "highway"
+            and any(x.kind != "residual_chain" for x in result.regions)]
+    declined = [r for r in declined if r not in info]
     lines = [f"{r.kind} {r.name} ({r.source}, length {r.length}) not rewritten{at(r.name)}: {r.reason}"
              for r in declined]
     groups = group_rejections(result.rejections, nodes)
     lines += [f"rejected {line}{at(where[0])}" for line, (_, _, where) in zip(rejection_lines(groups), groups)]
+    if lines:
+        lines += [f"(informational, not counted) {r.kind} {r.name} ({r.source}, length {r.length}){at(r.name)}: "
+                  f"{r.reason}" for r in info]
     if not result.regions and not (result.per_sample is not None and result.per_sample.uses):
         head = (f"adjoint-compile: nothing recognized in a graph of {len(nodes)} nodes (mode={opts.mode}): no linear "
                 f"recurrence, scan or residual chain, so it compiles with the inner compiler ({opts.inner}) as is "

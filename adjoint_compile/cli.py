@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib.util
+import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +31,9 @@ from typing import Any
 
 import torch
 
+from .errors import OptionsError
 from .explain import Report, explain
+from .options import SUMMARY, validate
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +136,48 @@ def load_factory(spec: str) -> Any:
     raise ValueError(f"model {spec!r}: {attr} must be an nn.Module or a factory returning one (or a function)")
 
 
+def parse_options(text: str | None) -> dict[str, Any] | None:
+    """``--options`` text -> the options dict (validated, so a bad key fails before the model is built); a
+    ValueError naming ``--options`` otherwise."""
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--options {text!r} is not valid JSON ({e.msg} at column {e.colno}): write a JSON object, "
+                         f"e.g. --options '{{\"mode\": \"truncated\", \"window\": 256}}' (double quotes, lowercase "
+                         f"true/false)") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options {text!r}: expected a JSON object of the backend's options, e.g. "
+                         f"'{{\"shard_size\": 256}}', got {type(options).__name__}")
+    try:
+        validate(options)
+    except OptionsError as e:
+        raise ValueError(f"--options: {e}") from None
+    return options
+
+
+def _required_inputs(model: Any) -> list[str] | None:
+    """The names of the positional arguments the model needs (None when its signature cannot be read)."""
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _report(args: argparse.Namespace) -> Report:
+    options = parse_options(args.options)
     torch.manual_seed(args.seed)
     model = load_factory(args.model)
     inputs = [parse_input(s) for s in args.input]
-    options = json.loads(args.options) if args.options else None
+    need = _required_inputs(model)
+    if need is not None and len(inputs) < len(need):
+        given = f"got {len(inputs)} --input" if inputs else "no --input was given"
+        raise ValueError(f"missing --input: {args.model} takes {len(need)} input(s) ({', '.join(need)}) and "
+                         f"{given}; give one --input per argument, in order, e.g. --input \"randn(2,1024,64)\" "
+                         f"(shape [batch, time, features]) or --input \"randint(0, 32, (2, 512))\" (token ids)")
     return explain(model, *inputs, options=options)
 
 
@@ -143,46 +185,128 @@ def _report(args: argparse.Namespace) -> Report:
 # dump
 
 
-def _highlight(report: Any) -> list[dict[str, tuple[str, str]]]:
-    """Per graph: node name -> (fill colour, label) of the region drawn on the node.
+_PALETTE = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d", "#bde0fe"]
+_GREY, _LIGHT = "#d9d9d9", "#eeeeee"
 
-    A node can sit in several regions (a scan inside a residual chain): rewritten regions are drawn on top of the
-    ones left to ordinary autograd (grey), so what the backend rewrote is what the picture shows."""
-    palette = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d", "#bde0fe"]
-    out: list[dict[str, tuple[str, str]]] = [{} for _ in report.graphs]
-    # NB: painted in this order, later over earlier: neighbourhoods, then regions not rewritten, then rewritten ones
+
+def short_name(n: torch.fx.Node) -> str:
+    """A placeholder's parameter path as the model names it: dynamo's
+    ``L_self_modules_layers_modules_0_modules_in_proj_parameters_weight_`` -> ``layers.0.in_proj.weight``
+    (``L_x_`` -> ``x``); any other node keeps its FX name."""
+    t = str(n.target)
+    if n.op != "placeholder" or not re.match(r"[LG]_.", t):
+        return n.name
+    t = t[2:].removesuffix("_")
+    t = re.sub(r"^self_(?=(modules|parameters|buffers)_)", "", t)
+    t = re.sub(r"(^|_)(modules|parameters|buffers)_", lambda m: "." if m.group(1) else "", t)
+    return t or n.name
+
+
+@dataclasses.dataclass
+class _Region:
+    """One box of the picture: a sharded call (the report rows lowered into it) or one report row."""
+
+    key: str
+    title: str
+    colour: str
+    rows: list[int]
+    nodes: set[str] = dataclasses.field(default_factory=set)
+
+
+def _highlight(report: Any) -> tuple[list[dict[str, tuple[str, str, str]]], list[list[_Region]]]:
+    """Per graph: node name -> (fill colour, label, box key) of the region drawn on the node, and the boxes.
+
+    Labels name the report's rows: a scan node its own row (``#0 linear_recurrence (linear_scan)``), a node that a
+    sharded call took in the call and every row lowered into it (``adjoint_region_0: #0, #1``). A node can sit in
+    several regions (a scan inside a residual chain): rewritten regions are drawn on top of the ones left to ordinary
+    autograd (grey), so what the backend rewrote is what the picture shows; each node is in one box, its top one."""
+    marks: list[dict[str, tuple[str, str, str]]] = [{} for _ in report.graphs]
+    boxes: list[dict[str, _Region]] = [{} for _ in report.graphs]
+
+    def graph(i: int) -> int:
+        return report.graph_index[i] if i < len(report.graph_index) else 0
+
+    for i, r in enumerate(report.regions):  # NB: neighbourhoods first: everything else is drawn over them
+        for n in getattr(r, "neighbourhood", []) or []:
+            marks[graph(i)].setdefault(n.name, (_LIGHT, f"#{i} time-local", ""))
+    calls: dict[tuple[int, str], list[int]] = {}
+    for i, r in enumerate(report.regions):
+        if r.rewrite != "none" and r.details.get("region_call"):
+            calls.setdefault((graph(i), r.details["region_call"]), []).append(i)
+    # NB: painted in this order, later over earlier: regions not rewritten, then what sharded calls took in, then the
+    # rewritten rows' own nodes (their scans)
     order = sorted(range(len(report.regions)), key=lambda i: report.regions[i].rewrite != "none")
-    for i in range(len(report.regions)):
-        gi = report.graph_index[i] if i < len(report.graph_index) else 0
-        for n in getattr(report.regions[i], "neighbourhood", []) or []:
-            out[gi].setdefault(n.name, ("#eeeeee", f"#{i} time-local"))
-    for i in order:
-        r = report.regions[i]
-        gi = report.graph_index[i] if i < len(report.graph_index) else 0
-        colour = palette[i % len(palette)] if r.rewrite != "none" else "#d9d9d9"
-        tag = f"#{i} {r.kind} ({r.source})\nrewrite {r.rewrite}"
-        # NB: a sharded region takes in the time-local ops around its scans (details["members"]), not only r.nodes
-        for name in [n.name for n in r.nodes] + list(r.details.get("members", ())):
-            out[gi][name] = (colour, tag)
-    return out
+    for layer in ("none", "members", "own"):
+        for i in order:
+            r, gi = report.regions[i], graph(i)
+            call = r.details.get("region_call") if r.rewrite != "none" else None
+            if (layer == "none") != (r.rewrite == "none"):
+                continue
+            rows = calls.get((gi, call), [i]) if call else [i]
+            colour = _PALETTE[min(rows) % len(_PALETTE)] if call else _GREY
+            key = call or f"row{i}"
+            if key not in boxes[gi]:
+                what = "; ".join(f"#{j} {report.regions[j].kind} {report.regions[j].name}" for j in rows)
+                title = (f"{call} (rewrite {r.rewrite}): {what}" if call else
+                         f"#{i} {r.kind} ({r.source}) {r.name}: rewrite {r.rewrite}")
+                boxes[gi][key] = _Region(key, title, colour, rows)
+            own = f"#{i} {r.kind} ({r.source})\nrewrite {r.rewrite}" + (f" in {call}" if call else "")
+            # NB: a sharded call takes in the time-local ops around its scans (details["members"]), not only r.nodes:
+            # those belong to every row lowered into the call; a row's own nodes (its scan) to the row
+            if layer == "members" and not call:
+                continue
+            if layer == "members":
+                names, tag = list(r.details.get("members", ())), f"{call}: rows {', '.join(f'#{j}' for j in rows)}"
+                tag += f"\nrewrite {r.rewrite}"
+            else:
+                names, tag = [n.name for n in r.nodes] + list(r.details.get("members", ()) if not call else ()), own
+            for name in names:
+                marks[gi][name] = (colour, tag, key)
+    for gi, mk in enumerate(marks):
+        for name, (_, _, key) in mk.items():
+            if key:
+                boxes[gi][key].nodes.add(name)
+    return marks, [sorted(b.values(), key=lambda x: min(x.rows)) for b in boxes]
 
 
-def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str]], title: str) -> str:
-    def q(s: str) -> str:
-        # NB: backslashes escaped first, then newlines written as DOT's own line break (\n in the file)
-        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+def _q(s: str) -> str:
+    # NB: backslashes escaped first, then newlines written as DOT's own line break (\n in the file)
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
-    lines = [f"digraph {q(title)} {{", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fillcolor=white,'
-             ' fontname="Helvetica", fontsize=10];', f"  label={q(title)};"]
+
+def _legend(boxes: Sequence[_Region]) -> list[str]:
+    """A box of coloured swatches: one per region (its report rows), and what grey, light grey, white mean."""
+    items = [(b.colour, b.title + ("" if b.nodes else " (all its nodes are drawn in the boxes above)"))
+             for b in boxes]
+    items += [(_GREY, "grey: a region left to ordinary autograd"), (_LIGHT, "light grey: time-local ops next to a "
+              "region, not taken in"), ("white", "white: outside every region")]
+    lines = ["  subgraph cluster_legend {", f"    label={_q('legend (report rows: adjoint_compile.report / explain)')};",
+             '    style="dashed"; node [shape=box, style=filled];']
+    for k, (colour, text) in enumerate(items):
+        lines.append(f"    legend_{k} [label={_q(text)}, fillcolor={_q(colour)}];")
+    lines += [f"    legend_{k} -> legend_{k + 1} [style=invis];" for k in range(len(items) - 1)]
+    return lines + ["  }"]
+
+
+def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str, str]], title: str,
+         boxes: Sequence[_Region] = ()) -> str:
+    lines = [f"digraph {_q(title)} {{", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fillcolor=white,'
+             ' fontname="Helvetica", fontsize=10];', f"  label={_q(title)};"]
+    by_box: dict[str, list[str]] = {}
+    edges = []
     for n in gm.graph.nodes:
         what = n.op if n.op in ("placeholder", "output", "get_attr") else (
             str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)))
-        colour, tag = marks.get(n.name, ("white", ""))
-        label = f"{n.name}\n{what}" + (f"\n{tag}" if tag else "")
-        lines.append(f"  {q(n.name)} [label={q(label)}, fillcolor={q(colour)}];")
-        for a in n.all_input_nodes:
-            lines.append(f"  {q(a.name)} -> {q(n.name)};")
-    lines.append("}")
+        colour, tag, key = marks.get(n.name, ("white", "", ""))
+        label = f"{short_name(n)}\n{what}" + (f"\n{tag}" if tag else "")
+        by_box.setdefault(key, []).append(f"{_q(n.name)} [label={_q(label)}, fillcolor={_q(colour)}];")
+        edges += [f"  {_q(a.name)} -> {_q(n.name)};" for a in n.all_input_nodes]
+    lines += [f"  {ln}" for ln in by_box.pop("", [])]
+    for k, b in enumerate(x for x in boxes if x.nodes):  # NB: one cluster box per region, titled by its rows
+        lines += [f"  subgraph cluster_{k} {{", f"    label={_q(b.title)};", f"    color={_q(b.colour)};",
+                  "    penwidth=2;", *(f"    {ln}" for ln in by_box.pop(b.key, []))] + ["  }"]
+    lines += [f"  {ln}" for rest in by_box.values() for ln in rest]
+    lines += edges + _legend(boxes) + ["}"]
     return "\n".join(lines)
 
 
@@ -216,15 +340,16 @@ def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
     (out / "report.txt").write_text(str(report) + "\n")
     (out / "report.json").write_text(report.to_json(indent=1, default=str) + "\n")
     written += [out / "report.txt", out / "report.json"]
-    marks = _highlight(report)
+    marks, boxes = _highlight(report)
     missing = ""
     for i, gm in enumerate(report.graphs):
-        table = [f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', ''))[1]}".replace("\n", ", ")
-                 for n in gm.graph.nodes]
+        table = [(f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', '', ''))[1]}".replace("\n", ", ")
+                  + (f"  ({short_name(n)})" if short_name(n) != n.name else "")) for n in gm.graph.nodes]
         txt = out / f"graph_{i}.txt"
-        txt.write_text(gm.code + "\n# nodes (name, op, region)\n" + "\n".join(table) + "\n")
+        txt.write_text(gm.code + "\n# nodes (name, op, region: report row(s); parameter path)\n" + "\n".join(table)
+                       + "\n")
         written.append(txt)
-        dot = _dot(gm, marks[i], f"graph {i}")
+        dot = _dot(gm, marks[i], f"graph {i}", boxes[i])
         svg, missing = _render_svg(dot)
         if svg is not None:
             (out / f"graph_{i}.svg").write_bytes(svg)
@@ -265,7 +390,9 @@ examples:
   adjoint-compile dump examples/mamba_conv.py:make --input "randn(2,512,16)" --out out/dump
   adjoint-compile demo --seq-len 1024 --steps 50
 
-Options are the backend's options as JSON (mode, window, iterations, shard_size, inner, ...): see docs/options.md."""
+--options takes the backend's options as a JSON object, the dict of torch.compile(..., backend="adjoint",
+options={...}) (a bad key or value exits with status 2 and names it):
+""" + "\n".join(f"  {k:18s} {v}" for k, v in SUMMARY.items())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -283,7 +410,7 @@ def _parser() -> argparse.ArgumentParser:
                             'several, in the order the model takes them)')
         s.add_argument("--options", default=None, metavar="JSON",
                        help='backend options as JSON, e.g. \'{"mode": "truncated", "window": 256}\' (default: exact '
-                            'mode, shard size chosen automatically)')
+                            'mode, shard size chosen automatically; every key: adjoint-compile --help)')
         s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
         if name == "explain":
             s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON instead of the table")
@@ -305,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         report = _report(args)
-    except (ValueError, json.JSONDecodeError) as e:
+    except ValueError as e:  # NB: OptionsError and bad --input/--options/model alike: a message, not a traceback
         print(f"adjoint-compile {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     if args.cmd == "explain":

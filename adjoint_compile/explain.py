@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
 from . import polyfills, timing
-from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_of
+from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_here, notes_of
+from .polyfills import torch_rnn
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
 from .options import Options, validate
@@ -293,7 +295,33 @@ def report(compiled_model: Any) -> Report:
         _fidelity(c)
     opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
     breaks = [GraphBreak(b.reason, b.location, b.code) for c in found if (b := break_of(c.captured.gm)) is not None]
+    # NB: an nn.GRU / nn.LSTM left native is a break dynamo does not record on a graph (explain() lists it too)
+    notes = notes_of(compiled_model)
+    breaks += [GraphBreak(why) for why in (_RNN_NOTES.get(notes, ()) if notes is not None else ())
+               if not any(why in b.reason for b in breaks)]
     return Report.of(flat, opts, breaks + _ddp_splits(flat))
+
+
+#: per torch.compile call (analysis.breaks.CompileNotes): the nn.GRU / nn.LSTM left native while tracing for it
+_RNN_NOTES: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _keep_rnn_note(why: str) -> bool:
+    """polyfills.torch_rnn's listener: keep ``why`` for report(); whether it is new to this torch.compile call."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        notes = notes_here(InstructionTranslator.current_tx())
+    except Exception:  # noqa: BLE001 - not under a dynamo compile
+        return True
+    seen = _RNN_NOTES.setdefault(notes, []) if notes is not None else None
+    if seen is None or why not in seen:
+        if seen is not None:
+            seen.append(why)
+        return True
+    return False
+
+
+torch_rnn.LISTENERS.append(_keep_rnn_note)
 
 
 def _ddp_splits(flat: list[CompiledGraph]) -> list[GraphBreak]:

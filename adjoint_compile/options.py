@@ -62,6 +62,22 @@ class Options:
 
 ALLOWED_KEYS = tuple(f.name for f in dataclasses.fields(Options))
 
+#: one line per option, for ``adjoint-compile --help`` (a wheel has no docs/ folder; docs/options.md has the rest)
+SUMMARY = {
+    "mode": "'exact' (default: the sharded exact adjoint), 'truncated' or 'highway'",
+    "window": "truncated only, required there: adjoint window W in steps (int >= 1); W >= T is exact",
+    "iterations": "highway only, required there: Highway-BP iterations k (int >= 0); k >= chain length is exact",
+    "shard_size": "steps per shard of the sharded backward (int >= 1), the memory knob (default: chosen from T)",
+    "sequence_parallel": "a torch.distributed process group (or true for WORLD): one sequence across ranks",
+    "reduce_grads": "with sequence_parallel: sum parameter gradients over the group (default true)",
+    "inner": "compiler for everything not rewritten: 'inductor' (default), 'aot_eager', 'eager'",
+    "verify": "compare the rewritten gradients with autograd on the first call (default false)",
+    "check_forward": "compare a rewritten graph's first outputs with the captured graph's (default true)",
+    "tolerance": "highway only: stop iterating once an update's relative norm is below it (> 0)",
+    "per_sample_clip": "DP-SGD clipping bound C > 0 (inf: per-example norms only)",
+    "batch_dim": "the example axis of the inputs, for per_sample_clip (default 0)",
+}
+
 
 def _is_int(v: Any) -> bool:
     # bool is an int subclass; `window=True` is a mistake, not a window of 1.
@@ -127,6 +143,10 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     window = options.get("window")
     if window is not None:
         kw["window"] = _check_positive_int("window", window, 1)
+        if mode != "truncated":
+            # NB: as for 'tolerance' (highway only): an option of another mode is refused, not silently unused
+            raise _bad("window", window, f"it applies to mode='truncated' only (mode={mode!r}); for a truncated "
+                       f"adjoint pass {{'mode': 'truncated', 'window': {window}}}")
     elif mode == "truncated":
         raise OptionsError("adjoint-compile option 'window' is required when mode='truncated' (an int >= 1 steps)")
 

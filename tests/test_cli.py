@@ -98,7 +98,7 @@ def test_dump_labels_break_lines_and_draw_rewritten_regions_on_top(tmp_path, mon
     labels = [ln for ln in dot.splitlines() if "[label=" in ln]
     # NB: DOT's line break is backslash-n inside the quoted label; an escaped backslash before it is a literal "\n"
     assert all("\\\\n" not in ln for ln in labels) and any("\\n" in ln for ln in labels)
-    scans = [ln for ln in labels if "linear_scan" in ln.split("[label=")[1].split("\\n")[1]]
+    scans = [ln for ln in labels if "linear_scan" in (ln.split("[label=")[1].split("\\n")[1:2] or [""])[0]]
     assert len(scans) == 2
     assert all("linear_recurrence (linear_scan)\\nrewrite adjoint" in ln for ln in scans), scans
     # the time-local ops the sharded region took in are drawn as part of it, over the chain that also holds them
@@ -168,3 +168,102 @@ def test_help_says_what_each_command_does_and_documents_every_flag(capsys):
         cli.main(["demo", "--help"])
     out = capsys.readouterr().out
     assert "--seq-len SEQ_LEN     sequence length T" in out and "--shard-size" in out
+
+
+# ---------------------------------------------------------------------------------------- dump: rows, boxes, names
+
+
+def _dump_ssm(tmp_path, monkeypatch) -> str:
+    _no_graphviz(monkeypatch)
+    rc = cli.main(["dump", f"{EXAMPLES / 'selective_ssm.py'}:make", "--input", "randn(2,64,16)",
+                   "--options", '{"shard_size": 16}', "--out", str(tmp_path)])
+    assert rc == 0
+    return (tmp_path / "graph_0.dot").read_text()
+
+
+def _label(dot: str, node: str) -> str:
+    (line,) = [ln for ln in dot.splitlines() if ln.strip().startswith(f'"{node}" [label=')]
+    return line.split("[label=")[1]
+
+
+def test_dump_labels_each_node_by_its_report_row_and_region(tmp_path, monkeypatch):
+    """selective_ssm: rows #0 (h) and #1 (h_1) are lowered into one call, adjoint_region_0. Each scan is labelled by
+    its own row, the ops the call took in by the call and both rows; no node of row #0 says #1 (issue 36)."""
+    dot = _dump_ssm(tmp_path, monkeypatch)
+    assert "#0 linear_recurrence (linear_scan)" in _label(dot, "h")
+    assert "#1 linear_recurrence (linear_scan)" in _label(dot, "h_1")
+    assert "adjoint_region_0: rows #0, #1" in _label(dot, "mul_3")  # the readout of layer 0: in the call
+    row1 = [ln for ln in dot.splitlines() if "#1 linear_recurrence" in ln and "[label=" in ln and "legend" not in ln]
+    assert [ln.strip().split(" ")[0] for ln in row1] == ['"h_1"'], row1
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert [r["name"] for r in rep["regions"][:2]] == ["h", "h_1"]  # the rows the picture names
+
+
+def test_dump_draws_a_box_around_each_region_and_a_legend(tmp_path, monkeypatch):
+    dot = _dump_ssm(tmp_path, monkeypatch)
+    boxes = [ln for ln in dot.splitlines() if ln.strip().startswith("subgraph cluster_")]
+    assert len(boxes) == 2 and "subgraph cluster_legend {" in boxes[-1]
+    box = dot.split("subgraph cluster_0 {")[1].split("\n  }")[0]
+    assert 'label="adjoint_region_0 (rewrite adjoint): #0 linear_recurrence h; #1 linear_recurrence h_1"' in box
+    assert '"h" [label=' in box and '"h_1" [label=' in box and '"mul_3" [label=' in box
+    assert '"l_x_" [label=' not in box  # the input is outside the region
+    legend = dot.split("subgraph cluster_legend {")[1]
+    for words in ("#2 residual_chain", "adjoint_region_0 (rewrite adjoint)", "grey: a region left to ordinary "
+                  "autograd", "white: outside every region"):
+        assert words in legend, words
+    assert dot.rstrip().endswith("}") and dot.count("{") == dot.count("}")
+
+
+def test_dump_shortens_parameter_placeholder_names(tmp_path, monkeypatch):
+    dot = _dump_ssm(tmp_path, monkeypatch)
+    assert _label(dot, "l_self_modules_layers_modules_0_modules_in_proj_parameters_weight_").startswith(
+        '"layers.0.in_proj.weight\\nplaceholder')
+    assert _label(dot, "l_self_modules_layers_modules_1_parameters_a_log_").startswith('"layers.1.A_log\\n')
+    assert _label(dot, "l_x_").startswith('"x\\n')
+    assert "(layers.0.in_proj.weight)" in (tmp_path / "graph_0.txt").read_text()
+
+
+@pytest.mark.parametrize("target,short", [
+    ("L_self_modules_layers_modules_0_modules_in_proj_parameters_weight_", "layers.0.in_proj.weight"),
+    ("L_self_parameters_w_", "w"), ("L_self_buffers_running_mean_", "running_mean"), ("L_x_", "x"),
+    ("L_tokens_", "tokens"), ("plain", "plain")])
+def test_short_name(target, short):
+    g = torch.fx.Graph()
+    n = g.placeholder(target)
+    assert cli.short_name(n) == short
+
+
+# ------------------------------------------------------------------------------------------------ CLI errors
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{mode: highway}", ["--options", "not valid JSON", "double quotes"]),
+    ("[1, 2]", ["--options", "expected a JSON object"]),
+    ('{"mode": "fast"}', ["--options", "'mode'='fast'"]),
+])
+def test_bad_options_name_the_flag_without_a_traceback(capsys, text, words):
+    rc = cli.main(["explain", f"{EXAMPLES / 'gru_scan.py'}:make", "--input", "randn(2,5,8)", "--options", text])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("adjoint-compile explain: error: --options") and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_missing_input_is_a_clean_message(capsys):
+    rc = cli.main(["dump", f"{EXAMPLES / 'gru_scan.py'}:make"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "missing --input" in err and "takes 1 input(s) (x)" in err and 'randn(2,1024,64)' in err
+
+
+def test_help_lists_every_option_without_pointing_into_the_repository(capsys):
+    """A wheel has no docs/: the epilog lists the options itself (options.SUMMARY, one line each)."""
+    from adjoint_compile.options import ALLOWED_KEYS, SUMMARY
+
+    assert list(SUMMARY) == list(ALLOWED_KEYS)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "docs/" not in out
+    for key in ALLOWED_KEYS:
+        assert f"\n  {key:18s} {SUMMARY[key]}" in out, key

@@ -14,8 +14,9 @@ traced_mode`):
 
 A form the decomposition does not cover (bidirectional, ``proj_size``, dropout between layers while training, a
 ``PackedSequence``) is a graph break whose reason names it (``explain()`` lists it): the module then runs natively,
-with exact gradients, as before. In exact and truncated modes nothing changes (a gated recurrence has no rewrite
-there), and for every other backend neither hook does anything.
+with exact gradients, as before. In exact and truncated modes the module runs natively too (a gated recurrence has no
+rewrite there): a WARNING per torch.compile and the reports (explain and report) say why and that mode='highway'
+rewrites it. For every other backend neither hook does anything.
 
 The step is written as ``examples/gru_scan.py`` and the LSTM test's ``LSTMScan`` are, so the highway split is the
 same: GRU h' = z ⊙ h + (1 - z) ⊙ n (K = diag(z)); LSTM c' = f ⊙ c + i ⊙ g (K = diag(f)) beside h' = o ⊙ tanh(c').
@@ -33,12 +34,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import traced_mode
+from . import _FORCE, traced_mode
 from .common import output_error, refuse_if_different
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gru", "lstm", "refusal", "register", "ensure_hooks", "take_notes"]
+__all__ = ["gru", "lstm", "refusal", "register", "ensure_hooks", "take_notes", "LISTENERS"]
 
 NAME = "torch.gru / torch.lstm (nn.GRU, nn.LSTM)"
 ORIGINS = {__file__: "adjoint-compile's decomposition of nn.GRU / nn.LSTM (torch.gru / torch.lstm as its cell "
@@ -173,10 +174,33 @@ _STATE: dict[str, Any] = {}
 _NOTES: list[str] = []
 
 
+#: called with each note made under torch.compile (not explain()); each returns whether the note is new to that
+#: torch.compile call. adjoint_compile.explain subscribes, to keep them for report(): this module, of the foundation
+#: stage, imports nothing of the later ones.
+LISTENERS: list[Callable[[str], bool]] = []
+
+
 def _note(why: str) -> None:
+    """Note a module left native: explain() lists it; under torch.compile it is warned once per compile and kept
+    for ``adjoint_compile.report`` (:data:`LISTENERS`)."""
     if why not in _NOTES:
         _NOTES.append(why)
     log.info("adjoint-compile: %s", why)
+    if getattr(_FORCE, "on", False):
+        return  # NB: explain() traces: it reports, it does not warn
+    if all([listen(why) for listen in LISTENERS]):  # NB: every listener called; no listener: warned each time
+        log.warning("adjoint-compile: %s", why)
+
+
+def _left_native(kind: str, mode: str) -> str:
+    """Why an nn.GRU / nn.LSTM traced for ``mode`` (not highway) is not rewritten, and what would rewrite it."""
+    cell = "h' = (1 - z) * n + z * h" if kind == "GRU" else "c' = f * c + i * g"
+    what = "shards" if mode == "exact" else "truncates"
+    return (f"nn.{kind} is left out of dynamo's graph (torch._dynamo.config.allow_rnn=False) and not rewritten: "
+            f"mode={mode!r} {what} linear recurrences only (h' = a * h + b with a independent of h), and nn.{kind}'s "
+            f"cell is nonlinear in its state ({cell} with gates computed from h), so it runs natively with ordinary "
+            f"autograd (exact gradients, no memory saved); mode='highway' (options={{'mode': 'highway', "
+            f"'iterations': k}}) decomposes it into its cell equations and gives it Highway-BP's backward")
 
 
 def take_notes() -> list[str]:
@@ -200,8 +224,7 @@ def _wrap_module(original: Callable[..., Any]) -> Callable[..., Any]:
                 with config.patch(allow_rnn=True):
                     return original(self, value)
             if mode is not None:
-                _note(f"nn.{type(value).__name__} is left out of dynamo's graph (torch._dynamo.config.allow_rnn=False): "
-                      f"it runs natively, with exact gradients; mode='highway' decomposes it into its cell equations")
+                _note(_left_native(type(value).__name__, mode))
         return original(self, value)
     wrap_module._adjoint_compile_hook = True  # type: ignore[attr-defined]
     return wrap_module

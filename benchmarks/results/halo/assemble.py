@@ -1,10 +1,10 @@
 """Assemble the halo run (adjoint peaks at T=8192, 65536, each in its own process) with compile's peaks at T=8192
-from benchmarks/results/issue_sizes (an earlier run on the same machine: compile's peak does not depend on load)."""
+from benchmarks/results/real_models_long (an earlier run on the same machine: compile's peak does not depend on load)."""
 import json, re, sys
 from pathlib import Path
 root = Path(__file__).resolve().parents[3]
 log = open(str(root / "benchmarks/results/halo/adjoint.log")).read() + open(str(root / "benchmarks/results/halo/rerun.log")).read()  # re-runs at low load win
-old = json.load(open(root / "benchmarks/results/issue_sizes/real_models_cpu.json"))["results"]
+old = json.load(open(root / "benchmarks/results/real_models_long/real_models_cpu.json"))["results"]
 res, loads = {}, {}
 for m in re.finditer(r"^RESULT (\S+) (\d+) (.*)$", log, re.M):
     res.setdefault(m[1], {})[m[2]] = json.loads(m[3])  # NB: a later line replaces an earlier one
@@ -37,6 +37,6 @@ md = "\n".join(rows) + "\n"
 out = root / "benchmarks/results/halo"
 (out / "real_models_cpu.json").write_text(json.dumps({"meta": {"device": "2-core CPU (shared by 5 engineers)", "batch": 2,
     "method": "adjoint only, benchmarks/real_models.py --child TARGET memory T adjoint, one process each, timeout 420 s",
-    "compile_from": "benchmarks/results/issue_sizes/real_models_cpu.json (T=8192)"}, "adjoint": res}, indent=1))
+    "compile_from": "benchmarks/results/real_models_long/real_models_cpu.json (T=8192)"}, "adjoint": res}, indent=1))
 (out / "real_models_cpu.md").write_text(md)
 print(md)

@@ -1,0 +1,136 @@
+"""What a new user meets in the first hour says the right thing (issue 36, section 2): nn.GRU / nn.LSTM in the default
+mode say why nothing is rewritten and which mode does (in the warning and in both reports), an option of another mode
+is refused, the warning's count leaves out an informational residual-chain row, the example's comment matches what
+the backend does, and the results folder is named after what it holds."""
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adjoint_compile as ac
+from adjoint_compile.backend import unsaved_message
+from adjoint_compile.models.selective_ssm import make as make_ssm
+
+ROOT = Path(__file__).resolve().parent.parent
+RNN_LOGGER = "adjoint_compile.polyfills.torch_rnn"
+
+
+# ------------------------------------------------------------------------- nn.GRU / nn.LSTM outside highway mode
+
+
+class _RNNHead(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.lin = rnn, nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(self.lin(x))[0].sum()
+
+
+def _says_why(text: str, kind: str, mode: str) -> None:
+    assert f"nn.{kind} is left out of dynamo's graph" in text and "not rewritten" in text, text
+    assert f"mode={mode!r} {'shards' if mode == 'exact' else 'truncates'} linear recurrences only" in text, text
+    assert "nonlinear in its state" in text and "mode='highway'" in text and "Highway-BP" in text, text
+
+
+@pytest.mark.parametrize("kind,mode", [("GRU", "exact"), ("LSTM", "exact"), ("GRU", "truncated")])
+def test_an_rnn_module_outside_highway_mode_warns_why_and_the_report_lists_it(caplog, kind, mode):
+    torch.manual_seed(0)
+    model = _RNNHead(getattr(nn, kind)(5, 5, batch_first=True))
+    opts = {"inner": "eager", **({"mode": "truncated", "window": 4} if mode == "truncated" else {})}
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options=opts)
+    with caplog.at_level(logging.WARNING, logger=RNN_LOGGER):
+        for _ in range(2):
+            f(torch.randn(2, 7, 5)).backward()
+    warned = [r.getMessage() for r in caplog.records if r.name == RNN_LOGGER and r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned  # once per torch.compile, not per call
+    _says_why(warned[0], kind, mode)
+    breaks = [b.reason for b in ac.report(f).graph_breaks]
+    assert len(breaks) == 1, breaks
+    _says_why(breaks[0], kind, mode)
+    assert breaks[0] in str(ac.report(f))
+    # explain() and report() agree
+    assert [b.reason for b in ac.explain(model, torch.randn(2, 7, 5), options=opts).graph_breaks] == breaks
+
+
+def test_explain_does_not_warn_about_an_rnn_module(caplog):
+    with caplog.at_level(logging.WARNING, logger=RNN_LOGGER):
+        rep = ac.explain(_RNNHead(nn.GRU(5, 5, batch_first=True)), torch.randn(2, 7, 5))
+    assert rep.graph_breaks and not [r for r in caplog.records if r.name == RNN_LOGGER]
+
+
+# ----------------------------------------------------------------------------------------- options of a mode
+
+
+@pytest.mark.parametrize("options", [{"window": 8}, {"mode": "exact", "window": 8},
+                                     {"mode": "highway", "iterations": 2, "window": 8}])
+def test_window_outside_truncated_mode_is_refused_like_tolerance(options):
+    with pytest.raises(ac.OptionsError, match=r"'window'=8 is not valid: it applies to mode='truncated' only"):
+        ac.explain(lambda x: x * 2, torch.randn(3), options=options)
+    with pytest.raises(ac.OptionsError, match=r"'tolerance'=0.1 is not valid: it applies to mode='highway' only"):
+        ac.explain(lambda x: x * 2, torch.randn(3), options={"mode": "truncated", "window": 2, "tolerance": 0.1})
+    ac.explain(lambda x: x * 2, torch.randn(3), options={"mode": "truncated", "window": 8})  # its own mode
+
+
+# --------------------------------------------------------------------------------------------- the warning
+
+
+def test_the_warning_does_not_count_an_informational_residual_chain_row():
+    """selective_ssm at T = 12: two scans of one shard each are declined; the residual chain over the layers (its
+    rewrite is Highway-BP, not this mode's) is listed as informational, not counted among the regions kept."""
+    torch.manual_seed(0)
+    rep = ac.explain(make_ssm(), torch.randn(2, 12, 16))
+    assert [r.kind for r in rep.regions] == ["linear_recurrence"] * 2 + ["residual_chain"]
+    msg = unsaved_message(rep.compiled[0], rep.options)
+    assert "adjoint-compile: 2 recognized region(s) kept ordinary autograd" in msg, msg
+    (chain,) = [ln for ln in msg.splitlines() if "residual_chain" in ln]
+    assert chain.strip().startswith("(informational, not counted) residual_chain") and "not rewritten" not in chain
+
+
+def test_a_residual_chain_alone_is_still_counted():
+    resnet = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+
+    class Res(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = resnet
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    rep = ac.explain(Res(), torch.randn(2, 8))
+    assert [r.kind for r in rep.regions] == ["residual_chain"]
+    assert "1 recognized region(s) kept ordinary autograd" in unsaved_message(rep.compiled[0], rep.options)
+
+
+# -------------------------------------------------------------------------------------- examples and results
+
+
+def test_the_selective_ssm_examples_comment_matches_the_default_shard():
+    """examples/selective_ssm.py says what shard_size the backend chooses at the example's length: check it."""
+    text = (ROOT / "examples" / "selective_ssm.py").read_text()
+    m = re.search(r"(\d+) steps at T = (\d+)", text)
+    assert m is not None, "the comment on the default shard size is gone"
+    shard, T = int(m.group(1)), int(m.group(2))
+    assert "declined" not in text
+    torch.manual_seed(0)
+    rep = ac.explain(make_ssm(), torch.randn(2, T, 16))
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+    assert lin and all(r.rewrite == "adjoint" and r.details["shard_size"] == shard for r in lin), str(rep)
+
+
+def test_the_long_size_results_are_named_for_what_they_hold():
+    assert (ROOT / "benchmarks" / "results" / "real_models_long" / "real_models_cpu.md").is_file()
+    assert not (ROOT / "benchmarks" / "results" / "issue_sizes").exists()
+    found = subprocess.run(["git", "grep", "-l", "issue_sizes", "--", ":!tests/test_first_hour_messages.py"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert found.stdout == "", found.stdout  # every link follows the rename
