@@ -10,11 +10,12 @@ from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError, Pe
 from .explain import Report, explain, per_sample_grad_norms, report
 from .options import Options, validate as validate_options
 from .passes.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
+from .polyfills.hf_causal_lm import is_loss_only, loss_only
 
 __all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "SequenceParallelError",
            "AdjointCompileWarning", "AdjointVerifyReport", "PerSampleError", "per_sample_grad_norms", "validate_options",
            "register_scan", "unregister_scan", "registered_scans",
-           "ScanAdapter", "__version__"]
+           "ScanAdapter", "loss_only", "is_loss_only", "__version__"]
 __version__ = "0.1.0"
 
 # NB: no NullHandler on the package's logger: with no handler configured anywhere (no TORCH_LOGS, no

@@ -150,6 +150,12 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
     if took:
         # NB: what the region starts or ends with is never stored whole: its inputs' and outputs' [B, T, ...]
         why += f"; takes in {' and '.join(took)}"
+    if returned := out.details.get("returned_whole"):
+        # NB: a graph's outputs exist whole whatever the region does: the logits a model returns with its loss
+        what = ", ".join(f"{o['name']} {o['shape']}" for o in returned)
+        why += (f"; keeps {what} whole ({mib(sum(o['bytes'] for o in returned))}): an output of the model besides "
+                f"the loss (the logits, when it returns them), and the compiled function's outputs are never "
+                f"sharded; return the loss alone (transformers' ...ForCausalLM: adjoint_compile.loss_only(model))")
     if out.details.get("resets"):
         # NB: packed sequences (analysis/resets.py): the decay is zeroed where a document starts
         why += f"; resets the state at document boundaries ({len(out.details['resets'])} mask(s))"

@@ -157,8 +157,11 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     lookups = [n.name for n in nodes if embedding_ids(n) is not None]
     # NB: for the report only: a decay zeroed at document starts (packed sequences) is an ordinary scan here
     resets = [r for sc in scans for r in find_resets(sc, info.step_dim)]
+    # NB: for the report only: with the loss inside, a full-length output the graph returns (the logits) stays whole
+    returned = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o))}
+                for o in outputs if sums and _returned(o, set(nodes), info)]
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
-            "sums_over_time": sums, "embeddings": lookups, "resets": resets,
+            "sums_over_time": sums, "embeddings": lookups, "resets": resets, "returned_whole": returned,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "members": [n.name for n in nodes],
             "memory": memory}
@@ -210,6 +213,22 @@ def _folds_refused(gm: fx.GraphModule, scans: list[fx.Node], info: TimeLocalInfo
 def _rewrite(opts: Options) -> tuple[str, int | None]:
     """The rewrite a lowered region gets in ``opts.mode`` and its window: ("adjoint", None) or ("truncated", W)."""
     return ("truncated", opts.window) if opts.mode == "truncated" else ("adjoint", None)
+
+
+def _returned(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
+    """True when the graph returns region output ``o`` whole: it reaches the graph's output directly or through
+    ops outside the region that keep its step axis (a view, a cast)."""
+    if info.step_dim.get(o) is None:
+        return False
+    todo, seen = [o], {o}
+    while todo:
+        for u in todo.pop().users:
+            if u.op == "output":
+                return True
+            if u not in members and u not in seen and info.step_dim.get(u) is not None:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _nbytes(v: Any) -> int:
@@ -357,7 +376,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                 result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
                                  nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
                                  memory=dict(p["memory"]), bounds=list(bounds),
-                                 details={k: p[k] for k in ("sums_over_time", "embeddings", "resets")
+                                 details={k: p[k] for k in ("sums_over_time", "embeddings", "resets", "returned_whole")
                                           if p.get(k)})
             for x in scans_of:
                 done[x] = result
