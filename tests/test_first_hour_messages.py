@@ -134,3 +134,18 @@ def test_the_long_size_results_are_named_for_what_they_hold():
     found = subprocess.run(["git", "grep", "-l", "issue_sizes", "--", ":!tests/test_first_hour_messages.py"],
                            cwd=ROOT, capture_output=True, text=True)
     assert found.stdout == "", found.stdout  # every link follows the rename
+
+
+def test_one_shard_message_fits_whether_shard_size_was_set():
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    mine = [r.reason for r in ac.explain(make_ssm(), x, options={"shard_size": 64}).regions
+            if r.kind == "linear_recurrence"]
+    assert len(mine) == 2 and all(r == "one shard: T=12 ≤ shard 64; shard_size=64 was set: a smaller one (< 12) "
+                                       "shards it" for r in mine), mine
+    auto = [r.reason for r in ac.explain(make_ssm(), x).regions if r.kind == "linear_recurrence"]
+    assert auto and all(r.startswith("one shard: T=12 ≤ shard ") and r.endswith("; set shard_size to shard it")
+                        for r in auto), auto
+    one = [r.reason for r in ac.explain(make_ssm(), torch.randn(2, 1, 16), options={"shard_size": 1}).regions
+           if r.kind == "linear_recurrence"]
+    assert one and all(r == "one shard: T=1 ≤ shard 1; a single step has nothing to shard" for r in one), one

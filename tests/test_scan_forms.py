@@ -105,7 +105,7 @@ def test_form_rewritten_and_exact(form, T, shard):
         return
     if T == 1:  # one shard: declined, ordinary autograd
         assert [(r.source, r.rewrite) for r in recs] == [(FORMS[form], "none")], str(ac.report(f))
-        assert recs[0].reason == "one shard: T=1 ≤ shard 1; set shard_size to shard it"
+        assert recs[0].reason == "one shard: T=1 ≤ shard 1; a single step has nothing to shard"
         return
     assert [(r.source, r.rewrite) for r in recs] == [(FORMS[form], "adjoint")], str(ac.report(f))
     assert res.lowered

@@ -146,7 +146,9 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
         # changes the gradients the user asked for; under sequence_parallel every rank must lower the same regions,
         # whatever the length of its slice)
-        why = f"one shard: T={T} ≤ shard {mod._plan.wanted_shard_size}; set shard_size to shard it"
+        fix = ("a single step has nothing to shard" if T <= 1 else "set shard_size to shard it"
+               if opts.shard_size is None else f"shard_size={opts.shard_size} was set: a smaller one (< {T}) shards it")
+        why = f"one shard: T={T} ≤ shard {mod._plan.wanted_shard_size}; {fix}"
     if why:
         raise Declined(why, memory)
 
