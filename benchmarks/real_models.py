@@ -5,11 +5,14 @@ memory of one training step, and the time of the first (compiling) step at two l
     python benchmarks/real_models.py                      # quick sizes: memory at T=4096, first step at 1024, 4096
     python benchmarks/real_models.py --mem-lens 8192 65536 --first-lens      # long sequences (slow on CPU)
     python benchmarks/real_models.py --targets mingru mambapy
+    python benchmarks/real_models.py --threads 1 2 --mem-lens 4096 --first-lens   # later steps with 1 and 2 threads
 
 The model and its loss (a fixed random projection of the last hidden state, summed) are compiled as one module, as
 when a whole training step is compiled; ``--loss-outside`` compiles the model alone (its [B, T, D] output and that
 output's gradient then live outside the compiled code and grow with T). Peak memory is the most bytes of tensors
 live at once during one training step (:func:`adjoint_compile.measure.track_peak`), step time the median of 3.
+``--threads N …`` adds the later step's time (median of 7 after 2 warm-up steps) with ``torch.set_num_threads(N)``
+for each N, adjoint and compile each in a fresh process.
 
 Every measurement (each method's memory, each first step) runs in a fresh process with its own time limit
 (``--timeout``), so compile caches and allocator state do not leak between them and a compile that does not finish
@@ -160,6 +163,19 @@ def _child(target: str, what: str, T: int, method: str, loss_inside: bool = True
         rows = compare_training_step(model, inputs, (lambda loss: loss) if loss_inside else _loss, "cpu",
                                      repeats=3, methods=(method,))
         return {"peak_bytes": rows[0]["peak_bytes"], "step_s": rows[0]["step_s"]}
+    if what.startswith("step"):  # "step<N>": the later step with N threads
+        torch.set_num_threads(int(what[4:]))
+        if loss_inside:
+            model, inputs = _with_loss(model, inputs)
+        run = torch.compile(model) if method == "compile" else torch.compile(model, backend="adjoint")
+
+        def one() -> None:
+            for p in model.parameters():
+                p.grad = None
+            out = run(*inputs)
+            (out if loss_inside else _loss(out)).backward()
+        from adjoint_compile.measure import median_time
+        return {"step_s": median_time(one, "cpu", repeats=7, warmup=2), "threads": torch.get_num_threads()}
     run = torch.compile(model) if method == "compile" else torch.compile(model, backend="adjoint")
     times = []
     for _ in range(2):  # the second step is the run alone: first - second is what compiling cost
@@ -205,6 +221,8 @@ def _table(results: dict[str, Any], mem_lens: list[int], first_lens: list[int]) 
     if len(mem_lens) > 1:
         head.append(f"adjoint peak T={mem_lens[-1]} / T={mem_lens[0]}")
     head += [f"first step T={T}: adjoint / compile (second step)" for T in first_lens]
+    threads = sorted({k for r in results.values() for k in r.get("step", {})}, key=int)
+    head += [f"later step T={mem_lens[0]}, {n} thread(s): adjoint / compile" for n in threads]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         lib, model = TARGETS[name][0], TARGETS[name][1]
@@ -217,16 +235,21 @@ def _table(results: dict[str, Any], mem_lens: list[int], first_lens: list[int]) 
         err = "" if "error" in rec else f"{rec['grad_rel_err']:.1e} ({rec['eager_fp64_err']:.1e})"
         cells = [lib, model, recog, rew, err]
         for T in mem_lens:
-            m = r["memory"][str(T)]
+            m = r["memory"].get(str(T), {"adjoint": {"error": "not measured"}, "compile": {"error": "not measured"}})
             cells.append(_pair(m["adjoint"], m["compile"], "peak_bytes", _mib))
             cells.append(_pair(m["adjoint"], m["compile"], "step_s", lambda v: f"{v:.2f} s"))
         if len(mem_lens) > 1:
-            lo, hi = (r["memory"][str(T)]["adjoint"].get("peak_bytes") for T in (mem_lens[0], mem_lens[-1]))
+            lo, hi = (r["memory"].get(str(T), {}).get("adjoint", {}).get("peak_bytes")
+                      for T in (mem_lens[0], mem_lens[-1]))
             cells.append(f"{hi / lo:.2f}x" if isinstance(lo, int) and isinstance(hi, int) and lo else "—")
         for T in first_lens:
             show = [(f"{x['first_step_s']:.1f} s ({x['second_step_s']:.1f} s)") if "first_step_s" in x
                     else x.get("error", "?")[:40] for x in (r["first"][str(T)][m] for m in ("adjoint", "compile"))]
             cells.append(" / ".join(show))
+        for n in threads:
+            st = r.get("step", {}).get(n, {})
+            cells.append(_pair(st.get("adjoint", {}), st.get("compile", {}), "step_s", lambda v: f"{v:.3f} s")
+                         if st else "—")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -246,6 +269,9 @@ def main() -> None:
     p.add_argument("--loss-outside", action="store_true",
                    help="compile the model alone and take the loss outside it (default: model and loss compiled "
                         "as one module, as a compiled training step)")
+    p.add_argument("--threads", type=int, nargs="*", default=[],
+                   help="also time the later step at the first --mem-lens length with each of these thread counts")
+    p.add_argument("--skip-memory", action="store_true", help="no memory measurement (with --threads: times only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement (each in its own process)")
     a = p.parse_args()
@@ -262,12 +288,17 @@ def main() -> None:
         r: dict[str, Any] = {"recognize": _measure(name, "recognize", 64, timeout=a.timeout)}
         print(f"{name}: recognized {r['recognize']}", flush=True)
         r["memory"] = {}
-        for T in a.mem_lens:
+        for T in ([] if a.skip_memory else a.mem_lens):
             r["memory"][str(T)] = {m: _measure(name, "memory", T, m, timeout=a.timeout, extra=extra)
                                    for m in ("adjoint", "compile")}
             print(f"{name}: memory T={T} {r['memory'][str(T)]}", flush=True)
             results[name] = r
             _write(results, a)  # NB: after every figure: a long run that is stopped keeps what it measured
+        r["step"] = {}
+        for n in a.threads:
+            r["step"][str(n)] = {m: _measure(name, f"step{n}", a.mem_lens[0], m, timeout=a.timeout, extra=extra)
+                                 for m in ("adjoint", "compile")}
+            print(f"{name}: later step T={a.mem_lens[0]}, {n} thread(s) {r['step'][str(n)]}", flush=True)
         r["first"] = {}
         for T in a.first_lens:
             r["first"][str(T)] = {m: _measure(name, "first", T, m, timeout=a.timeout) for m in ("adjoint", "compile")}
@@ -278,15 +309,17 @@ def main() -> None:
 
 
 def _write(results: dict[str, Any], a: argparse.Namespace) -> None:
-    meta = {"device": "cpu", "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    meta = {"device": "cpu", "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "step_threads": a.threads,
             "torch": torch.__version__, "batch": B, "mem_lens": a.mem_lens, "first_lens": a.first_lens,
             "loss": "outside the compiled model" if a.loss_outside else "compiled with the model",
             "peak": "live tensor bytes (adjoint_compile.measure.track_peak, count='tensors')"}
-    done = {k: v for k, v in results.items() if "missing" in v or len(v.get("memory", {})) == len(a.mem_lens)}
+    done = {k: v for k, v in results.items() if "missing" in v or a.skip_memory
+            or len(v.get("memory", {})) == len(a.mem_lens)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "real_models_cpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "real_models_cpu.md").write_text(_table(done, a.mem_lens, a.first_lens if all(
+    name = "real_models_cpu_threads" if a.skip_memory else "real_models_cpu"
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / f"{name}.md").write_text(_table(done, a.mem_lens, a.first_lens if all(
         "first" in v for v in done.values() if "missing" not in v) else []) + "\n")
 
 
