@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -64,6 +65,39 @@ def shard_bounds(T: int, S: int, pow2_tail: bool = False) -> list[tuple[int, int
         out.append((s, s + L))
         s, rest = s + L, rest - L
     return out
+
+
+def arg_layout(args: Sequence[Any]) -> tuple:
+    """Per argument of a shard program, (shape, dtype) or None: part of the compiled programs' keys, as the programs
+    are specialized to their examples' shapes (an h0 broadcast against the state is not a carry's shape)."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def zeros_exact(autocast: tuple) -> bool:
+    """Whether zero tensors may stand for absent carries and adjoints (None) in shard programs run under the
+    autocast settings ``autocast`` (:func:`autocast_state`): not under autocast, where a state's dtype is the
+    autocast one rather than the one :meth:`~.shard_program.ShardProgram.prepare` saw."""
+    return not any(enabled for _, enabled, _ in autocast)
+
+
+def initial_zeros(prog: Any, inputs: Sequence[Any]) -> list[Any]:
+    """The first shard's carries as tensors: per scan its h0 input or zeros of its state (what h0=None means), per
+    causal conv zeros of its halo (its padding; a token shift's: its fill). One state's bytes each, made per sweep
+    and not saved for the backward (which makes them again): the memory they cost is that of one shard boundary,
+    transient."""
+    dev = next(x.device for x, d in zip(inputs, prog.in_step_dims) if d is not None)
+    K = len(prog.scans)
+    out: list[Any] = [torch.zeros(shp, dtype=dt, device=dev) if i is None else inputs[i]
+                      for i, shp, dt in zip(prog.h0_input, prog.carry_shapes, prog.carry_dtypes)]
+    for cc, shp, dt in zip(prog.convs, prog.carry_shapes[K:], prog.carry_dtypes[K:]):
+        out.append(torch.full(shp, cc.fill if cc.kind == "shift" else 0.0, dtype=dt, device=dev))
+    return out
+
+
+def zero_adjoints(prog: Any, device: torch.device) -> list[torch.Tensor]:
+    """The adjoints of the last shard's final carries: zeros (nothing after the sequence reads them), as tensors so
+    that the last shard runs the recompute + VJP program of the middle ones."""
+    return [torch.zeros(shp, dtype=dt, device=device) for shp, dt in zip(prog.carry_shapes, prog.carry_dtypes)]
 
 
 def without_steps(layout: tuple, step_dims: list) -> tuple:

@@ -32,8 +32,11 @@ full-length shape with L at its step dim.  Anything that cannot be proven raises
 :class:`~adjoint_compile.errors.UnsupportedRegion`.
 
 Compiled callables (the forward, and recompute + VJP traced as one program) are cached per shard length, call
-pattern (grad mode, requires_grad, which cotangents and carries are present, first shard or not) and device, so a
-runtime may call :meth:`~ShardProgram.run` and :meth:`~ShardProgram.vjp` once per shard without recompiling.
+pattern (grad mode, requires_grad, which cotangents and carries are present and their shapes, first shard or not where
+previous-state readouts tell it apart) and device, so a runtime may call :meth:`~ShardProgram.run` and
+:meth:`~ShardProgram.vjp` once per shard without recompiling.  The exact sweep passes zeros for the first shard's
+absent carries and the last shard's adjoints (:meth:`~ShardProgram.initial_carries`), so that all its shards of one
+length share one forward and one recompute + VJP program.
 """
 from __future__ import annotations
 
@@ -56,9 +59,9 @@ from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
-from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, autocast_as,
-                          autocast_state, default_shard_size, own_bytes, shard_bounds, wanted_shard_size,
-                          without_steps, h0_index as _h0_index)
+from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout,
+                          autocast_as, autocast_state, default_shard_size, initial_zeros, own_bytes, shard_bounds,
+                          wanted_shard_size, without_steps, h0_index as _h0_index)
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
 
@@ -399,8 +402,13 @@ class ShardProgram:
             return list(values)
         return [v / self.T if m and v is not None else v for v, m in zip(values, self.out_means)]
 
-    def initial_carries(self, inputs: Sequence[Any]) -> list[Any]:
-        """The first shard's carries: per scan, its h0 input, or None (zeros); per conv, None (its zero padding)."""
+    def initial_carries(self, inputs: Sequence[Any], zeros: bool = False) -> list[Any]:
+        """The first shard's carries: per scan, its h0 input, or None (zeros); per conv, None (its zero padding).
+
+        ``zeros``: zero tensors (a token shift's halo: its fill) instead of the Nones, the same values, so that the
+        first shard runs the compiled program of the others (:func:`~.shard_parts.initial_zeros`)."""
+        if zeros:
+            return initial_zeros(self, inputs)
         return [None if i is None else inputs[i] for i in self.h0_input] + [None] * len(self.convs)
 
     def shard_inputs(self, inputs: Sequence[Any], s: int, L: int) -> list[Any]:
@@ -432,7 +440,7 @@ class ShardProgram:
             return self.program(L)
         grad = torch.is_grad_enabled()
         key = (L, _devices(args), autocast_state(), grad,
-               tuple(None if a is None else (grad and a.requires_grad) for a in args))
+               tuple(None if a is None else (grad and a.requires_grad) for a in args), arg_layout(args))
         if self.shared is not None:
             key += (self.program(L).code,)  # NB: shared with other lengths: the same key must mean the same graph
         fn = self.compiled.get(key)
@@ -463,6 +471,7 @@ class ShardProgram:
         backward and an autograd-engine pass between them.
         """
         gouts = self._mean_scaled(gouts)
+        first_shard = first_shard and bool(self.shift_scans)  # NB: only previous-state readouts tell it apart
         wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and isinstance(x, torch.Tensor)]
         wrt_c = [j for j, n in enumerate(needs_c) if n]
         has_g = tuple(g is not None for g in gouts)
@@ -481,7 +490,8 @@ class ShardProgram:
                 *(nus or []), *self._offset(t0)]
         # NB: the devices are part of the key: make_fx bakes them into factory calls of the traced program
         fwd = autocast_state() if autocast is None else autocast
-        key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c)
+        key = (L, _devices(args), fwd, autocast_state(), first_shard, tuple(wrt_x), tuple(wrt_c), has_g, has_a, has_c,
+               arg_layout(args))
         if self.shared is not None:
             key += (self.program(L).code,)
         fn = self.vjps.get(key)

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AdjointVerifyReport
+from .shard_parts import zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, autocast_state, default_shard_size
 from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
 
@@ -47,7 +48,9 @@ class _ShardedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, prog: ShardProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         T, bounds = prog.T, prog.bounds()
-        carries: list[Any] = prog.initial_carries(inputs)
+        # NB: zeros for absent carries: the first shard runs the others' compiled program (shard_parts.initial_zeros)
+        zeros = zeros_exact(autocast_state())
+        carries: list[Any] = prog.initial_carries(inputs, zeros)
         boundary: list[list[Any]] = []
         outs: list[torch.Tensor] | None = None
         for s, e in bounds:
@@ -104,19 +107,23 @@ class _ShardedFn(torch.autograd.Function):
         # step-free inputs (parameters) are whole in every shard; their grads are summed over shards
         free = [i for i, d in enumerate(prog.in_step_dims) if d is None and needs[i]]
         acc: dict[int, torch.Tensor] = {}
-        adj: list[Any] = [None] * K
+        # NB: zero tensors, not None, for the last shard's adjoints and the first shard's absent carries: every shard
+        # then runs one recompute + VJP program (the first keeps its own where previous-state readouts tell it apart)
+        zeros = zeros_exact(ctx.autocast)
+        adj: list[Any] = zero_adjoints(prog, inputs[0].device) if zeros else [None] * K
         trunc = prog.truncating
         nus = prog.nu_zeros(inputs[0].device) if trunc else None
         for k in range(len(ctx.bounds) - 1, -1, -1):
             s, e = ctx.bounds[k]
             L = e - s
-            carries = prog.initial_carries(inputs) if k == 0 else list(flat[(k - 1) * K: k * K])
+            carries = prog.initial_carries(inputs, zeros) if k == 0 else list(flat[(k - 1) * K: k * K])
             xs = prog.shard_inputs(inputs, s, L)
             # NB: contiguous: compiled programs are specialized to their example inputs' strides
             # a sum over time (d None) passes its whole cotangent to every shard
             gos = [None if g is None else g.contiguous() if d is None else g.narrow(d, s, L).contiguous()
                    for g, d in zip(gouts, prog.out_step_dims)]
-            needs_c = [c is not None and (k > 0 or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
+            # NB: the first shard's carry grads are wanted as the others' are (one program); unused ones are dropped
+            needs_c = [c is not None and (k > 0 or zeros or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
             if ps_want:
                 assert ps is not None
                 got = per_example_param_grads(prog, dataclasses.replace(ps, params=tuple(ps_want)), L, xs, carries,
