@@ -9,7 +9,7 @@ from . import backend, ops
 from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError, PerSampleError, SequenceParallelError
 from .explain import Report, explain, per_sample_grad_norms, report
 from .options import Options, validate as validate_options
-from .passes.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
+from .passes.capture.known_scans import ScanAdapter, register_scan, registered_scans, unregister_scan
 from .polyfills.hf_causal_lm import is_loss_only, loss_only
 
 __all__ = ["backend", "ops", "explain", "report", "Report", "Options", "OptionsError", "SequenceParallelError",

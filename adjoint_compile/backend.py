@@ -15,7 +15,6 @@ Registered under the ``torch_dynamo_backends`` entry-point group (pyproject.toml
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -36,14 +35,12 @@ from .lengths import LengthDispatch
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
-from .passes.lower import lower, lowered_calls
-from .passes.lower_per_sample import PerSampleLowering, lower_per_sample
-from .passes.lower_seqpar import lower_seqpar
-from .passes.partition import stitch_partitions
-from .passes.recognize import recognize as _recognize
-from .passes.specialize import no_guards
+from .passes.lower import lower, lower_sequence_parallel, lowered_calls
+from .passes.lower.per_sample import PerSampleLowering, lower_per_sample
+from .passes.stitch import stitch, stitch_partitions
+from .passes.recognize import recognize_captured as recognize
 from .analysis.fx import source_line
-from .regions import Fallback, Lowered, NotLowered, Region, Rejection, group_rejections, rejection_lines
+from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .analysis.optable import draws_random
@@ -113,35 +110,6 @@ class CompiledGraphFn:
             f"worst {fid['worst']} ({fid['worst_rel_err']:.3g})"), stacklevel=3)
 
 
-def recognize(captured: Captured, opts: Options) -> tuple[list[Region], list[Rejection]]:
-    """Stage 2: find recurrences and residual chains, once. Never raises: a failure is a rejection."""
-    if captured.writes:
-        w = captured.writes[0]
-        line = source_line(w)
-        return [], [Rejection("graph", w.name, f"the graph writes in place into a tensor it made ({len(captured.writes)} "
-                              f"write(s), the first {w.name}{f' at {line}' if line else ''}) in a way that could not be "
-                              f"turned into values: it keeps ordinary autograd; collect a loop's outputs in a list and "
-                              f"torch.stack them, or write each step's whole slice of a buffer made in the loop's "
-                              f"graph (o[:, t] = h)")]
-    try:
-        with no_guards(captured.gm) if captured.symbolic else contextlib.nullcontext():
-            return _recognize(captured.gm, opts, matched=captured.matched)
-    except Exception as e:  # noqa: BLE001 - recognition must fail soft (DESIGN.md §4)
-        log.warning("adjoint-compile: recognition failed, the graph keeps ordinary autograd: %s", e, exc_info=True)
-        return [], [Rejection("graph", "<graph>", f"recognition raised {type(e).__name__}: {e}")]
-
-
-def stitch(captured: Captured, lowered: list[str], opts: Options,
-           pristine: fx.GraphModule | None = None) -> Callable[..., Any]:
-    """Stage 5: compile what was not rewritten with the inner compiler and join it with the region calls.
-
-    With nothing rewritten the graph goes to the inner compiler whole: as dynamo captured it (``pristine``, a copy
-    taken before normalization, when given), exactly what that compiler alone would give, else as normalized."""
-    if not lowered:
-        return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner)
-    return timed("stitch", stitch_partitions, captured.gm, lowered, opts.inner)
-
-
 def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.GraphModule, opts: Options) -> Callable[..., Any]:
     """``fn`` wrapped in the first-call forward check (runtime/verify.py), when it applies: something was rewritten,
     ``check_forward`` is on, and the graph draws no random numbers (dropout: the inner compiler draws other numbers than eager, so its
@@ -167,30 +135,19 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
 
 
 def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile: bool) -> CompiledGraph:
-    """The pipeline under ``sequence_parallel`` (passes/lower_seqpar.py): every scan and causal conv along time
+    """The pipeline under ``sequence_parallel`` (passes/lower/seqpar.py): every scan and causal conv along time
     exchanges its carry / halo with the other ranks; in exact mode, recognized one-scan regions are sharded inside
     the rank as well (runtime/seqpar_sharded.py)."""
     captured = timed("capture", capture, gm, example_inputs, seed_dropout=False)
     regions, rejections = timed("recognize", recognize, captured, opts)
     plans = timed("decide", decide.plan, regions, opts)
     result = CompiledGraph(captured, regions, rejections, [], None, opts)
-    settled = []
-
-    def shard() -> list[str]:
-        outcomes = lower(captured, regions, plans, opts)
-        calls = lowered_calls(outcomes)
-        for i, o in enumerate(outcomes):
-            if isinstance(o, Lowered) and o.scans > 1:
-                outcomes[i] = NotLowered(decide.SEQUENCE_PARALLEL_MULTI.format(scans=o.scans))
-        decide.settle(regions, plans, outcomes)
-        settled.append(True)
-        return calls
-
+    settled = False
     if captured.symbolic:
         if compile:
             result.fn = LengthDispatch(result, opts, run_pipeline, stitch(captured, [], opts))
     else:
-        sp = lower_seqpar(captured.gm, list(example_inputs), opts, shard=shard if regions else None)
+        sp, settled = timed("lower", lower_sequence_parallel, captured, regions, plans, opts)
         result.lowered = list(sp.calls)
         if sp.refusal is not None:
             result.rejections.append(Rejection("sequence_parallel", "<graph>", sp.refusal))

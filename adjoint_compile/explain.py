@@ -35,7 +35,7 @@ from .runtime.verify import compare_grads, copy_graph_module, grads_of
 log = logging.getLogger(__name__)
 
 
-#: the line under the table that says what its ``group`` column means (passes/decide.py ``settle``)
+#: the line under the table that says what its ``group`` column means (passes/decide/ ``settle``)
 GROUP_LEGEND = ("  group: lowered regions with the same number run in one sharded call (not lowered: recurrences "
                 "whose time-local neighbourhoods join); blank: alone")
 

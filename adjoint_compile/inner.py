@@ -50,7 +50,7 @@ __all__ = ["compile_inner", "COMPILE_LOCK"]
 _warned: set[str] = set()
 
 #: what a compile is, by the module that asks for it (adjoint_compile.timing: ``inner.{what}_s`` / ``_n``)
-_CALLERS = {"adjoint_compile.passes.partition": "partitions", "adjoint_compile.runtime.shard_program": "shard_programs",
+_CALLERS = {"adjoint_compile.passes.stitch": "partitions", "adjoint_compile.runtime.shard_program": "shard_programs",
             "adjoint_compile.runtime.shard_vjp": "shard_vjps"}
 
 

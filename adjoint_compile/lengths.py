@@ -1,8 +1,8 @@
 """The callable of a graph with symbolic sizes (a new sequence length made dynamo recompile with a symbolic T, or
 ``torch.compile(dynamic=True)``) that holds something to rewrite.
 
-On its first call the graph is specialized to that call's sizes (passes/specialize.py) and run through the pipeline
-up to lowering; the lowered regions are then put back into the symbolic graph (passes/lower_generic.py), whose
+On its first call the graph is specialized to that call's sizes (passes/capture/specialize.py) and run through the pipeline
+up to lowering; the lowered regions are then put back into the symbolic graph (passes/lower/length_generic.py), whose
 partitions compile for symbolic sizes once. From then on every length runs that one graph: the regions read T from
 their inputs at each call (runtime/length_generic.py).
 
@@ -22,9 +22,9 @@ import torch
 
 from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK
-from .passes.lower_generic import generalize
-from .passes.partition import stitch_partitions
-from .passes.specialize import specialize
+from .passes.lower.length_generic import generalize
+from .passes.stitch import stitch_partitions
+from .passes.capture.specialize import specialize
 from .regions import Fallback
 from .runtime.verify import ForwardCheck, copy_graph_module
 

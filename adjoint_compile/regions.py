@@ -5,7 +5,7 @@ A matcher returns one of these records or ``None``; a candidate it could not pro
 rewrite them) and a JSON-able view (:meth:`Region.to_dict`) for reports.
 
 Who writes what: matchers fill the typed fields (recognition); ``rewrite`` and ``reason`` are written by the
-decision step alone (passes/decide.py), from its table and from the typed :class:`Lowered`/:class:`NotLowered`
+decision step alone (passes/decide/), from its table and from the typed :class:`Lowered`/:class:`NotLowered`
 outcomes the lowerings return. ``details`` is for reports only: no pass reads it back.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.fx as fx
 
 RegionKind = Literal["linear_recurrence", "gated_recurrence", "residual_chain"]
 Source = Literal["linear_scan", "scan", "associative_scan", "unrolled_loop", "residual", "log_space_scan",
-                 "cumprod_scan", "registered_scan"]  # the last three: passes/scan_forms.py, passes/known_scans.py
+                 "cumprod_scan", "registered_scan"]  # the last three: passes/capture/scan_forms.py, passes/capture/known_scans.py
 Rewrite = Literal["adjoint", "truncated", "highway", "none"]
 
 #: the reason of a record no decision has been made for yet (straight from recognition).
@@ -49,7 +49,7 @@ class Region:
     nodes: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)
     rewrite: Rewrite = "none"
     #: why the region is not rewritten (when rewrite == "none"), or a note on how it is; written by the decision
-    #: step (passes/decide.py) only.
+    #: step (passes/decide/) only.
     reason: str = UNDECIDED
     #: regions that a rewrite treats together (a stack of recurrences joined by time-local ops) share a group id.
     group: int | None = None
@@ -100,7 +100,7 @@ class PerStepSlice:
 
 @dataclasses.dataclass
 class LoopRecipe:
-    """How to re-roll an unrolled loop into one scan (found by passes/unrolled.py, used by passes/reroll.py)."""
+    """How to re-roll an unrolled loop into one scan (found by passes/match/unrolled.py, used by passes/capture/reroll.py)."""
 
     steps: int
     #: ops per step

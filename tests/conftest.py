@@ -12,9 +12,9 @@ def _fresh_dynamo():
 
 @pytest.fixture(autouse=True)
 def _prefilter_agrees(monkeypatch):
-    """Every graph a test runs the pipeline on also checks the matchers' pre-filter (passes/prefilter.py): a matcher
+    """Every graph a test runs the pipeline on also checks the matchers' pre-filter (passes/match/prefilter.py): a matcher
     it skips runs anyway (its findings are used) and must have found nothing."""
-    from adjoint_compile.passes import prefilter
+    from adjoint_compile.passes.match import prefilter
 
     monkeypatch.setattr(prefilter, "CHECK", True)
     prefilter.DISAGREEMENTS.clear()

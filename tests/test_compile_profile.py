@@ -1,4 +1,4 @@
-"""Compile-time profile (adjoint_compile/timing.py) and the matchers' pre-filter (passes/prefilter.py).
+"""Compile-time profile (adjoint_compile/timing.py) and the matchers' pre-filter (passes/match/prefilter.py).
 
 * every stage of the pipeline, and the inner compiles at run time (partitions, shard programs and their VJPs), are
   on the graph's record (``CompiledGraph.timing``) with non-negative seconds; ``report()`` / ``explain()`` show them
@@ -22,12 +22,12 @@ import adjoint_compile.passes.recognize as recognize_mod
 from adjoint_compile import timing
 from adjoint_compile.backend import run_pipeline
 from adjoint_compile.options import validate
-from adjoint_compile.passes import prefilter
-from adjoint_compile.passes.find_cells import find_cells
-from adjoint_compile.passes.find_recurrences import find_recurrences
-from adjoint_compile.passes.find_residuals import find_residuals
-from adjoint_compile.passes.scan_forms import match_scan_forms
-from adjoint_compile.passes.unrolled import find_unrolled
+from adjoint_compile.passes.match import prefilter
+from adjoint_compile.passes.match.find_cells import find_cells
+from adjoint_compile.passes.match.find_recurrences import find_recurrences
+from adjoint_compile.passes.match.find_residuals import find_residuals
+from adjoint_compile.passes.capture.scan_forms import match_scan_forms
+from adjoint_compile.passes.match.unrolled import find_unrolled
 from adjoint_compile.runtime.verify import copy_graph_module
 from helpers import trace
 

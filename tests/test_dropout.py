@@ -1,5 +1,5 @@
 """Dropout inside a sharded region: masks that are a hash of (seed, position), so a shard's recomputation sees the
-forward's mask (kernels/random.py, passes/seeded_dropout.py)."""
+forward's mask (kernels/random.py, passes/capture/seeded_dropout.py)."""
 import sys
 from pathlib import Path
 

@@ -3,7 +3,7 @@
 intermediate of the graph, not an output, and the head and the loss run shard by shard. Against the unpatched model
 run eagerly (an independent copy), on Mamba and Mamba-2 compiled with the backend, Llama eagerly, and the Trainer.
 Also: a region whose loss is taken in while the model returns the logits says in the report that they are kept whole,
-and how to avoid it (passes/lower_adjoint.py ``returned_whole``, passes/decide.py)."""
+and how to avoid it (passes/lower/sharded.py ``returned_whole``, passes/decide/)."""
 from __future__ import annotations
 
 import copy

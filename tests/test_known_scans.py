@@ -1,4 +1,4 @@
-"""Known scan implementations (passes/known_scans.py): mambapy's Mamba as its users write it, registered and
+"""Known scan implementations (passes/capture/known_scans.py): mambapy's Mamba as its users write it, registered and
 unknown custom autograd.Functions, and an adapter that is wrong on purpose."""
 from __future__ import annotations
 

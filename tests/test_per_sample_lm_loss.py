@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.models.selective_ssm import SSMStack
-from adjoint_compile.passes import lower_per_sample, lower_per_sample_loss
+from adjoint_compile.passes.lower import per_sample as lower_per_sample
+from adjoint_compile.passes.lower import per_sample_loss as lower_per_sample_loss
 from test_lm_loss import FORMS, LM, D, V, _data
 
 TOL = 1e-8

@@ -14,8 +14,8 @@ import adjoint_compile.ops as ac_ops
 from adjoint_compile.passes import recognize as recognize_mod
 from adjoint_compile.analysis.affine import classify_update
 from adjoint_compile.analysis.fx import reachable as forward_reach
-from adjoint_compile.passes.find_recurrences import find_recurrences
-from adjoint_compile.passes.find_residuals import find_residuals
+from adjoint_compile.passes.match.find_recurrences import find_recurrences
+from adjoint_compile.passes.match.find_residuals import find_residuals
 from adjoint_compile.passes.recognize import recognize
 from helpers import trace
 

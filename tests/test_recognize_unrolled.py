@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from adjoint_compile.passes.recognize import recognize
-from adjoint_compile.passes.unrolled import find_unrolled
+from adjoint_compile.passes.match.unrolled import find_unrolled
 from helpers import trace
 
 B, D = 2, 3

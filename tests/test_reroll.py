@@ -1,4 +1,4 @@
-"""Re-rolling (passes/reroll.py): unrolled loops, torch's scan and associative_scan become one linear_scan node whose
+"""Re-rolling (passes/capture/reroll.py): unrolled loops, torch's scan and associative_scan become one linear_scan node whose
 outputs and gradients equal plain eager autograd; gated / nonlinear twins stay untouched."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from torch._higher_order_ops.scan import scan as torch_scan
 
 import adjoint_compile.ops  # noqa: F401 - registers linear_scan
 import adjoint_compile as ac
-from adjoint_compile.passes import reroll as reroll_mod
-from adjoint_compile.passes.find_recurrences import is_linear_scan
+from adjoint_compile.passes.capture import reroll as reroll_mod
+from adjoint_compile.passes.match.find_recurrences import is_linear_scan
 from adjoint_compile.passes.recognize import recognize
-from adjoint_compile.passes.reroll import needs_reroll, reroll
+from adjoint_compile.passes.capture.reroll import needs_reroll, reroll
 from adjoint_compile.regions import PROVENANCE
 from helpers import trace
 

@@ -1,4 +1,4 @@
-"""Closed forms of a linear recurrence (passes/find_scan_forms.py, passes/find_generic_scan.py, passes/scan_forms.py):
+"""Closed forms of a linear recurrence (passes/match/find_scan_forms.py, passes/match/find_generic_scan.py, passes/capture/scan_forms.py):
 the log-space form (minGRU), the cumprod form and ``associative_scan`` in generic mode are proven, rewritten into one
 linear_scan and sharded with exact gradients; near misses are rejections with a reason and keep ordinary autograd.
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import adjoint_compile.ops as ac_ops
-from adjoint_compile.passes.lower_adjoint import outline
+from adjoint_compile.passes.lower.sharded import outline
 from adjoint_compile.analysis.fx import is_linear_scan
 from adjoint_compile.analysis.grow import infer_seeds, region_around
 from adjoint_compile.analysis.time_local import analyze

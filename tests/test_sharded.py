@@ -1,4 +1,4 @@
-"""Sharded exact adjoint (runtime/sharded.py, passes/lower_adjoint.py): gradients equal plain autograd."""
+"""Sharded exact adjoint (runtime/sharded.py, passes/lower/sharded.py): gradients equal plain autograd."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ import adjoint_compile.ops as ac_ops
 from adjoint_compile.errors import AdjointVerifyReport, UnsupportedRegion
 from adjoint_compile.passes import decide
 from adjoint_compile.passes.lower import lowered_calls
-from adjoint_compile.passes.lower_adjoint import lower_recurrences, lower_region, outline
+from adjoint_compile.passes.lower.sharded import lower_recurrences, lower_region, outline
 from adjoint_compile.analysis.fx import is_linear_scan
 from adjoint_compile.analysis.grow import infer_seeds, region_around
 from adjoint_compile.analysis.time_local import analyze

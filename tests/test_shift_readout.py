@@ -165,7 +165,7 @@ def test_pad_style_previous_state_readout_is_sharded_with_exact_gradients(form, 
 
 
 def test_a_pad_that_is_not_a_one_step_shift_is_left_alone():
-    from adjoint_compile.passes.canonical_shifts import canonicalize_shifts
+    from adjoint_compile.passes.capture.canonical_shifts import canonicalize_shifts
 
     def fn(a, b):
         h = ac.ops.linear_scan(a, b)

@@ -1,5 +1,5 @@
 """Token shifts (fixed-width shifts of a time-local value along time, as RWKV writes them) inside sharded regions:
-``passes/canonical_shifts.py`` rewrites their spellings to ``shift_steps(x, p, dim, fill)``, and in exact mode each
+``passes/capture/canonical_shifts.py`` rewrites their spellings to ``shift_steps(x, p, dim, fill)``, and in exact mode each
 shard reads the p steps of x before it from the shard on its left (a halo, carried like a causal conv's) and
 returns their cotangent to it.  Other modes keep ending the region at the shift."""
 from __future__ import annotations

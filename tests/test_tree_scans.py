@@ -1,4 +1,4 @@
-"""Tree scans written in plain torch (passes/find_tree_scans.py): a recursive even/odd parallel scan that dynamo
+"""Tree scans written in plain torch (passes/match/find_tree_scans.py): a recursive even/odd parallel scan that dynamo
 unrolls into strided slices, muls, adds and interleaving is proven numerically to be a linear scan, rewritten into
 one linear_scan node and sharded with exact gradients; a tree that is not one is rejected and keeps autograd.
 
@@ -12,7 +12,7 @@ The forms (none of the libraries is needed; each is written here from its descri
 * ``gateloop_h0``: the same with an initial state as a prepended step (``cat``), the first output step dropped;
 * ``gateloop_complex``: complex a and kv (gateloop's own use);
 * ``transformers``: transformers' Mamba ``associative_scan(combine_fn, (dA, dBu), dim=2, combine_mode="generic")``,
-  which dynamo inlines as the same tree under vmap (passes/find_generic_scan.py proves that one).
+  which dynamo inlines as the same tree under vmap (passes/match/find_generic_scan.py proves that one).
 
 Each model: a = sigmoid(x W_a) (complex: times exp(i x W_p)), b = x W_b, h = the scan, loss = Σ (h W_o)²; compiled
 whole with backend="adjoint", shard_size 4, inner aot_eager; the loss and every gradient against eager autograd of
@@ -232,7 +232,7 @@ def test_complex_tree_scan_exact(complex_op, monkeypatch):
     """gateloop's complex a and kv: recognized; rewritten when linear_scan takes complex, else (a linear_scan
     without complex dtypes, simulated by "real only") a rejection that says so. Either way the loss and gradients
     are eager's."""
-    from adjoint_compile.passes import scan_forms
+    from adjoint_compile.passes.capture import scan_forms
 
     if complex_op == "real only":
         monkeypatch.setattr(scan_forms, "_complex_scans", lambda: False)
@@ -256,7 +256,7 @@ def test_a_tree_that_is_not_a_linear_scan_is_rejected_and_exact(form, why):
 
 def test_a_combine_off_by_one_part_in_a_million_is_rejected():
     """The proof compares values to 1e-9: a combine ``a_j * kv_i * (1 + 1e-6) + kv_j`` is not the scan."""
-    from adjoint_compile.passes.find_tree_scans import find_tree_scans
+    from adjoint_compile.passes.match.find_tree_scans import find_tree_scans
     from helpers import trace
 
     def close(e_i, e_j):

@@ -216,7 +216,7 @@ def test_sizes_fold_when_fake_propagation_drops_python_numbers(monkeypatch):
 def test_a_lowering_failure_is_not_called_a_short_length(monkeypatch, caplog):
     """A region whose lowering fails for a reason other than its size is not reported as "too short to shard":
     each length is specialized and says its own reason."""
-    from adjoint_compile.passes import lower_adjoint
+    from adjoint_compile.passes.lower import sharded as lower_adjoint
 
     def failing(gm, nodes):
         raise lower_adjoint.UnsupportedRegion("a planted failure")

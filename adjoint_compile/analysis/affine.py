@@ -413,8 +413,8 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
 def linear_combine(xl: list[fx.Node], yl: list[fx.Node], res: list[Any]) -> tuple[set[int], dict[int, Any]] | str:
     """Classify a combine ``res = combine(xl, yl)`` (one result per leaf) as the linear-recurrence combine: its
     decay leaves (``x_k * y_k``) and state leaves (leaf -> its decay leaf, or ``"one"`` for ``x_k + y_k``), or the
-    reason it is not that combine. Used by the matchers of an ``associative_scan`` node (passes/find_recurrences.py) and of its
-    generic mode (passes/find_generic_scan.py)."""
+    reason it is not that combine. Used by the matchers of an ``associative_scan`` node (passes/match/find_recurrences.py) and of its
+    generic mode (passes/match/find_generic_scan.py)."""
     n = len(xl)
     depends = forward_reach(list(xl)).__contains__
     decay: set[int] = set()

@@ -15,7 +15,7 @@ import torch.fx as fx
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -186,7 +186,7 @@ def shape(n: Any, first_of_tuple: bool = False, hint: bool = False) -> tuple[Any
 
 
 #: shapes with the sizes dynamo traced with: recognition reads a symbolic graph only to decide whether to
-#: specialize it per call (passes/specialize.py), and reports lengths as numbers.
+#: specialize it per call (passes/capture/specialize.py), and reports lengths as numbers.
 hinted_shape = functools.partial(shape, hint=True)
 
 
@@ -268,14 +268,39 @@ def fresh_name(gm: "torch.fx.GraphModule", prefix: str) -> str:
 _PACKAGE_DIR = __file__.rsplit("/analysis/", 1)[0] + "/"
 
 
+def _user_frame(node: fx.Node) -> tuple[str, str, str] | None:
+    """(``file:line``, its function, its code) of the last frame of ``node``'s stack trace outside this package, or None."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if not lines[i].startswith('File "'):
+            continue
+        path, _, rest = lines[i][len('File "'):].partition('", line ')
+        if path.startswith(_PACKAGE_DIR) and not path.startswith(_PACKAGE_DIR + "models/"):
+            continue
+        code = ""
+        for ln in lines[i + 1:]:
+            if ln.startswith('File "'):
+                break
+            if not code and set(ln) - set("^~ "):  # NB: not the ^^^ line under it
+                code = ln
+        line, _, fn = rest.partition(", in ")
+        return f"{path}:{line}", fn.strip(), code
+    return None
+
+
 def source_line(node: fx.Node) -> str | None:
     """``file:line`` of the user's code that made ``node``: the last frame of its stack trace outside this package
     (``ac.ops.linear_scan``'s own frame is not the user's line), or None."""
-    for ln in reversed((node.meta.get("stack_trace") or "").strip().splitlines()):
-        ln = ln.strip()
-        if ln.startswith('File "'):
-            path, _, rest = ln[len('File "'):].partition('", line ')
-            if path.startswith(_PACKAGE_DIR) and not path.startswith(_PACKAGE_DIR + "models/"):
-                continue
-            return f"{path}:{rest.split(',')[0]}"
-    return None
+    frame = _user_frame(node)
+    return frame[0] if frame else None
+
+
+def source_at(node: fx.Node) -> str:
+    """``file:line in function: code`` of the user's code that made ``node`` (:func:`source_line`, with the function
+    and the line's text), for messages that refuse it; ``node <name> (no source line recorded)`` without a stack
+    trace."""
+    frame = _user_frame(node)
+    if frame is None:
+        return f"node {node.name} (no source line recorded)"
+    where, fn, code = frame
+    return where + (f" in {fn}" if fn else "") + (f": {code}" if code else "")

@@ -1,4 +1,4 @@
-"""Node labels for comparing the steps of an unrolled loop (:mod:`adjoint_compile.passes.unrolled`): equal for the
+"""Node labels for comparing the steps of an unrolled loop (:mod:`adjoint_compile.passes.match.unrolled`): equal for the
 same op with the same constants, with the indices of an indexing op apart (they progress from step to step)."""
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm
                              shift_steps: "shift_steps"}
 
 # --------------------------------------------------------------------------------------------------------------
-# affine algebra and recognition (analysis/affine.py, passes/unrolled.py, passes/find_residuals.py)
+# affine algebra and recognition (analysis/affine.py, passes/match/unrolled.py, passes/match/find_residuals.py)
 
 #: ops that keep a value affine in a carried value (with a carry-free other operand): a sum-like state update,
 #: and the linear expansion under it.
@@ -104,7 +104,7 @@ SYNONYMS = {"truediv": "div", "true_divide": "div", "negative": "neg"}
 INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "relu_": "relu"}
 
 # --------------------------------------------------------------------------------------------------------------
-# batched re-emission of a step for all steps at once (passes/batching.py): exact under a leading step axis
+# batched re-emission of a step for all steps at once (passes/capture/batching.py): exact under a leading step axis
 
 BATCH_POINTWISE = _names("""add sub rsub mul div truediv true_divide floordiv neg pos clone contiguous sigmoid tanh exp
 exp2 expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min

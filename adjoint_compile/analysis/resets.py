@@ -5,7 +5,7 @@ first token (``seq_idx`` / ``cu_seqlens`` in mamba_ssm and flash-linear-attentio
 transformers' flattening collator). Written into the decay, h_t = a_t (1 - r_t) h_{t-1} + b_t is an ordinary linear
 recurrence: nothing in the lowering treats it apart, and the sharded adjoint is exact whatever the shard
 boundaries are relative to the documents'. This module only *finds* such a factor, for the report
-(passes/lower_adjoint.py records it; passes/decide.py says "resets the state at document boundaries").
+(passes/lower/sharded.py records it; passes/decide/ says "resets the state at document boundaries").
 
 A reset factor of a scan's ``a``, seen through views, dtype conversions and unsqueezes, is one of
 

@@ -1,5 +1,5 @@
 """``shift_steps``: a fixed-width shift along one dim with a constant fill (the "token shift" of RWKV-like models),
-the one form :mod:`~adjoint_compile.passes.canonical_shifts` rewrites its spellings to."""
+the one form :mod:`~adjoint_compile.passes.capture.canonical_shifts` rewrites its spellings to."""
 from __future__ import annotations
 
 import torch

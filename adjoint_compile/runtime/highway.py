@@ -246,7 +246,7 @@ def highway_scan(chain: StepChain, init: Sequence[Tensor], xs: Sequence[Tensor],
 class HighwayScan(torch.nn.Module):
     """A graph's ``scan`` call replaced by Highway-BP: called with (init..., xs..., extra...) like the scan op, it
     returns the op's list (final carries..., ys...).  ``step_module`` is the scan's step sub-graph (kept for
-    reports); ``chain`` holds the split (passes/lower_highway.py)."""
+    reports); ``chain`` holds the split (passes/lower/highway.py)."""
 
     def __init__(self, chain: StepChain, n_carries: int, n_xs: int, step_module: torch.nn.Module) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """One sharded region for every sequence length: the region lowered at one length T₀ serves calls of any T ≥ 1.
 
-The region graph is lowered from a graph specialized to T₀ (passes/specialize.py), so its shape arguments hold T₀
+The region graph is lowered from a graph specialized to T₀ (passes/capture/specialize.py), so its shape arguments hold T₀
 as a literal at the step position (``h.view(B, T₀, D, N)``). The shard programs already rewrite that literal to
 their shard length L; a call of another length T gets the region graph with the literal rewritten to T
 (:func:`retarget`), prepared once per T (shape propagation and checks on fake tensors, no compilation), and shares

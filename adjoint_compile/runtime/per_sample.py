@@ -1,7 +1,7 @@
 """Per-example gradient norms and the DP-SGD clipped sum in one backward (``options={"per_sample_clip": C}``).
 
 Book-keeping style (Bu et al.; the ghost-clipping papers' squared-norm functions): every use of a parameter with an activation is
-one autograd.Function here (passes/lower_per_sample.py puts them in the graph). Its backward returns the input
+one autograd.Function here (passes/lower/per_sample.py puts them in the graph). Its backward returns the input
 gradient as usual but, for the parameter, no summed gradient: it records what the example norms and the clipped
 sum need (a :class:`Record`). At the end of the backward (an engine final callback) :func:`_finalize` adds the
 records' squared norms per example over all parameters, takes c_n = min(1, C / ‖g_n‖) and writes
@@ -492,7 +492,7 @@ def ps_attention(site: Site, a: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
 
 
 class PerSampleCall(torch.nn.Module):
-    """The graph's call of one parameter use (passes/lower_per_sample.py): a partition of its own, run eagerly,
+    """The graph's call of one parameter use (passes/lower/per_sample.py): a partition of its own, run eagerly,
     because the inner compiler would trace through the autograd.Function and drop its book-keeping."""
 
     def __init__(self, site: Site, kind: str, *, transposed: bool = False, padding_idx: int | None = None,

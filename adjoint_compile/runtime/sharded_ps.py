@@ -4,7 +4,7 @@ Each shard's backward recomputes the shard once with every parameter p made per 
 [B, *p.shape] input, re-viewed as [B, 1, ..., *p.shape] where it meets the examples (element-wise ops, a norm's
 affine, a linear's weight as one batched matmul): one backward with the whole cotangents gives the gradient of z_p,
 the per-example gradients of p (examples do not interact inside a region: batch-mixing ops are refused by
-passes/lower_per_sample.py). The [B, *p.shape] gradients are summed over the shards (the direct form adds up over
+passes/lower/per_sample.py). The [B, *p.shape] gradients are summed over the shards (the direct form adds up over
 shards; the Gram form would not), so nothing of length T is kept, and handed to runtime/per_sample.py as one
 :class:`~.per_sample.DirectRecord` per parameter.
 
@@ -36,7 +36,7 @@ __all__ = ["PerSampleRegion", "per_example_param_grads", "record_region"]
 
 @dataclasses.dataclass(eq=False)
 class PerSampleRegion:
-    """How a sharded region takes part in per-example clipping (set by passes/lower_per_sample.py)."""
+    """How a sharded region takes part in per-example clipping (set by passes/lower/per_sample.py)."""
 
     #: the region inputs that are parameters (their gradients are per example, recorded, not returned)
     params: tuple[int, ...]

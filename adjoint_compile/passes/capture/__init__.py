@@ -1,0 +1,148 @@
+"""Stage 1 of the pipeline: take dynamo's graph and normalize it once, so that every later stage sees one form.
+
+Dynamo's graph is torch-level (``torch.*``, ``operator.*``, ``Tensor`` methods; parameters lifted to
+placeholders) and every node carries ``meta["example_value"]``, a FakeTensor with its shape. Recognition works on
+this level on purpose: ``linear(x)`` on ``[B, T, D]`` is visibly time-local here, whereas after decomposition to
+aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
+
+Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
+
+0. :mod:`.noop_ops` and :mod:`.buffer_writes`: casts and slices that do nothing are dropped, and an output
+   buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack``, so loops written with them match;
+1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
+   mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
+2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
+   ``associative_scan`` in generic mode, which dynamo inlines as a tree, and tree scans written in plain torch,
+   :mod:`.find_tree_scans`) become one ``linear_scan`` node; before reroll, so that the matchers below do not
+   look into the tree's nodes;
+3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
+   unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
+   :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
+   then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps;
+4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``,
+   in a graph with scans, other fixed-width shifts along one dim (token shifts) ``shift_steps(x, p, dim, fill)``;
+5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
+   ``hashed_dropout``, whose mask a shard's recomputation reproduces.
+
+The passes after 0 move nodes by data flow alone. A graph that still writes in place into a tensor it made (a
+partial buffer write, a write through a view) after step 0 is therefore left as it is, with every region refused:
+its writes order its reads in a way data flow does not show (``Captured.writes``).
+
+A graph with symbolic sizes (dynamic shapes) is not normalized: it is specialized per call (passes/capture/specialize.py)
+and each specialization is captured again. Recognition then runs once on the normalized graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from ...analysis.fx import is_linear_scan, written_inputs
+from ...timing import timed
+from ...regions import Recurrence, Rejection
+from .buffer_writes import stack_buffer_writes
+from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
+from ..match.find_recurrences import find_recurrences
+from .known_scans import replace_known_scans
+from .noop_ops import drop_noop_ops
+from ..match import prefilter
+from ..match.prefilter import Candidates, candidates, run_or_skip
+from .reroll import needs_reroll, reroll
+from .reroll_readouts import reroll_readouts
+from .scan_forms import match_scan_forms, rewrite_scan_forms
+from .seeded_dropout import seed_dropouts
+from .specialize import has_symbolic_sizes
+from ..match.find_cells import find_cells
+from ..match.unrolled import find_unrolled
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Captured", "capture", "match_recurrences"]
+
+
+@dataclasses.dataclass
+class Captured:
+    """One dynamo graph (normalized in place) and its example inputs (real tensors, or fakes when dynamo passes
+    fakes)."""
+
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+    #: the graph has symbolic sizes (dynamic shapes): not normalized; it is specialized per call.
+    symbolic: bool = False
+    #: what normalization did, for reports: pass name -> how many rewrites (``rerolled``: the scans made).
+    normalized: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the recurrence matchers' results on the graph, when normalization did not change it after they ran
+    #: (recognition reuses them instead of matching again); None when it did.
+    matched: tuple[list[Recurrence], list[Rejection]] | None = dataclasses.field(default=None, repr=False)
+    #: in-place writes into tensors the graph made that normalization could not turn into values: the graph is
+    #: not normalized further, and recognition refuses it
+    writes: list[fx.Node] = dataclasses.field(default_factory=list)
+
+
+def match_recurrences(gm: fx.GraphModule, cands: Candidates | None = None) -> tuple[list[Recurrence], list[Rejection]]:
+    """The recurrence matchers (scan nodes, unrolled loops, loops over recurrent cells): records and rejections.
+    Those without a candidate in ``cands`` (:func:`.prefilter.candidates` of ``gm`` when None) are not run."""
+    c = candidates(gm) if cands is None else cands
+    found, rejected = timed("find_recurrences", run_or_skip, c.scans, "scans", find_recurrences, gm)
+    loops, loop_rejected = timed("find_unrolled", run_or_skip, c.slices, "slices", find_unrolled, gm)
+    cells, _ = timed("find_cells", run_or_skip, c.cells, "cells", find_cells, gm)
+    return [*found, *loops, *cells], [*rejected, *loop_rejected]
+
+
+def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: bool = True,
+            seed_dropout: bool = True) -> Captured:
+    """Wrap dynamo's graph and normalize it in place (see the module docstring).
+
+    ``normalize=False`` leaves the graph as dynamo gave it; ``seed_dropout=False`` leaves dropouts alone (modes
+    that recompute nothing need no reproducible masks).
+    """
+    captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
+    if not normalize or captured.symbolic:
+        return captured
+    known = timed("known_scans", replace_known_scans, gm)
+    noops, buffers = timed("noop_ops", drop_noop_ops, gm), timed("buffer_writes", stack_buffer_writes, gm)
+    captured.writes = timed("written_inputs", written_inputs, gm.graph)[1]
+    if captured.writes:
+        captured.normalized = {"known_scans": known, "noop_ops": noops, "buffer_writes": buffers}
+        log.debug("capture: in-place writes left (%s): not normalized", ", ".join(n.name for n in captured.writes))
+        return captured
+    try:
+        cands = timed("prefilter", candidates, gm)
+        forms, _ = timed("scan_forms", _scan_forms, gm, cands.scans or cands.slices)
+        # NB: again after the closed-form pass ran: it makes scans, and says on a node why it left a tree scan
+        cands = timed("prefilter", candidates, gm) if cands.scans or cands.slices else cands
+        matched = timed("match", match_recurrences, gm, cands)
+    except Exception as e:  # noqa: BLE001 - a matcher failure leaves the graph as it is; recognition reports it
+        log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
+        return captured
+    todo = [r for r in matched[0] if needs_reroll(r)]
+    made = timed("reroll", reroll, gm, todo) if todo else []
+    readouts = timed("readouts", reroll_readouts, gm, made) if made else {}
+    shifts = timed("shifts", canonicalize_shifts, gm)
+    has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
+    token_shifts = timed("token_shifts", canonicalize_token_shifts, gm) if has_scans else 0
+    dropouts = timed("dropouts", seed_dropouts, gm) if seed_dropout and has_scans else 0
+    captured.normalized = {"rerolled": made, "shifts": shifts, "token_shifts": token_shifts, "dropouts": dropouts, "known_scans": known}
+    if forms:
+        captured.normalized["scan_forms"] = forms
+    if readouts:
+        captured.normalized["readouts"] = readouts
+    if noops or buffers:
+        captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
+    # NB: the matchers ran after the no-op, buffer-write and closed-form passes: only what changed the graph since
+    # (or a reroll that failed and said why on its nodes) makes recognition match again
+    if not (made or shifts or token_shifts or dropouts or any(r.not_rerolled for r in todo)):
+        captured.matched = matched
+    log.debug("capture: %s", captured.normalized)
+    return captured
+
+
+def _scan_forms(gm: fx.GraphModule, wanted: bool) -> tuple[list[str], list[Rejection]]:
+    """:func:`.scan_forms.rewrite_scan_forms` when the graph has candidates for it (``wanted``: closed forms, scan
+    ops, indexing for tree scans); under :data:`.prefilter.CHECK` always, noting a disagreement."""
+    if not wanted and prefilter.CHECK:
+        run_or_skip(False, "scan forms", match_scan_forms, gm)
+    return rewrite_scan_forms(gm) if wanted or prefilter.CHECK else ([], [])

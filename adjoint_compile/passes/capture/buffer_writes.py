@@ -1,0 +1,147 @@
+"""An output buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack`` of the written values.
+
+fla's naive references, RecurrentGemma and RWKV collect a loop's outputs by writing into a preallocated tensor::
+
+    o = torch.zeros_like(x)                 # or empty, new_zeros, ...
+    for t in range(T):
+        h = a[:, t] * h + b[:, t]
+        o[:, t] = h
+
+Dynamo records T in-place ``setitem`` nodes on ``o`` (or ``o[t].copy_(h)``: a view and a copy into it), which make
+the loop's steps differ (each writes the buffer the previous one wrote). When the writes cover every index of one dim exactly once, the buffer's initial values
+are all overwritten, and ``o`` after the last write is ``torch.stack([v_0, ..., v_{n-1}], dim)``: the same values,
+and autograd gives each ``v_t`` its slice of the gradient either way. The rewrite is refused (the graph keeps its
+writes) unless: ``o`` is made in the graph by a factory (zeros, empty, full, their ``_like``/``new_`` forms), every
+write indexes one dim with an int and all others with full slices, each written value has exactly the slice's
+shape and dtype, and nothing reads ``o`` before its last write. Buffers written into buffers (``buf[j] = h`` per step,
+then ``out[i] = buf`` per row) are rewritten inside out, until no buffer is left that qualifies.
+
+A write that stays (a partial one, a write through another view) keeps the graph's mutation: the capture stage then
+leaves the graph as it is (passes/capture/), since its other passes move nodes by data flow alone.
+
+Part of the capture stage (passes/capture/), before the recurrence matchers: the loop's steps then read only
+their state, and the stack of states is what the re-roll turns into the scan itself.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...analysis.fx import example_value
+
+log = logging.getLogger(__name__)
+
+__all__ = ["stack_buffer_writes"]
+
+_FACTORIES = frozenset("zeros zeros_like empty empty_like full full_like ones ones_like new_zeros new_empty new_full "
+                       "new_ones".split())
+
+
+def _fname(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _write_dim(idx: Any, rank: int) -> tuple[int, int] | None:
+    """(dim, index) of ``o[idx] = v`` when ``idx`` is full slices around one int; else None."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool)]
+    if len(ints) != 1 or len(items) > rank:
+        return None
+    if not all(isinstance(it, slice) and (it.start, it.stop, it.step) == (None, None, None)
+               for i, it in enumerate(items) if i != ints[0]):
+        return None
+    return ints[0], items[ints[0]]
+
+
+def _write(u: fx.Node, buf: fx.Node) -> tuple[fx.Node, Any, Any] | None:
+    """``(node, idx, value)`` when ``u`` writes into ``buf``: ``buf[idx] = value`` (``node`` is the setitem), or
+    ``buf[idx].copy_(value)`` (``u`` is the view, ``node`` the copy, the view's only use); else None."""
+    if u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf:
+        return (u, u.args[1], u.args[2]) if len(u.args) == 3 and not u.kwargs else (u, None, None)
+    if u.op == "call_function" and u.target is operator.getitem and len(u.users) == 1:
+        c = next(iter(u.users))
+        if c.op == "call_method" and c.target == "copy_" and c.args[0] is u:
+            return (c, u.args[1], c.args[1]) if len(c.args) == 2 and not c.kwargs else (c, None, None)
+    return None
+
+
+def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str:
+    """Rewrite the writes into ``buf``; returns "" on success, else why not."""
+    ev = example_value(buf)
+    # NB: no check of requires_grad: dynamo's example value is the buffer after its writes
+    if not isinstance(ev, torch.Tensor):
+        return "the buffer is not a tensor"
+    found = {u: _write(u, buf) for u in buf.users}
+    writes = [u for u, w in found.items() if w is not None]
+    if len(writes) < 2:
+        return "fewer than two writes"
+    last = max(pos[found[w][0]] for w in writes)
+    if any(pos[u] < last for u in buf.users if u not in writes):
+        return "the buffer is read before its last write"
+    by_index: dict[int, tuple[fx.Node, Any]] = {}
+    dim = None
+    for w in writes:
+        node, idx, value = found[w]
+        if idx is None or node.users:
+            return f"write {node.name} is not o[idx] = v"
+        got = _write_dim(idx, ev.dim())
+        if got is None:
+            return f"write {node.name} does not index one dim with an int"
+        d, t = got
+        if dim is None:
+            dim = d
+        n = ev.shape[d]
+        t = t + n if t < 0 else t
+        if d != dim or not 0 <= t < n or t in by_index:
+            return f"write {node.name} writes another dim or an index twice"
+        v = example_value(value)
+        want = ev.shape[:d] + ev.shape[d + 1:]
+        if not isinstance(value, fx.Node) or not isinstance(v, torch.Tensor) or v.shape != want or \
+                v.dtype != ev.dtype or v.device != ev.device:
+            return f"write {node.name} writes a value of another shape or dtype than the slice"
+        by_index[t] = (node, value)
+    assert dim is not None
+    if sorted(by_index) != list(range(ev.shape[dim])):
+        return f"the writes cover {len(by_index)} of {ev.shape[dim]} indices"
+    values = [by_index[t][1] for t in range(ev.shape[dim])]
+    last_write = max((found[w][0] for w in writes), key=pos.__getitem__)
+    with gm.graph.inserting_after(last_write):
+        st = gm.graph.call_function(torch.stack, (values, dim))
+    st.meta["example_value"] = ev  # NB: the same shape, dtype and device
+    st.meta["adjoint_compile"] = {"pass": "buffer_writes", "buffer": buf.name}
+    buf.replace_all_uses_with(st, delete_user_cb=lambda u: u not in writes and u is not st)
+    for w in writes:
+        node = found[w][0]
+        gm.graph.erase_node(node)
+        if node is not w:
+            gm.graph.erase_node(w)
+    if not buf.users:
+        gm.graph.erase_node(buf)
+    return ""
+
+
+def stack_buffer_writes(gm: fx.GraphModule) -> int:
+    """Rewrite every buffer written step by step in ``gm`` (in place); returns how many were rewritten."""
+    done, changed = 0, True
+    while changed:  # NB: a buffer written with other buffers' values qualifies once those are stacks
+        changed = False
+        for n in list(gm.graph.nodes):
+            if getattr(n, "_erased", False) or n.op not in ("call_function", "call_method") or _fname(n) not in _FACTORIES:
+                continue
+            if not any(_write(u, n) is not None for u in n.users):
+                continue
+            pos = {x: i for i, x in enumerate(gm.graph.nodes)}
+            why = _stack_one(gm, n, pos)
+            if why:
+                log.debug("buffer_writes: %s keeps its writes: %s", n.name, why)
+            else:
+                done += 1
+                changed = True
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done

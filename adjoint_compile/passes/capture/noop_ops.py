@@ -1,0 +1,96 @@
+"""Drop ops that return their input unchanged, so that a loop written with them is matched like one without.
+
+Libraries write a recurrence's state through casts and slices that do nothing at run time: ``h.to(x.device)``,
+``h.type(dtype)`` or ``h.float()`` when the state already has that device and dtype, ``(z * h + c)[:, -1:]`` when
+that dim has one element, ``h[..., :]``. Each such node is a value-level identity (same shape, dtype, device and
+elements; autograd passes the gradient through unchanged), so its uses can read its input instead. Kept when the
+node could matter: an in-place user (a write through a view reaches the base, a write to a copy does not), a
+``copy=True`` or ``memory_format`` argument, or an index holding anything but full slices and ``...``.
+
+Part of the capture stage (passes/capture/), before the recurrence matchers.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...analysis.fx import example_value, is_inplace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["drop_noop_ops"]
+
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+        a.dtype == b.dtype and a.device == b.device
+
+
+def _full_index(idx: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``x[idx]`` selects every element of ``x`` (of ``shape``) in place: full slices and ``...`` only."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if any(it is None or isinstance(it, fx.Node) or not (isinstance(it, slice) or it is Ellipsis) for it in items):
+        return False
+    if sum(it is Ellipsis for it in items) > 1:
+        return False
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + (slice(None),) * (len(shape) - len(items) + 1) + items[k + 1:]
+    if len(items) > len(shape):
+        return False
+    for it, n in zip(items, shape):
+        if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (it.start, it.stop, it.step)):
+            return False
+        if range(n)[it] != range(n):
+            return False
+    return True
+
+
+def _is_noop(n: fx.Node) -> bool:
+    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    src, out = example_value(n.args[0]), example_value(n)
+    if not _same(src, out):
+        return False
+    if n.op == "call_function" and n.target is operator.getitem:
+        return len(n.args) == 2 and _full_index(n.args[1], tuple(src.shape))
+    if n.op != "call_method":
+        return False
+    name = str(n.target)
+    if name == "to":
+        if set(n.kwargs) - {"device", "dtype", "non_blocking"}:
+            return False  # NB: copy=True, memory_format: not a plain identity
+        return all(isinstance(a, (torch.device, torch.dtype, str)) or isinstance(a, fx.Node) and
+                   isinstance(example_value(a), torch.Tensor) for a in n.args[1:])
+    if name == "type":
+        return len(n.args) == 2 and not n.kwargs and isinstance(n.args[1], torch.dtype)
+    if name in _CASTS:
+        return len(n.args) == 1 and not n.kwargs and src.dtype == _CASTS[name]
+    return False
+
+
+def drop_noop_ops(gm: fx.GraphModule) -> int:
+    """Replace every no-op cast/slice of ``gm`` by its input (in place); returns how many were dropped."""
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        if not _is_noop(n) or any(is_inplace(u) for u in n.users):
+            continue
+        src = n.args[0]
+        if src.op == "placeholder" and any(u.op == "output" for u in n.users):
+            continue  # NB: a graph output that would become one of its inputs: leave the aliasing as it was
+        if any(is_inplace(u) for u in src.users if u is not n):
+            continue
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
+        dropped += 1
+    if dropped:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("noop_ops: dropped %d no-op casts/slices", dropped)
+    return dropped

@@ -1,0 +1,499 @@
+"""Lower every parameter use into a per-example book-keeping call (``options={"per_sample_clip": C}``; issue 14).
+
+On dynamo's torch-level graph each value is classified as
+
+- ``P``: computed from parameters (and constants) only, e.g. ``-exp(A_log)``;
+- ``A``: depends on an example (a graph input with the batch axis);
+- ``R``: reduced over the batch axis (a loss; only a linear tail may follow, up to the output);
+- ``D``: a value without parameters reduced over the batch axis (``mask.sum()``): it may scale or divide the loss;
+- ``C``: anything else (buffers, masks, sizes).
+
+A node with an ``A`` and a ``P`` input is a parameter use. It becomes a call of runtime/per_sample.py:
+``linear``/``matmul`` with a parameter matrix (``LinearRecord``: Gram or direct form), ``embedding``
+(``EmbeddingRecord``), ``layer_norm``/``rms_norm`` affine and ``x * p``, ``x + p``, ``x - p`` (element-wise, a
+per-example gradient of the parameter's size), and any other use (the generic fallback: the op with the
+parameter-only nodes that feed it, differentiated per example with ``torch.func.vmap``).
+
+Ops that mix examples are refused with :class:`~adjoint_compile.errors.PerSampleError` naming the op and its source
+line: batch norm in training mode, softmax / cumsum / sort along the batch axis, a reduction over it that is not a
+sum or mean (``out.max()``), and a sum or mean over the batch axis whose result meets anything but a linear tail to
+the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...analysis.fx import source_at
+from ...errors import AdjointCompileWarning, PerSampleError
+from ...options import Options
+from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
+from ...runtime.sharded import ShardedRegion
+from .per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds"]
+
+#: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
+REDUCTIONS = frozenset("sum mean nansum nanmean".split())
+#: reductions that are not linear: over the batch axis the loss is no longer a sum of per-example losses
+NONLINEAR_REDUCTIONS = frozenset("amax amin max min prod std var logsumexp norm var_mean std_mean median all any "
+                                 "count_nonzero".split())
+#: ops along one axis that mix examples when the axis is the batch axis
+ALONG = frozenset("softmax log_softmax cumsum cumprod logcumsumexp sort argsort topk cummax cummin flip roll".split())
+#: in-graph losses: with reduction "mean" or "sum" they reduce over the batch
+LOSSES = frozenset("cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
+                   "binary_cross_entropy_with_logits kl_div".split())
+LINEARS = (torch._C._nn.linear, F.linear)
+MATMULS = (operator.matmul, torch.matmul)
+LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+RMS_NORMS = (F.rms_norm, torch.rms_norm)
+ELEMENTWISE = {operator.mul: "mul", torch.mul: "mul", "mul": "mul", operator.add: "add", torch.add: "add",
+               "add": "add", operator.sub: "sub", torch.sub: "sub", "sub": "sub"}
+
+
+@dataclasses.dataclass
+class PerSampleLowering:
+    """What the lowering did to one graph: the calls (stitch keeps them out of the inner compiler) and, for the
+    report, one entry per parameter use."""
+
+    clipper: Clipper
+    batch_size: int
+    calls: list[str] = dataclasses.field(default_factory=list)
+    uses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _refuse(n: fx.Node, why: str) -> PerSampleError:
+    return PerSampleError(f"adjoint-compile per_sample_clip: {_name(n)} ({n.name}) {why}; at {source_at(n)}")
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
+
+
+def _is_param(n: fx.Node, gm: fx.GraphModule, example: Any) -> bool:
+    if n.op == "get_attr":
+        try:
+            v = gm.get_parameter(str(n.target))
+        except AttributeError:
+            return False
+        return v.requires_grad
+    # NB: dynamo's fake example values of parameters are Parameters too (explain() has no real inputs)
+    for v in (example, _val(n)):
+        if isinstance(v, torch.nn.Parameter):
+            return v.requires_grad
+    return False
+
+
+def _dims(n: fx.Node, ndim: int) -> tuple[int, ...] | None:
+    """The axes a reduction / along-axis op works on (None: all of them)."""
+    d = n.kwargs.get("dim", n.kwargs.get("axis"))
+    if d is None and len(n.args) > 1 and isinstance(n.args[1], (int, tuple, list)) and not isinstance(n.args[1], bool):
+        d = n.args[1]
+    if d is None:
+        return None
+    ds = d if isinstance(d, (tuple, list)) else (d,)
+    return tuple(x % ndim for x in ds if isinstance(x, int)) if ndim else ()
+
+
+def _arg(n: fx.Node, i: int, key: str, default: Any = None) -> Any:
+    return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+def _reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int) -> str | None:
+    """"R" when ``n`` reduces an example value over the batch axis, "mix" for an along-axis op on it, else None."""
+    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if kind_of.get(n.args[0]) not in ("A", "M"):
+        return None
+    name, x = _name(n), _val(n.args[0])
+    ndim = x.dim() if isinstance(x, torch.Tensor) else 0
+    if name in LOSSES:
+        red = n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "mean", "sum")), "mean"))
+        return "R" if red != "none" else None
+    if name == "batch_norm" and bool(_arg(n, 5, "training", False)):
+        return "mix"
+    if name in REDUCTIONS | NONLINEAR_REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
+        dims = _dims(n, ndim)
+        over_batch = dims is None or bd in dims
+        return None if not over_batch else "R" if name in REDUCTIONS else "mix"
+    if name in ALONG:
+        dims = _dims(n, ndim)
+        return "mix" if dims is not None and bd in dims else None
+    return None
+
+
+def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tuple[dict[fx.Node, str], int | None]:
+    kind_of: dict[fx.Node, str] = {}
+    batch: int | None = None
+    i = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            ex = example_inputs[i] if i < len(example_inputs) else None
+            i += 1
+            v = _val(n)
+            # NB: module state (buffers, frozen parameters) is marked static by dynamo: never the examples
+            static = "_dynamo_static_input_type" in (n.meta.get("tensor_dict") or {}) or isinstance(
+                v, torch.nn.Parameter) or isinstance(ex, torch.nn.Parameter)
+            if _is_param(n, gm, ex):
+                kind_of[n] = "P"
+            elif not static and isinstance(v, torch.Tensor) and v.dim() > bd:
+                batch = int(v.shape[bd]) if batch is None else batch
+                kind_of[n] = "A" if int(v.shape[bd]) == batch else "C"
+            else:
+                kind_of[n] = "C"
+            continue
+        if n.op == "get_attr":
+            kind_of[n] = "P" if _is_param(n, gm, None) else "C"
+            continue
+        if n.op == "output":
+            continue
+        ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
+        v = _val(n)
+        tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
+                                                     any(isinstance(x, torch.Tensor) for x in v))
+        if not tensorish:
+            kind_of[n] = "C"
+            continue
+        red = _reduction(n, kind_of, bd)
+        if red == "mix":
+            raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, an op along the batch "
+                             f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
+                             "gradients are not defined")
+        if "R" in ins or "D" in ins:  # NB: the loss's tail (passes/lower/per_sample_loss.py)
+            if (tail := tail_kind(n, kind_of)) is None:
+                src = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
+                raise _refuse(n, f"uses a value reduced over the batch axis before the loss ({_origin(src, kind_of)}"
+                                 "): the examples interact, so per-example gradients are not defined")
+            kind_of[n] = tail
+        elif red == "R":  # NB: "D": a reduction of data alone (mask.sum()), a constant of the gradient
+            kind_of[n] = "R" if param_dependent(n.args[0], kind_of) else "D"
+        elif "A" in ins or "M" in ins:
+            kind_of[n] = "M" if "P" in ins else "A"
+        elif "P" in ins:
+            kind_of[n] = "P"
+        else:
+            kind_of[n] = "C"
+    return kind_of, batch
+
+
+def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int | None]:
+    """The per-example kind of every value ("P", "A", "R", "C", "M": the module docstring) and the batch size."""
+    return _classify(gm, [], bd)
+
+
+def _origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
+    while any(kind_of.get(a) in ("R", "D") for a in n.all_input_nodes):
+        n = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
+    return f"{_name(n)} ({n.name}) at {source_at(n)}"
+
+
+def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
+    return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
+
+
+def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = True) -> None:
+    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n)))[:2 if output else 1]:
+        if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise _refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
+                             f"batch_dim={bd}: its gradient cannot be attributed to examples")
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+class _Lowerer:
+    def __init__(self, gm: fx.GraphModule, kind_of: dict[fx.Node, str], opts: Options, batch: int) -> None:
+        self.gm, self.kind_of, self.bd, self.batch = gm, kind_of, opts.batch_dim, batch
+        self.out = PerSampleLowering(Clipper(float(opts.per_sample_clip or float("inf")), opts.batch_dim), batch)
+        self.uses_of: dict[fx.Node, int] = {}
+
+    def _param_leaves(self, n: fx.Node) -> list[fx.Node]:
+        """The parameter placeholders a P value is computed from."""
+        seen, todo, out = set(), [n], []
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op in ("placeholder", "get_attr"):
+                if self.kind_of.get(m) == "P":
+                    out.append(m)
+                continue
+            todo += [a for a in m.all_input_nodes if self.kind_of.get(a) == "P"]
+        return out
+
+    def _call(self, n: fx.Node, mod: PerSampleCall, args: tuple, kind: str, params: list[fx.Node],
+              **info: Any) -> fx.Node:
+        name = f"per_sample_{len(self.out.calls)}"
+        self.gm.add_submodule(name, mod)
+        with self.gm.graph.inserting_before(n):
+            call = self.gm.graph.call_module(name, args)
+        call.meta.update(n.meta)
+        self.kind_of[call] = "A"
+        self.out.calls.append(name)
+        self.out.uses.append({"node": n.name, "op": _name(n), "kind": kind, "call": name,
+                              "params": [p.name for p in params], "tied": mod.site.tied, "at": source_at(n), **info})
+        return call
+
+    def _site(self, n: fx.Node, kind: str, params: list[fx.Node]) -> Site:
+        return Site(self.out.clipper, n.name, kind, tuple(p.name for p in params),
+                    tied=any(self.uses_of.get(p, 0) > 1 for p in params))
+
+    def lower(self, n: fx.Node) -> None:
+        k, name, args = self.kind_of, _name(n), n.args
+        act = next((a for a in n.all_input_nodes if k.get(a) in ("A", "M")), None)
+        assert act is not None
+        new: fx.Node | None = None
+        region = self.gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if isinstance(region, ShardedRegion) and region.per_sample is not None:
+            self._region(n, region)
+            return
+        if n.target is F.multi_head_attention_forward:
+            new = self._attention(n)
+        elif (flat := flat_rows(n, k, self.bd, self.batch)) is not None:
+            new = self._flat(n, *flat)
+        elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
+                _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
+            new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
+        elif (n.target in MATMULS or (n.op == "call_method" and name == "matmul")) and len(args) == 2 and \
+                args[0] is act and _direct_param(args[1], k) and _val(args[1]).dim() == 2:
+            new = self._linear(n, act, args[1], None, transposed=True)
+        elif n.target is F.embedding and args[0] is act and _direct_param(args[1], k) and \
+                _arg(n, 3, "max_norm") is None and not _arg(n, 5, "scale_grad_by_freq", False) and \
+                not _arg(n, 6, "sparse", False):
+            _check_batched(n, act, self.bd, self.batch)
+            site = self._site(n, "embedding", [args[1]])
+            new = self._call(n, PerSampleCall(site, "embedding", padding_idx=_arg(n, 2, "padding_idx")),
+                             (act, args[1]), "embedding", [args[1]], form="distinct rows per example")
+        elif n.target in LAYER_NORMS + RMS_NORMS and args[0] is act and all(
+                a is None or _direct_param(a, k) for a in self._affine(n)):
+            new = self._norm(n, act)
+        elif ELEMENTWISE.get(n.target if n.op == "call_function" else name) and len(args) == 2 and not n.kwargs \
+                and act in args and any(_direct_param(a, k) for a in args) and self._fits(n, args):
+            p = next(a for a in args if _direct_param(a, k))
+            op = ELEMENTWISE[n.target if n.op == "call_function" else name]
+            op = "rsub" if op == "sub" and args[0] is p else op
+            new = self._elementwise(n, act, p, op)
+        if new is None:
+            new = self._generic(n)
+        n.replace_all_uses_with(new)
+        self.gm.graph.erase_node(n)
+
+    def _region(self, n: fx.Node, region: ShardedRegion) -> None:
+        """A sharded region (lowered under per_sample_clip): it records its parameters' per-example gradients,
+        summed over its shards, itself (runtime/sharded_ps.py); the call stays."""
+        ps = region.per_sample
+        params = [n.args[i] for i in ps.params]
+        ps.site = self._site(n, "sharded", params)
+        self.out.uses.append({"node": n.name, "op": str(n.target), "kind": "sharded region", "call": str(n.target),
+                              "params": [p.name for p in params], "tied": ps.site.tied, "at": source_at(n),
+                              "form": "per-example gradients summed over the shards (parameters expanded per "
+                                      "example: one more backward per shard; else one masked VJP per example)",
+                              "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
+
+    def _attention(self, n: fx.Node) -> fx.Node:
+        """``nn.MultiheadAttention``'s one call: projections with book-keeping around the attention (its [T, B, E]
+        layout puts the examples on axis 1)."""
+        a = inspect.signature(F.multi_head_attention_forward).bind(*n.args, **n.kwargs)
+        a.apply_defaults()
+        args = dict(a.arguments)
+        for extra in ("bias_k", "bias_v", "static_k", "static_v"):
+            if args[extra] is not None:
+                raise _refuse(n, f"uses {extra}: not supported under per_sample_clip (per-example gradients of the "
+                                 "attention's projections only)")
+        if args["add_zero_attn"]:
+            raise _refuse(n, "uses add_zero_attn: not supported under per_sample_clip")
+        for key in ("query", "key", "value"):
+            v = _val(args[key])
+            if not (isinstance(v, torch.Tensor) and v.dim() == 3 and int(v.shape[1]) == self.batch):
+                raise _refuse(n, f"takes a {key} of shape {tuple(getattr(v, 'shape', ()))} without the {self.batch} "
+                                 "examples on its axis 1 ([T, B, E]: batch_first inputs, transposed by the module, "
+                                 "or sequence-first ones with batch_dim=1): its gradient cannot be attributed to "
+                                 "examples")
+        names = tuple(k for k, v in args.items() if isinstance(v, fx.Node))
+        consts = {k: v for k, v in args.items() if not isinstance(v, fx.Node)}
+        params = [args[k] for k in names if self.kind_of.get(args[k]) == "P"]
+        if not all(_direct_param(p, self.kind_of) for p in params):
+            raise _refuse(n, "takes a projection weight computed from parameters: per_sample_clip supports "
+                             "nn.MultiheadAttention's own parameters")
+        site = self._site(n, "attention", params)
+        site.batch_dim = 1
+        if site.tied and not args["use_separate_proj_weight"]:
+            raise _refuse(n, "shares its packed in_proj_weight with another use: not supported under "
+                             "per_sample_clip")
+        return self._call(n, PerSampleCall(site, "attention", names=names, consts=consts),
+                          tuple(args[k] for k in names), "attention", params,
+                          form="q/k/v/out projections (gram or direct per slice), attention without parameters")
+
+    def _flat(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
+        """A parameter matrix on rows of x merged into [rows, d] (passes/lower/per_sample_loss.py): the use on x
+        itself, its output flattened the same way."""
+        lin = self._linear(n, x, w, b, transposed=transposed, flat=True)
+        with self.gm.graph.inserting_before(n):
+            flat = self.gm.graph.call_method("reshape", (lin, -1, int(_val(n).shape[-1])))
+        flat.meta.update(n.meta)
+        self.kind_of[flat] = "A"
+        return flat
+
+    def _affine(self, n: fx.Node) -> list[Any]:
+        return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
+
+    def _fits(self, n: fx.Node, args: tuple) -> bool:
+        """Element-wise with a parameter that stays off the batch axis (it is shared by every example)."""
+        p = next(a for a in args if _direct_param(a, self.kind_of))
+        out = _val(n)
+        return isinstance(out, torch.Tensor) and out.dim() - _val(p).dim() > self.bd
+
+    def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, flat: bool = False) -> fx.Node:
+        """``flat``: n's output is the linear's with the leading axes flattened (``_addmm``)."""
+        _check_batched(n, x, self.bd, self.batch, output=not flat)
+        xv, wv = _val(x), _val(w)
+        steps = max(1, xv.numel() // max(1, self.batch * xv.shape[-1]))
+        d_in, d_out = (wv.shape[0], wv.shape[1]) if transposed else (wv.shape[1], wv.shape[0])
+        params = [w] + ([b] if b is not None else [])
+        site = self._site(n, "linear", params)
+        form = "direct (tied)" if site.tied else "gram" if gram_is_cheaper(steps, d_in, d_out) else "direct"
+        return self._call(n, PerSampleCall(site, "linear", transposed=transposed),
+                          (x, w) + ((b,) if b is not None else ()), "matmul" if transposed else "linear", params,
+                          form=form, steps=steps, d_in=int(d_in), d_out=int(d_out))
+
+    def _elementwise(self, n: fx.Node, x: fx.Node, p: fx.Node, op: str) -> fx.Node:
+        _check_batched(n, x, self.bd, self.batch)
+        site = self._site(n, "elementwise", [p])
+        return self._call(n, PerSampleCall(site, "elementwise", op=op), (x, p), "elementwise", [p],
+                          form="direct", extra_bytes=self.batch * _nbytes(_val(p)))
+
+    def _norm(self, n: fx.Node, x: fx.Node) -> fx.Node:
+        """layer_norm / rms_norm with an affine: the normalization without it, then ``* w`` and ``+ b``."""
+        w, *rest = self._affine(n)
+        g = self.gm.graph
+        with g.inserting_before(n):
+            if n.target in LAYER_NORMS:
+                plain = g.call_function(F.layer_norm, (x, _arg(n, 1, "normalized_shape"), None, None,
+                                                        _arg(n, 4, "eps", 1e-5)))
+            else:
+                plain = g.call_function(F.rms_norm, (x, _arg(n, 1, "normalized_shape"), None, _arg(n, 3, "eps")))
+        plain.meta.update(n.meta)
+        self.kind_of[plain] = "A"
+        out = plain
+        for p, op in ((w, "mul"), (rest[0] if rest else None, "add")):
+            if p is not None:
+                out = self._elementwise(n, out, p, op)
+        return out
+
+    def _generic(self, n: fx.Node) -> fx.Node:
+        """The op and the parameter-only nodes feeding it, as one function of (examples' tensors, other tensors,
+        parameters); the parameters' per-example gradients by vmap."""
+        k = self.kind_of
+        sub, env = fx.Graph(), {}
+        inputs: list[fx.Node] = []
+        dims: list[int | None] = []
+        is_param: list[bool] = []
+        p_nodes: list[fx.Node] = []
+        todo = [a for a in n.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+        while todo:
+            m = todo.pop()
+            if m not in p_nodes:
+                p_nodes.append(m)
+                todo += [a for a in m.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+        order = {m: i for i, m in enumerate(self.gm.graph.nodes)}
+        p_nodes.sort(key=order.__getitem__)
+
+        def inp(a: fx.Node) -> fx.Node:
+            if a not in env:
+                env[a] = sub.placeholder(f"in_{len(inputs)}")
+                inputs.append(a)
+                batched = k.get(a) in ("A", "M") and isinstance(_val(a), torch.Tensor)
+                if batched:
+                    _check_batched(n, a, self.bd, self.batch)
+                dims.append(self.bd if batched else None)
+                is_param.append(k.get(a) == "P")
+            return env[a]
+        for m in [*p_nodes, n]:
+            for a in m.all_input_nodes:
+                if a not in env and (a.op in ("placeholder", "get_attr") or a not in p_nodes):
+                    inp(a)
+            env[m] = sub.node_copy(m, lambda a: env[a])
+        if not isinstance(_val(n), torch.Tensor):
+            raise _refuse(n, f"uses a parameter and returns {type(_val(n)).__name__}, not one tensor: the generic "
+                             "per-example fallback takes single-tensor ops only")
+        sub.output(env[n])
+        fn = fx.GraphModule(self.gm, sub)
+        params = [a for a, p in zip(inputs, is_param) if p]
+        site = self._site(n, "generic", params)
+        extra = self.batch * sum(_nbytes(_val(p)) for p in params)
+        call = self._call(n, PerSampleCall(site, "generic", fn=fn, dims=tuple(dims), is_param=tuple(is_param)),
+                          tuple(inputs), "generic", params, form="per-example gradients (vmap)", extra_bytes=extra)
+        return call
+
+
+_MEANS_WARNED: set[str] = set()  # the batch means warned about (their source lines): once each
+
+
+def _warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, clip: float) -> None:
+    """A loss that is a mean over the examples divides each example's gradient by the N values averaged: the bound
+    C then acts as N·C on the summed loss's per-example norms (C = 1 clips nothing of a typical model)."""
+    for n in gm.graph.nodes:
+        name, red = _name(n), n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "sum")), "mean"))
+        if kind_of.get(n) == "D" or _reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in (
+                "mean", "nanmean") and (name not in LOSSES or red != "mean") or (
+                key := f"{source_at(n)} {n.name}") in _MEANS_WARNED:
+            continue
+        t = _val(n.args[1]) if name in ("cross_entropy", "nll_loss") and len(n.args) > 1 else None
+        N = t.numel() if isinstance(t, torch.Tensor) else _val(n.args[0]).numel() // max(1, _val(n).numel())
+        if N > 1:
+            _MEANS_WARNED.add(key)
+            warnings.warn(f"adjoint-compile per_sample_clip: the loss is a mean over the batch ({name} at "
+                          f"{source_at(n)}): it divides every example's gradient and its norm by the N = {N} values "
+                          f"averaged, so per_sample_clip={clip:g} bounds the summed loss's norms at N·C = "
+                          f"{N * clip:g} and may clip nothing. Reduce with a sum (.sum(), reduction=\"sum\") and "
+                          f"divide the clipped gradients by the batch size yourself (DP-SGD's form), or pass C/N "
+                          f"(here {clip / N:g}) to bound them at C", AdjointCompileWarning, stacklevel=2)
+
+
+def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> PerSampleLowering:
+    """Replace every parameter use in ``gm`` with a book-keeping call; raise :class:`PerSampleError` for ops that
+    mix examples."""
+    kind_of, batch = _classify(gm, example_inputs, opts.batch_dim)
+    uses = [n for n in gm.graph.nodes if kind_of.get(n) == "M"]
+    if batch is None:
+        raise PerSampleError(f"adjoint-compile per_sample_clip: no graph input has an example axis batch_dim="
+                             f"{opts.batch_dim}; per-example gradients need one")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in out_node.all_input_nodes:
+        if kind_of.get(a) == "P":
+            raise _refuse(a, "is a parameter value returned by the graph without meeting an example: its gradient "
+                             "could not be attributed to examples")
+    _warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
+    warn_data_divisor(gm, kind_of, float(opts.per_sample_clip or float("inf")), source_at)
+    low = _Lowerer(gm, kind_of, opts, batch)
+    for n in uses:
+        for p in {q for a in n.all_input_nodes if kind_of.get(a) == "P" for q in low._param_leaves(a)}:
+            low.uses_of[p] = low.uses_of.get(p, 0) + 1
+    for n in uses:
+        low.lower(n)
+    for n in reversed(list(gm.graph.nodes)):  # the parameter-only nodes the generic calls took in
+        if kind_of.get(n) == "P" and n.op not in ("placeholder", "get_attr") and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+    log.info("per_sample_clip: %d parameter use(s) lowered (B=%d): %s", len(low.out.uses), batch,
+             [(u["node"], u["kind"], u.get("form")) for u in low.out.uses])
+    return low.out

@@ -1,0 +1,128 @@
+"""Language-model losses under ``per_sample_clip`` (issue 33): the parts of passes/lower/per_sample.py's analysis that
+concern the head and the loss.
+
+- A head on flattened rows: ``linear(h.flatten(0, 1), W, b)`` (``F.linear_cross_entropy``'s reference path, a head
+  applied after ``view(-1, D)``), ``h.view(-1, D) @ W`` and ``addmm(b, h.view(-1, D), W)`` (transformers' Conv1D)
+  take rows of [B, T, D] activations merged into [B·T, D]: :func:`flat_rows` finds the activation before the
+  merge, so the use is lowered on it (rows stay attributed to their examples) and its output flattened after.
+- The tail of the loss: a value reduced over the batch axis ("R") may only meet a linear tail on its way to the
+  output. A reduction over the batch of a value computed without parameters (``mask.sum()``, a count of valid
+  targets) is a constant of the gradient, kind "D": it may scale or divide the loss (``(ce * mask).sum() /
+  mask.sum()``), like the count that ``reduction="mean"`` divides by. :func:`tail_kind` decides; a loss in a
+  divisor (``2 / loss``), a product of two losses, or a batch reduction meeting an activation is refused.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...analysis.fx import example_value as _val
+from ...errors import AdjointCompileWarning
+
+__all__ = ["flat_rows", "param_dependent", "tail_kind", "warn_data_divisor"]
+
+#: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
+LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
+                        "__neg__ sum mean float to".split())
+_PRODUCTS = frozenset("mul imul __mul__".split())
+_QUOTIENTS = frozenset("truediv div itruediv __truediv__".split())
+_MERGES = frozenset("view reshape flatten".split())
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
+    return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
+
+
+def flat_rows(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> tuple[fx.Node, Any, Any, bool] | None:
+    """``(x, W, b, transposed)`` when ``n`` applies a parameter matrix to rows of ``x`` (an activation with the
+    examples on ``bd``) merged into [rows, d]: ``addmm(b, x.view(-1, d), W)``, ``x.view(-1, d) @ W`` or
+    ``linear(x.flatten(0, 1), W, b)``; else None."""
+    args = n.args
+    if n.target is torch.addmm and len(args) == 3 and not n.kwargs and _param(args[0], kind_of) and \
+            _param(args[2], kind_of):
+        v, w, b, transposed = args[1], args[2], args[0], True
+    elif n.target in (torch._C._nn.linear, F.linear) and len(args) >= 2 and _param(args[1], kind_of):
+        b = args[2] if len(args) > 2 else n.kwargs.get("bias")
+        if not (b is None or _param(b, kind_of)) or (len(args) > 3 or set(n.kwargs) - {"bias"}):
+            return None
+        v, w, transposed = args[0], args[1], False
+    elif (n.target in (operator.matmul, torch.matmul) or n.op == "call_method" and _name(n) == "matmul") and \
+            len(args) == 2 and not n.kwargs and _param(args[1], kind_of):
+        v, w, b, transposed = args[0], args[1], None, True
+    else:
+        return None
+    if not (isinstance(v, fx.Node) and _name(v) in _MERGES and v.args and isinstance(v.args[0], fx.Node) and
+            kind_of.get(v.args[0]) in ("A", "M")):
+        return None
+    x, xv, vv, wv = v.args[0], _val(v.args[0]), _val(v), _val(w)
+    # NB: a 2-D result with x's last axis is the merge of all of x's leading axes, row-major: the linear of x
+    # flattened the same way
+    if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and isinstance(wv, torch.Tensor) and
+            vv.dim() == 2 and wv.dim() == 2 and xv.dim() - 1 > bd and xv.shape[-1] == vv.shape[1] and
+            int(xv.shape[bd]) == batch):
+        return None
+    return x, w, b, transposed
+
+
+def param_dependent(n: fx.Node, kind_of: dict[fx.Node, str]) -> bool:
+    """Whether ``n`` is computed from a parameter (a "P" or "M" value among its ancestors, itself included)."""
+    seen, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if kind_of.get(m) in ("P", "M"):
+            return True
+        todo += m.all_input_nodes
+    return False
+
+
+def tail_kind(n: fx.Node, kind_of: dict[fx.Node, str]) -> str | None:
+    """The kind of ``n``, one of whose inputs is reduced over the batch ("R" the loss, "D" a constant of the
+    gradient): "R", "D", or None when the examples would interact (the caller refuses it)."""
+    ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
+    if any(k in ("A", "P", "M") for k in ins):
+        return None
+    if "R" not in ins:
+        return "D"  # NB: data only (counts, masks' sums) and constants: any op
+    name = _name(n)
+    if name not in LINEAR_TAIL or (name in _PRODUCTS | _QUOTIENTS and ins.count("R") > 1):
+        return None
+    if name in _QUOTIENTS and len(n.args) > 1 and isinstance(n.args[1], fx.Node) and kind_of.get(n.args[1]) == "R":
+        return None  # NB: a loss in the divisor (2 / loss): not a sum of per-example losses
+    return "R"
+
+
+_WARNED: set[str] = set()
+
+
+def warn_data_divisor(gm: fx.GraphModule, kind_of: dict[fx.Node, str], clip: float,
+                      where: Callable[[fx.Node], str]) -> None:
+    """A loss divided by a batch-wide count (``/ mask.sum()``) divides every example's gradient and its norm by
+    it, as a mean does (passes/lower/per_sample.py warns about means): once per source line."""
+    if clip == float("inf"):
+        return
+    for n in gm.graph.nodes:
+        if not (_name(n) in _QUOTIENTS and kind_of.get(n) == "R" and len(n.args) > 1 and
+                isinstance(n.args[1], fx.Node) and kind_of.get(n.args[1]) == "D"):
+            continue
+        if (key := f"{where(n)} {n.name}") in _WARNED:
+            continue
+        _WARNED.add(key)
+        warnings.warn(f"adjoint-compile per_sample_clip: the loss is divided by a value reduced over the batch "
+                      f"({n.args[1].name} at {where(n)}), e.g. a count of valid targets: it divides every example's "
+                      f"gradient and its norm by that count, so per_sample_clip={clip:g} bounds the summed loss's "
+                      f"norms at count·C and may clip nothing. Reduce with a sum and divide the clipped gradients "
+                      f"yourself (DP-SGD's form)", AdjointCompileWarning, stacklevel=2)

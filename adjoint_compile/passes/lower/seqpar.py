@@ -1,0 +1,194 @@
+"""Lowering for ``options={"sequence_parallel": group}``: the graph runs on one rank's slice of the sequence.
+
+Before (one rank's graph, ``x`` its slice [B, n_r, D])::
+
+    xc = torch.conv1d(x_t, w, bias, (1,), (3,), (1,), C)        # causal: padded k-1 = 3 steps on both sides
+    xs = xc[(Ellipsis, slice(None, n_r))]                       # ... and the right padding dropped
+    h = torch.ops.adjoint_compile.linear_scan.default(a, b, None, 1, False, None, None)
+
+After::
+
+    seqpar_halo_0 = SeqHalo(state, p=3, dim=-1)                 # runtime/seqpar.py
+    halo = self.seqpar_halo_0(x_t)                              # the 3 steps before this slice, from the ranks before
+    xs = torch.conv1d(torch.cat([halo, x_t], -1), w, bias, (1,), 0, (1,), C)
+    h = self.seqpar_scan_0(a, b, None)                          # SeqScan: carry-in from the ranks before
+
+In exact mode the recognized regions are lowered as well (passes/lower/; under ``sequence_parallel`` a region of
+several scans is cut into one region per scan, passes/lower/sharded.py) and each one-scan region's ShardedRegion is
+wrapped in :class:`~adjoint_compile.runtime.seqpar_sharded.SeqShardedRegion`: sharded inside the rank, its carry-in
+and adjoint carry exchanged with the other ranks.  Scans left outside regions become SeqScans.
+
+The module and call nodes are named ``seqpar_*``; the backend stitches them outside the inner compiler (as region
+calls) and wraps the whole graph in :class:`~adjoint_compile.runtime.seqpar.SeqParCall`.
+
+What may be split: every op must act on each step on its own (analysis/time_local.py), except ``linear_scan``
+(forward, no window, along any dim) and causal convolutions along the last dim of their input written as above
+(padding p = dilation·(k-1), stride 1, the output cut back to the input's length).  The step axis of the graph's
+sequence inputs is dim 1 (``[B, T, ...]``).  Anything else that mixes steps (attention, a sum or mean over time,
+a non-causal conv, a shift, a reverse scan) is a refusal naming the op and its source line; the refusal is raised
+on every rank by the call's header exchange, before any model data is exchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
+from ...analysis.rules import op_label, step_shape
+from ...analysis.time_local import analyze, causal_conv as _causal_conv, conv_args as _conv_args
+from ...options import Options
+from ...runtime.seqpar import SeqHalo, SeqParState, fingerprint, resolve_group
+from ...runtime.seqpar_sharded import SeqShardedRegion, distribute_scans, unsharded_region
+from ...runtime.sharded import ShardedRegion
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SeqParPlan", "lower_seqpar"]
+
+@dataclasses.dataclass
+class SeqParPlan:
+    """What :func:`lower_seqpar` did to one graph, and what its :class:`SeqParCall` needs."""
+
+    state: SeqParState
+    #: the ``seqpar_*`` call nodes (stitched outside the inner compiler).
+    calls: list[str]
+    fingerprint: int
+    #: this rank's steps (-1: no sequence input found)
+    length: int
+    #: why this graph cannot be split (None: it can)
+    refusal: str | None
+    #: positions of the graph's parameters among its inputs
+    params: list[int]
+    scans: int = 0
+    halos: int = 0
+    #: sharded regions run on this rank's slice (exact mode)
+    regions: int = 0
+
+
+def _refusal(node: fx.Node, why: str) -> str:
+    return (f"sequence_parallel: {op_label(node)} ({node.name}) cannot be split across ranks: {why}. "
+            f"At {source_at(node)}. Only ops that act on each step on its own, linear_scan (forward, no window) and "
+            f"causal convolutions along time can run on a slice of the sequence")
+
+
+def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options) -> list[Any]:
+    parts: list[Any] = [opts.mode, opts.window, opts.reduce_grads]
+    for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples):
+        if isinstance(ex, torch.Tensor):
+            # NB: the whole shape of a parameter; of an activation all but dim 1, the rank's own number of steps
+            shape = tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else tuple(
+                -1 if j == 1 else int(v) for j, v in enumerate(ex.shape))
+            parts.append(("in", str(ex.dtype), bool(ex.requires_grad), shape))
+        else:
+            parts.append(("in", type(ex).__name__))
+    # NB: op names only, not arguments: a static graph's arguments hold the rank's own slice length
+    parts += [(n.op, op_label(n)) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return parts
+
+
+def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
+    """(T, convs, scans, refusal) of the graph: the analysis of the module docstring."""
+    nodes = list(gm.graph.nodes)
+    scans = [n for n in nodes if is_linear_scan(n)]
+    phs = [n for n in nodes if n.op == "placeholder"]
+    seq_in = [(i, n) for i, n in enumerate(phs) if i not in params and i < len(examples)
+              and isinstance(examples[i], torch.Tensor) and examples[i].dim() >= 2]
+    if scans:
+        sa = scan_args(scans[0])
+        v = example_value(sa["a"])
+        T = v.shape[sa["dim"]] if isinstance(v, torch.Tensor) else None
+    else:
+        T = examples[seq_in[0][0]].shape[1] if seq_in else None
+    if T is None:
+        return None, [], scans, None
+    base = {n: 1 for i, n in seq_in if examples[i].shape[1] == T}
+    for s in scans:
+        base[s] = scan_args(s)["dim"]
+    convs: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for _ in range(len(nodes)):
+        seeds = dict(base)
+        for sl, _p in convs.values():
+            seeds.setdefault(sl, len(step_shape(sl)) - 1)
+        info = analyze(gm, seeds)
+        more = {}
+        for n in nodes:
+            if n in convs or (m := _causal_conv(n)) is None:
+                continue
+            x = _conv_args(n)["input"]
+            if info.step_dim.get(x) == len(step_shape(x)) - 1 and step_shape(m[0])[-1] == T:
+                more[n] = m
+        if not more:
+            break
+        convs.update(more)
+    allowed = set(convs) | {sl for sl, _ in convs.values()}
+    for n in nodes:
+        if n in allowed:
+            continue
+        why = info.mixing.get(n)
+        if why is None and is_linear_scan(n) and scan_args(n)["window"] is not None:
+            why = "a windowed linear_scan reads the inputs of the previous window on other ranks"
+        if why is not None:
+            return T, convs, scans, _refusal(n, why)
+    return T, convs, scans, None
+
+
+def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True,
+                 shard: Callable[[], list[str]] | None = None) -> SeqParPlan:
+    """Check ``gm`` for sequence parallelism and (``rewrite``) put the distributed ops in (module docstring).
+
+    ``shard`` (exact mode): lowers the recognized regions into sharded region calls and returns their names, after
+    the check and the halos; one-scan regions then run as :class:`SeqShardedRegion` (sharded inside the rank, carries
+    exchanged), others unsharded with distributed scans."""
+    state = SeqParState(resolve_group(opts.sequence_parallel))
+    # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
+    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
+    fp = fingerprint(_fingerprint_parts(gm, examples, opts))
+    attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
+    try:
+        T, convs, scans, refusal = _check(gm, examples, set(params))
+        if attrs and refusal is None:
+            # NB: their gradients would not be reduced over the group (only the graph's inputs are)
+            refusal = (f"sequence_parallel: parameters held by the graph as attributes ({', '.join(attrs[:3])}) "
+                       f"cannot have their gradients summed over the group; keep torch._dynamo.config."
+                       f"inline_inbuilt_nn_modules=True (the default), which makes them graph inputs")
+    except Exception as e:  # noqa: BLE001 - an analysis that cannot read the graph must refuse, not guess
+        log.debug("sequence_parallel: analysis raised", exc_info=True)
+        T, convs, scans, refusal = None, {}, [], f"sequence_parallel: the graph could not be analyzed ({e})"
+    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params)
+    if refusal is not None or not rewrite:
+        return plan
+    window = opts.window if opts.mode == "truncated" else None
+    g = gm.graph
+    for i, (conv, (sliced, p)) in enumerate(convs.items()):
+        name = f"seqpar_halo_{i}"
+        gm.add_submodule(name, SeqHalo(state, p, -1))
+        a = _conv_args(conv)
+        with g.inserting_before(conv):
+            halo = g.call_module(name, (a["input"],))
+            cat = g.call_function(torch.cat, ([halo, a["input"]], -1))
+        conv.args = (cat, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
+        conv.kwargs = {}
+        sliced.replace_all_uses_with(conv)
+        g.erase_node(sliced)
+        plan.calls.append(halo.name)
+    if shard is not None and window is None:
+        for name in shard():
+            mod = gm.get_submodule(name)
+            if isinstance(mod, ShardedRegion):
+                one = len(mod._plan.scans) == 1
+                setattr(gm, name, SeqShardedRegion(mod, state) if one else unsharded_region(mod, state, None))
+                plan.regions += 1
+            plan.calls.append(name)
+        scans = [n for n in g.nodes if is_linear_scan(n)]  # those left outside the regions
+    plan.calls += [call.name for call in distribute_scans(gm, scans, state, window)]
+    plan.scans, plan.halos = len(scans), len(convs)
+    log.info("sequence_parallel: rank %d of %d, %d step(s): %d distributed scan(s), %d conv halo(s), %d sharded "
+             "region(s)", state.rank, state.world, plan.length, plan.scans, plan.halos, plan.regions)
+    return plan

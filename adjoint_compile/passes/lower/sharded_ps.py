@@ -1,0 +1,82 @@
+"""The exact-adjoint lowering under ``per_sample_clip`` (issue 14): what a sharded region needs so that its
+parameters get per-example gradients (runtime/sharded_ps.py).
+
+- Parameter math feeding the region (``A = -exp(A_log)``) is copied into it, so that every parameter input of the
+  region is a parameter itself: its per-example gradient is recorded for the parameter, not for a derived value.
+- The examples' axis of every region output and scan state is found and checked: ``batch_dim`` with the batch size
+  there and not the step axis (a scan state loses its step axis: the examples' axis moves down by one when the step
+  axis came before it). A region that does not carry the examples there keeps ordinary autograd (with per-example
+  book-keeping of its parameters), and explain() says why.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...analysis.fx import example_value as _ev
+from ...analysis.rules import TimeLocalInfo
+from ...errors import UnsupportedRegion
+from ...options import Options
+from ...runtime.sharded_ps import PerSampleRegion
+from .per_sample import classify_kinds
+
+log = logging.getLogger(__name__)
+
+__all__ = ["pull_in_parameter_math", "per_sample_region"]
+
+
+def pull_in_parameter_math(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
+                           opts: Options) -> tuple[list[fx.Node], dict[fx.Node, str], int]:
+    """``nodes`` plus copies of the parameter-only nodes feeding them (the originals stay for other users);
+    returns (nodes, the per-example kinds of the graph's values, the batch size)."""
+    kind_of, batch = classify_kinds(gm, opts.batch_dim)
+    if batch is None:
+        raise UnsupportedRegion(f"per_sample_clip: no graph input has an example axis batch_dim={opts.batch_dim}")
+    members = set(nodes)
+    chain: list[fx.Node] = []
+    todo = [a for n in nodes for a in n.all_input_nodes
+            if a not in members and kind_of.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+    while todo:
+        m = todo.pop()
+        if m not in chain:
+            chain.append(m)
+            todo += [a for a in m.all_input_nodes if kind_of.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+    if not chain:
+        return nodes, kind_of, batch
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chain.sort(key=order.__getitem__)
+    env: dict[fx.Node, fx.Node] = {}
+    with gm.graph.inserting_before(min(nodes, key=order.__getitem__)):
+        for m in chain:
+            env[m] = gm.graph.node_copy(m, lambda a: env.get(a, a))
+            env[m].meta = dict(m.meta)
+            kind_of[env[m]] = "P"
+            info.step_dim[env[m]] = None
+    for n in nodes:
+        for a in list(n.all_input_nodes):
+            if a in env:
+                n.replace_input_with(a, env[a])
+    log.debug("per_sample_clip: %d parameter-only node(s) copied into the region", len(chain))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted([*env.values(), *nodes], key=order.__getitem__), kind_of, batch
+
+
+def _bdim(n: fx.Node, info: TimeLocalInfo, bd: int, batch: int, what: str, carry: bool = False) -> int:
+    v, sd = _ev(n), info.step_dim.get(n)
+    if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch and sd != bd):
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise UnsupportedRegion(f"per_sample_clip: {what} {n.name} {shape} does not carry the {batch} examples on "
+                                f"batch_dim={bd} (apart from its step axis {sd}); kept unsharded")
+    return bd - 1 if carry and sd is not None and sd < bd else bd
+
+
+def per_sample_region(inputs: list[fx.Node], outputs: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo,
+                      kind_of: dict[fx.Node, Any], opts: Options, batch: int) -> PerSampleRegion:
+    bd = opts.batch_dim
+    params = tuple(i for i, a in enumerate(inputs) if kind_of.get(a) == "P")
+    outs = tuple(_bdim(o, info, bd, batch, "output") for o in outputs)
+    carries = tuple(_bdim(s, info, bd, batch, "scan state", carry=True) for s in scans)
+    return PerSampleRegion(params, outs, carries)
