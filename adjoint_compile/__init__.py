@@ -1,8 +1,7 @@
 """adjoint-compile: a torch.compile backend ("adjoint") that gives linear recurrences, gated recurrences and residual
 chains a different backward: adjoint-sharded (exact), truncated-adjoint or Highway-BP; sequences split over
-torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See README.md (what users get),
-docs/architecture.md (the pipeline's stages and their files) and docs/DESIGN.md (the design: contract, pipeline,
-math)."""
+torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See README.md (what users get) and
+docs/DESIGN.md (the design: contract, the pipeline's stages and their files, math)."""
 from __future__ import annotations
 
 from . import backend, ops
