@@ -22,22 +22,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adjoint_compile as ac
+from adjoint_compile.models import print_explain
+from adjoint_compile.models.selective_ssm import SelectiveSSM
+from adjoint_compile.models.stacks import PreNormStack
 
 
-class MambaBlock(nn.Module):
-    """One Mamba-like layer with a causal depthwise conv: [B, T, d_model] -> [B, T, d_model]."""
+class MambaBlock(SelectiveSSM):
+    """One Mamba-like layer with a causal depthwise conv: [B, T, d_model] -> [B, T, d_model]. Its projections and
+    parameters are those of the package's :class:`~adjoint_compile.models.selective_ssm.SelectiveSSM`; the conv runs
+    on x before the scan."""
 
     def __init__(self, d_model: int, d_state: int, d_conv: int = 4) -> None:
-        super().__init__()
-        self.d_state = d_state
-        self.in_proj = nn.Linear(d_model, 2 * d_model)
+        super().__init__(d_model, d_state)
         self.conv = nn.Conv1d(d_model, d_model, d_conv, groups=d_model, padding=d_conv - 1)
-        self.dt_proj = nn.Linear(d_model, d_model)
-        self.B_proj = nn.Linear(d_model, d_state, bias=False)
-        self.C_proj = nn.Linear(d_model, d_state, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_model, 1))
-        self.D_skip = nn.Parameter(torch.ones(d_model))
-        self.out_proj = nn.Linear(d_model, d_model)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         Bsz, T, D = u.shape
@@ -53,23 +50,22 @@ class MambaBlock(nn.Module):
         return self.out_proj(y * F.silu(z))
 
 
-class MambaStack(nn.Module):
-    """K Mamba-like layers with pre-norm residuals and a final norm."""
+class MambaStack(PreNormStack):
+    """K Mamba-like layers with pre-norm residuals and a final norm: the package's
+    :class:`~adjoint_compile.models.stacks.PreNormStack`, as :class:`~adjoint_compile.models.selective_ssm.SSMStack`."""
 
     def __init__(self, d_model: int = 16, d_state: int = 4, n_layers: int = 3, d_conv: int = 4) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
-        self.layers = nn.ModuleList(MambaBlock(d_model, d_state, d_conv) for _ in range(n_layers))
-        self.norm_f = nn.RMSNorm(d_model)
+        super().__init__((MambaBlock(d_model, d_state, d_conv) for _ in range(n_layers)), d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NB: PreNormStack.forward's loop, traced from this file: dynamo inlines MambaBlock.forward (whose globals are
+        # this file's) only from a frame of this file when it is loaded by path and not imported (runpy, the CLI)
         for norm, layer in zip(self.norms, self.layers):
             x = x + layer(norm(x))
         return self.norm_f(x)
 
 
-def make(d_model: int = 16, d_state: int = 4, n_layers: int = 3) -> MambaStack:
-    return MambaStack(d_model, d_state, n_layers)
+make = MambaStack
 
 
 def example_inputs() -> tuple[torch.Tensor, ...]:
@@ -77,5 +73,4 @@ def example_inputs() -> tuple[torch.Tensor, ...]:
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
-    print(ac.explain(make(), *example_inputs(), options={"shard_size": 256}))
+    print_explain(make, example_inputs, options={"shard_size": 256})

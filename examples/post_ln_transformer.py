@@ -2,58 +2,20 @@
 LN(x + Block(x)) = x ⊙ a(x) + b(x) (Highway-BP Table 1, "post-LN"): K_i is diagonal.
 
     python examples/post_ln_transformer.py       # prints adjoint_compile.explain(...)
+
+The model is ``adjoint_compile.models.transformer.Transformer`` with ``pre_ln=False`` (no final LN).
 """
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+import functools
 
+from adjoint_compile.models import print_explain
+from adjoint_compile.models.transformer import Block, Transformer, example_inputs
 
-class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-        self.n_heads = n_heads
+__all__ = ["Block", "Transformer", "make", "example_inputs"]
 
-    def attn(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln1(x + self.attn(x))
-        return self.ln2(x + self.mlp(x))
-
-
-class PostLNTransformer(nn.Module):
-    """x [B, T, d_model] -> [B, T, d_model]."""
-
-    def __init__(self, d_model: int = 32, n_heads: int = 4, n_layers: int = 3) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            x = blk(x)
-        return x
-
-
-def make(d_model: int = 32, n_heads: int = 4, n_layers: int = 3) -> PostLNTransformer:
-    return PostLNTransformer(d_model, n_heads, n_layers)
-
-
-def example_inputs() -> tuple[torch.Tensor, ...]:
-    return (torch.randn(2, 16, 32),)
-
+#: make(d_model=32, n_heads=4, n_layers=3): x [B, T, d_model] -> [B, T, d_model]
+make = functools.partial(Transformer, pre_ln=False)
 
 if __name__ == "__main__":
-    import adjoint_compile
-
-    torch.manual_seed(0)
-    print(adjoint_compile.explain(make(), *example_inputs()))
+    print_explain(make, example_inputs)

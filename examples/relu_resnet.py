@@ -44,7 +44,6 @@ def example_inputs() -> tuple[torch.Tensor, ...]:
 
 
 if __name__ == "__main__":
-    import adjoint_compile
+    from adjoint_compile.models import print_explain
 
-    torch.manual_seed(0)
-    print(adjoint_compile.explain(make(), *example_inputs()))
+    print_explain(make, example_inputs)

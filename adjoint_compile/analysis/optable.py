@@ -23,7 +23,7 @@ from ..kernels.random import hashed_dropout
 from ..kernels.shift import shift_steps
 from .fx import callables_named
 
-__all__ = ["spelling", "raw_name", "op_name", "fn_name", "name_of", "target_key", "KNOWN"]
+__all__ = ["spelling", "raw_name", "op_name", "fn_name", "target_name", "name_of", "target_key", "KNOWN"]
 
 #: where torch keeps the callables a dynamo graph calls.
 MODULES = (operator, torch, F, torch._C._nn, torch.special, torch.Tensor, torch._C._VariableFunctions)
@@ -175,6 +175,12 @@ def op_name(n: Any) -> str | None:
 def fn_name(n: fx.Node) -> str:
     """A method's name or a function's ``__name__`` (``""`` when it has none), for ops outside the table."""
     return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def target_name(n: fx.Node) -> str:
+    """A node's target as spelled, outside the table: a method's or attribute's name, a function's ``__name__``."""
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 def name_of(n: fx.Node) -> str:

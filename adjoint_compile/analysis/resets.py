@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .fx import example_value, scan_args
+from .optable import target_name as _name
 
 __all__ = ["find_resets"]
 
@@ -45,11 +46,6 @@ _NOT = frozenset("logical_not bitwise_not invert __invert__".split())
 _MUL = frozenset("mul __mul__ multiply".split())
 _SUB = frozenset("sub __sub__ subtract".split())
 _ZEROS = frozenset("zeros_like zeros new_zeros".split())
-
-
-def _name(n: fx.Node) -> str:
-    t = n.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 def _index_only(n: fx.Node) -> bool:

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from . import print_explain
+from .stacks import PreNormStack
 
 
 class SelectiveSSM(nn.Module):
@@ -63,20 +65,13 @@ class SelectiveSSM(nn.Module):
         return self.out_proj(y * F.silu(z))
 
 
-class SSMStack(nn.Module):
-    """K selective SSM layers with pre-norm residuals: [B, T, d_model] -> [B, T, d_model]."""
+class SSMStack(PreNormStack):
+    """K selective SSM layers with pre-norm residuals (:class:`.stacks.PreNormStack`): [B, T, d_model] -> [B, T,
+    d_model]. ``forward(x, reset=None)``: ``reset`` is an optional [B, T] of document starts in packed rows
+    (:class:`SelectiveSSM`)."""
 
     def __init__(self, d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
-        self.layers = nn.ModuleList(SelectiveSSM(d_model, d_state) for _ in range(n_layers))
-        self.norm_f = nn.RMSNorm(d_model)
-
-    def forward(self, x: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """``reset``: optional [B, T] document starts of packed rows (:class:`SelectiveSSM`)."""
-        for norm, layer in zip(self.norms, self.layers):
-            x = x + layer(norm(x), reset)
-        return self.norm_f(x)
+        super().__init__((SelectiveSSM(d_model, d_state) for _ in range(n_layers)), d_model)
 
 
 def resets_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -97,8 +92,7 @@ def resets_from_cu_seqlens(cu_seqlens: torch.Tensor | list[int], T: int) -> torc
     return reset
 
 
-def make(d_model: int = 16, d_state: int = 4, n_layers: int = 2) -> SSMStack:
-    return SSMStack(d_model, d_state, n_layers)
+make = SSMStack
 
 
 def example_inputs() -> tuple[torch.Tensor, ...]:
@@ -106,7 +100,4 @@ def example_inputs() -> tuple[torch.Tensor, ...]:
 
 
 if __name__ == "__main__":
-    from ..explain import explain
-
-    torch.manual_seed(0)
-    print(explain(make(), *example_inputs()))
+    print_explain(make, example_inputs)

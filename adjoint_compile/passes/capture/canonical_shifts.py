@@ -35,6 +35,7 @@ from ...analysis.fx import example_value as _ev
 from ...analysis.fx import is_linear_scan, scan_args
 from ...analysis.time_local import cat_pair, drops_last_step
 from ...regions import PROVENANCE
+from .noop_ops import rewritten
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +117,8 @@ def canonicalize_shifts(gm: fx.GraphModule) -> int:
         if out is not node:
             g.erase_node(node)
         done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        log.debug("adjoint-compile: %d pad-style previous-state readout(s) rewritten to cat([first, h[:-1]])", done)
-    return done
+    return rewritten(gm, done, log,
+                     "adjoint-compile: %d pad-style previous-state readout(s) rewritten to cat([first, h[:-1]])")
 
 
 
@@ -239,8 +237,4 @@ def canonicalize_token_shifts(gm: fx.GraphModule) -> int:
             if not n.users:
                 g.erase_node(n)
         done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        log.debug("adjoint-compile: %d token shift(s) rewritten to shift_steps", done)
-    return done
+    return rewritten(gm, done, log, "adjoint-compile: %d token shift(s) rewritten to shift_steps")

@@ -22,7 +22,7 @@ from ...analysis.fx import example_value, is_inplace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["drop_noop_ops"]
+__all__ = ["drop_noop_ops", "rewritten"]
 
 _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -89,8 +89,14 @@ def drop_noop_ops(gm: fx.GraphModule) -> int:
         n.replace_all_uses_with(src)
         gm.graph.erase_node(n)
         dropped += 1
-    if dropped:
+    return rewritten(gm, dropped, log, "noop_ops: dropped %d no-op casts/slices")
+
+
+def rewritten(gm: fx.GraphModule, count: int, logger: logging.Logger, message: str) -> int:
+    """The end of a pass that rewrote ``count`` places of ``gm``'s graph in place: when it rewrote any, lint the graph,
+    regenerate ``gm``'s code and log ``message % count`` at debug level; returns ``count``."""
+    if count:
         gm.graph.lint()
         gm.recompile()
-        log.debug("noop_ops: dropped %d no-op casts/slices", dropped)
-    return dropped
+        logger.debug(message, count)
+    return count

@@ -60,7 +60,7 @@ from .batching import scan_op as _scan_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["reroll", "needs_reroll", "REROLL_SOURCES"]
+__all__ = ["reroll", "needs_reroll", "step_sequence", "REROLL_SOURCES"]
 
 #: the capture forms this pass turns into a linear_scan node.
 REROLL_SOURCES = ("scan", "associative_scan", "unrolled_loop")
@@ -80,7 +80,6 @@ def needs_reroll(region: Region) -> bool:
 def _slice_seq(b: Batcher, slot: fx.Node, xs: list[PerStepSlice], first_step: int) -> Value:
     """The whole sequence [T, ...] that a per-step slice ``slot`` (``x[:, t]``, ``x[:, t:t + 1]``, ``select``, an
     unbind item) reads; ``xs``: its varying index ints (two for a one-step slice ``t:t + 1``)."""
-    em, T = b.em, b.T
     x = min(xs, key=lambda v: v.index_position)
     if any(v.first_step != first_step for v in xs):
         raise _Unproven(f"slice {slot.name} has no value recorded for the loop's first step")
@@ -105,25 +104,33 @@ def _slice_seq(b: Batcher, slot: fx.Node, xs: list[PerStepSlice], first_step: in
         raise _Unproven(f"slice {slot.name} is not x[..., t, ...], x[..., t:t + 1, ...], select or an unbind item")
     size = hinted_shape(src)
     dim = dim % len(size)
-    n = size[dim]
+    if not b.outer_ok(src):
+        raise _Unproven(f"slice {slot.name} reads {src.name}, which is computed inside the loop")
+    key = (src, dim, start + size[dim] if start < 0 else start, stride, keep)
+    if key not in b.seqs:  # NB: x[:, t] read twice in a step (dynamo slices once per use) is one sequence
+        b.seqs[key] = Value(step_sequence(b.em, b.T, src, dim, start, stride, keep, f"slice {slot.name}"), True)
+    return b.seqs[key]
+
+
+def step_sequence(em: Emitter, T: int, src: fx.Node, dim: int, start: int, stride: int, keep: bool,
+                  what: str) -> fx.Node:
+    """The T steps that a loop reads one a step from ``src`` along ``dim`` (``src[..., start + stride * t, ...]``,
+    ``start`` < 0 counting from the end, ``stride`` ±1) as one [T, ...] node: ``dim`` moved to the front, narrowed to
+    the steps read, flipped when they run backwards, with a kept unit dim (``x[..., t:t + 1, ...]``) at ``dim + 1``.
+    Raises Unproven (naming ``what``) when the steps run past an end of ``dim``."""
+    n = hinted_shape(src)[dim]
     start = start + n if start < 0 else start
     lo = start if stride == 1 else start - T + 1
     if not (0 <= lo and lo + T <= n):
-        raise _Unproven(f"slice {slot.name} reads steps {lo}..{lo + T - 1} of {n}")
-    if not b.outer_ok(src):
-        raise _Unproven(f"slice {slot.name} reads {src.name}, which is computed inside the loop")
-    key = (src, dim, lo, stride, keep)
-    if key in b.seqs:  # NB: x[:, t] read twice in a step (dynamo slices once per use) is one sequence
-        return b.seqs[key]
-    seq = src if dim == 0 else em(torch.movedim, (src, dim, 0))
+        raise _Unproven(f"{what} reads steps {lo}..{lo + T - 1} of {n}")
+    seq = em(torch.movedim, (src, dim, 0)) if dim else src
     if lo != 0 or T != n:
         seq = em(torch.narrow, (seq, 0, lo, T))
     if stride == -1:
         seq = em(torch.flip, (seq, [0]))
     if keep:
         seq = em(torch.unsqueeze, (seq, dim + 1))
-    b.seqs[key] = Value(seq, True)
-    return b.seqs[key]
+    return seq
 
 
 def _one_step_item(base: Any, idx: Any, xs: list[PerStepSlice]) -> tuple[Any, Any, bool]:

@@ -41,6 +41,7 @@ from ...analysis.fx import stable_toposort as _toposort
 from ...analysis.labels import index_kind, node_args, node_label
 from ...regions import PROVENANCE
 from .batching import Batcher, Emitter, Unproven, Value
+from .reroll import step_sequence
 
 log = logging.getLogger(__name__)
 
@@ -181,21 +182,9 @@ def _sequence(b: Batcher, s0: fx.Node, ints: dict[int, tuple[int, ...]]) -> Valu
     d, unit, start = found
     shp = hinted_shape(src)
     full = src if all(it == slice(None) for it in new_items) else em(operator.getitem, (src, tuple(new_items)))
-    n = hinted_shape(full)[d] if hinted_shape(full) is not None and shp is not None else None
-    if n is None:
+    if hinted_shape(full) is None or shp is None:
         raise Unproven(f"{s0.name} has no static shape")
-    start = start + n if start < 0 else start
-    lo = start if stride == 1 else start - T + 1
-    if not (0 <= lo and lo + T <= n):
-        raise Unproven(f"{s0.name} reads steps {lo}..{lo + T - 1} of {n}")
-    seq = em(torch.movedim, (full, d, 0)) if d else full
-    if lo != 0 or T != n:
-        seq = em(torch.narrow, (seq, 0, lo, T))
-    if stride == -1:
-        seq = em(torch.flip, (seq, [0]))
-    if unit:
-        seq = em(torch.unsqueeze, (seq, d + 1))
-    return Value(seq, True)
+    return Value(step_sequence(em, T, full, d, start, stride, unit, s0.name), True)
 
 
 def _stacks(gm: fx.GraphModule, em: Emitter, copies: list[fx.Node], y: fx.Node) -> None:

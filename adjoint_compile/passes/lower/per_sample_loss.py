@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...analysis.fx import example_value as _val
+from ...analysis.optable import target_name as _name
 from ...errors import AdjointCompileWarning
 
 __all__ = ["flat_rows", "param_dependent", "tail_kind", "warn_data_divisor"]
@@ -33,11 +34,6 @@ LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __a
 _PRODUCTS = frozenset("mul imul __mul__".split())
 _QUOTIENTS = frozenset("truediv div itruediv __truediv__".split())
 _MERGES = frozenset("view reshape flatten".split())
-
-
-def _name(n: fx.Node) -> str:
-    t = n.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 def _param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
