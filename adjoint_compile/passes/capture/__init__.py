@@ -50,7 +50,8 @@ from .known_scans import replace_known_scans
 from .noop_ops import drop_noop_ops
 from ..match import prefilter
 from ..match.prefilter import Candidates, candidates, run_or_skip
-from .reroll import needs_reroll, reroll
+from .reroll import needs_reroll
+from .reroll import reroll as reroll_loops  # NB: not `reroll`, which would hide the submodule of that name
 from .reroll_readouts import reroll_readouts
 from .scan_forms import match_scan_forms, rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
@@ -119,7 +120,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         log.debug("capture: the recurrence matchers raised %s: %s", type(e).__name__, e, exc_info=True)
         return captured
     todo = [r for r in matched[0] if needs_reroll(r)]
-    made = timed("reroll", reroll, gm, todo) if todo else []
+    made = timed("reroll", reroll_loops, gm, todo) if todo else []
     readouts = timed("readouts", reroll_readouts, gm, made) if made else {}
     shifts = timed("shifts", canonicalize_shifts, gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
