@@ -19,7 +19,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
 import adjoint_compile as ac  # noqa: E402
-from test_lm_loss import LM, _data, _takes_in  # noqa: E402
+from test_lower_lm_loss import LM, _data, _takes_in  # noqa: E402
 
 V, B, T = 11, 2, 13
 KEEPS = "adjoint_compile.loss_only(model)"
@@ -99,7 +99,7 @@ def test_without_loss_only_the_report_says_the_logits_are_kept():
 
 
 class LossAndLogits(nn.Module):
-    """Plain torch (tests/test_lm_loss.py's LM): the loss, and the logits too when ``logits`` is set."""
+    """Plain torch (tests/test_lower_lm_loss.py's LM): the loss, and the logits too when ``logits`` is set."""
 
     def __init__(self, logits: bool) -> None:
         super().__init__()

@@ -77,7 +77,7 @@ def test_report_counts_the_graphs_a_break_in_a_nested_function_makes():
     assert len(rep.compiled) >= 2 and len(rep.graphs) == len(rep.compiled)
     assert str(rep).startswith(f"adjoint-compile report: {len(rep.compiled)} graph(s), ")
     assert rep.graph_breaks and all(b.reason.startswith("data-dependent branching") for b in rep.graph_breaks)
-    where = f"test_graph_breaks.py:{_branch_line()} in _slstm_pointwise"
+    where = f"test_capture_graph_breaks.py:{_branch_line()} in _slstm_pointwise"
     assert all(b.location.endswith(where) and b.code == "if torch.all(n == 0.0):" for b in rep.graph_breaks)
     text = str(rep)
     assert f"graph breaks:\n  1. data-dependent branching" in text and "`if torch.all(n == 0.0):`" in text
@@ -96,7 +96,7 @@ def test_the_small_graphs_a_break_splits_off_are_one_warning_that_names_the_brea
     graphs = len(ac.report(f).compiled)
     assert graphs >= 2
     (msg,) = _warnings(caplog)  # NB: one, not one per graph
-    assert f"test_graph_breaks.py:{_branch_line()} in _slstm_pointwise (`if torch.all(n == 0.0):`)" in msg
+    assert f"test_capture_graph_breaks.py:{_branch_line()} in _slstm_pointwise (`if torch.all(n == 0.0):`)" in msg
     assert "data-dependent branching" in msg and "torch.where" in msg
     assert "a recurrence split by a break cannot be rewritten" in msg.lower()
     assert "adjoint_compile.report(compiled)" in msg

@@ -1,7 +1,7 @@
 """per_sample_clip at its edges: torch.autograd.grad of the parameters is refused with a PerSampleError that says to
 call .backward() (p.grad untouched), a loss that is a mean over the batch warns once (it shrinks every example's norm
 by 1/N), and clipping over 50 sequence lengths (each one a specialization of the symbolic graph) equals the
-torch.func oracles of tests/test_per_sample.py."""
+torch.func oracles of tests/test_lower_per_sample.py."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.models.selective_ssm import SSMStack
-from test_per_sample import _loss, loop_clipped, vmap_norms
+from test_lower_per_sample import _loss, loop_clipped, vmap_norms
 
 OPTS = {"inner": "aot_eager"}
 

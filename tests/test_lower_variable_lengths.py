@@ -164,7 +164,7 @@ def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
 def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_length():
     """The first-call check of the one graph for every length runs the graph as captured on copies of the inputs it
     writes into (a call counter, like BatchNorm's running statistics)."""
-    from test_never_wrong import Scan
+    from test_capture_never_wrong import Scan
 
     torch.manual_seed(0)
     m = Scan()

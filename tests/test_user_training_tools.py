@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import adjoint_compile as ac
-from test_seqpar import _example, _init, _port, _rank_errors, _spawn
+from test_lower_seqpar import _example, _init, _port, _rank_errors, _spawn
 
 B, T, D, N = 2, 9, 6, 2
 D_BIG = 256  # two layers of 1 MiB of parameters each: bucket_cap_mb=1 splits the graph at the buckets

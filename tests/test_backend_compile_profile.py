@@ -151,15 +151,15 @@ def _examples() -> dict:
 
 
 def _test_models() -> dict:
-    import test_highway_rnn as rnn
-    import test_known_scans as known
-    import test_loop_forms as loops
-    import test_recognize as rec
+    import test_lower_highway_rnn as rnn
+    import test_recognize_known_scans as known
+    import test_capture_loop_forms as loops
+    import test_recognize_regions as rec
     import test_recognize_unrolled as unrolled
-    import test_scan_forms as forms
-    import test_shift_readout as shifts
-    import test_token_shift as token
-    import test_tree_scans as trees
+    import test_recognize_scan_forms as forms
+    import test_lower_shift_readout as shifts
+    import test_capture_token_shift as token
+    import test_recognize_tree_scans as trees
 
     out = {f"loop_forms:{k}": (lambda fn=fn, make=make: (fn, tuple(make(6).values())))
            for k, (fn, make) in loops.CASES.items()}

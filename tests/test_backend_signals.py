@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import adjoint_compile as ac
-from test_loop_forms import residual_loop  # six residual layers whose inputs also feed the output: rejected
+from test_capture_loop_forms import residual_loop  # six residual layers whose inputs also feed the output: rejected
 from adjoint_compile.models.selective_ssm import make as make_ssm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def test_rejected_candidates_are_grouped_in_one_warning(caplog):
     # NB: five rejections of one cause are one line, not five
     lines = [ln for ln in msg.splitlines() if ln.strip().startswith("rejected")]
     assert len(lines) == 1 and "residual_chain x5 (at x_1, x_2, x_3, ... (2 more))" in lines[0]
-    assert "test_loop_forms.py:" in lines[0] and "register_scan" in msg  # where residual_loop is written
+    assert "test_capture_loop_forms.py:" in lines[0] and "register_scan" in msg  # where residual_loop is written
 
 
 @pytest.mark.parametrize("options", [{"shard_size": 16}, {"mode": "highway", "iterations": 1}],

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.measure import track_peak
-from test_halo import D, ConvScan, _rel
+from test_lower_halo import D, ConvScan, _rel
 
 LOSSES = {
     "sum": lambda y, r: (y * r).sum(),
@@ -165,7 +165,7 @@ def test_an_embedding_with_max_norm_stays_outside():
 
 @pytest.mark.parametrize("kind,shard", [("mamba", 3), ("mamba2", 5)])
 def test_transformers_mamba_from_ids_to_loss_is_one_region(kind, shard):
-    from test_real_models_modes import _hf
+    from test_models_real_modes import _hf
 
     model, call, ids = _hf(kind)
 

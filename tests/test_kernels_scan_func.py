@@ -186,7 +186,7 @@ def test_jacrev_matches_loop(reverse, window):
 
 
 def test_plain_autograd_keeps_the_ops_own_formula():
-    # outside torch.func the op is called directly (one graph node under torch.compile; tests/test_scan.py)
+    # outside torch.func the op is called directly (one graph node under torch.compile; tests/test_kernels_scan.py)
     a, b, h0, _ = _example((2, 5, 3), 1, True, seed=0)
     h = linear_scan(a.requires_grad_(), b, h0)
     assert "linear_scan" in type(h.grad_fn).__name__ and "_ScanFn" not in type(h.grad_fn).__name__

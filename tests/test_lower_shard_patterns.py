@@ -14,11 +14,11 @@ import adjoint_compile as ac
 import adjoint_compile.runtime.shard_program as shard_program
 import adjoint_compile.runtime.shard_vjp as shard_vjp
 from adjoint_compile.runtime.sharded import ShardedRegion, make_sharded
-from test_halo import ConvScan
-from test_shift_readout import PrevReadout
-from test_sharded import grads, region_inputs, stack_case
-from test_token_shift import TokenShiftStack
-from test_truncated import oracle_region, region_grads
+from test_lower_halo import ConvScan
+from test_lower_shift_readout import PrevReadout
+from test_lower_sharded import grads, region_inputs, stack_case
+from test_capture_token_shift import TokenShiftStack
+from test_lower_truncated import oracle_region, region_grads
 
 S = 4
 TS = [1, 7, 8]  # T = 1, odd T (a shorter shard), T divisible by S

@@ -29,7 +29,7 @@ def test_explain_reports_graph_breaks():
     assert len(report.graph_breaks) == 1
     assert len(report.graphs) == 2
     assert "print" in report.graph_breaks[0].reason.lower() or "builtin" in report.graph_breaks[0].reason.lower()
-    assert "test_explain.py" in report.graph_breaks[0].location
+    assert "test_user_explain.py" in report.graph_breaks[0].location
     assert "mode=truncated window=3" in str(report)
     assert report.to_dict()["graph_breaks"][0]["reason"]
 

@@ -208,7 +208,7 @@ def _hf_loss(y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,shard", [("mamba", 1), ("mamba", 3), ("mamba", 4), ("mamba2", 1), ("mamba2", 5)])
 def test_transformers_mamba_stacks_are_one_region(kind, shard):
-    from test_real_models_modes import _hf
+    from test_models_real_modes import _hf
 
     model, call, ids = _hf(kind)  # tiny configs, 2 layers, T = 21
 

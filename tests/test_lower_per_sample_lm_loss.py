@@ -1,6 +1,6 @@
 """per_sample_clip on a language model compiled with its loss (issue 33, part 4): embedding -> linear recurrences
 (``ac.ops.linear_scan``, or the shipped selective SSM) -> head -> cross-entropy in the forms training scripts write
-(tests/test_lm_loss.py's FORMS: flattened ``(B·T, V)`` logits, ``[B, V, T]``, reductions, ignore_index, label
+(tests/test_lower_lm_loss.py's FORMS: flattened ``(B·T, V)`` logits, ``[B, V, T]``, reductions, ignore_index, label
 smoothing, class weights, the shift by one, a z-loss, ``.float()``/``.double()``, masks divided by their count),
 a head on flattened rows (``F.linear_cross_entropy``), a tied head. Every p.grad and ``per_sample_grad_norms`` equal,
 in fp64 to 1e-8, an oracle of plain eager autograd: example n's gradient is the gradient of the loss as written with
@@ -25,7 +25,7 @@ import adjoint_compile as ac
 from adjoint_compile.models.selective_ssm import SSMStack
 from adjoint_compile.passes.lower import per_sample as lower_per_sample
 from adjoint_compile.passes.lower import per_sample_loss as lower_per_sample_loss
-from test_lm_loss import FORMS, LM, D, V, _data
+from test_lower_lm_loss import FORMS, LM, D, V, _data
 
 TOL = 1e-8
 T3 = 13
@@ -113,7 +113,7 @@ def check(model: Step, ids: torch.Tensor, tg: torch.Tensor, shard: int, weights=
 
 @pytest.mark.parametrize("shard", [1, 4, 5])
 def test_every_form_at_once(shard):
-    """All forms of tests/test_lm_loss.py from one forward (B = 2, T = 13, targets ignored at shard boundaries and
+    """All forms of tests/test_lower_lm_loss.py from one forward (B = 2, T = 13, targets ignored at shard boundaries and
     in whole shards), one backward of a random combination of them: a wrong per-example gradient of any one form
     shows in the norms and the clipped sum."""
     torch.manual_seed(0)

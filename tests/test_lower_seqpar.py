@@ -233,7 +233,7 @@ def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, m
     assert _rel(tr["layers.0.A_log"], ex["layers.0.A_log"]) > 1e-3
     for g in got:  # refused on every rank, naming the op and its source line
         msg = g["mixing"]
-        assert "mean" in msg and "test_seqpar.py" in msg and "y.mean(dim=1, keepdim=True)" in msg, msg
+        assert "mean" in msg and "test_lower_seqpar.py" in msg and "y.mean(dim=1, keepdim=True)" in msg, msg
         assert "disagree on the model" in g["disagree"], g["disagree"]
         exact, trunc, rejected = g["explain"]  # explain() says what the ranks run, and refuses nothing here
         # exact mode: one-scan regions sharded inside the rank; truncated: distributed scans, ordinary autograd

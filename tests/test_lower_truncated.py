@@ -19,7 +19,7 @@ from helpers import oracle_scan
 from adjoint_compile.errors import AdjointVerifyReport
 from adjoint_compile.runtime.sharded import make_sharded
 from adjoint_compile.runtime.truncated import truncated_scan
-from test_sharded import B, D, N, ShapeLog, _full_state, region_inputs, stack_case
+from test_lower_sharded import B, D, N, ShapeLog, _full_state, region_inputs, stack_case
 
 # ------------------------------------------------------------------------------------------------ the oracle
 

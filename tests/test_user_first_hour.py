@@ -131,7 +131,7 @@ def test_the_selective_ssm_examples_comment_matches_the_default_shard():
 def test_the_long_size_results_are_named_for_what_they_hold():
     assert (ROOT / "benchmarks" / "results" / "real_models_long" / "real_models_cpu.md").is_file()
     assert not (ROOT / "benchmarks" / "results" / "issue_sizes").exists()
-    found = subprocess.run(["git", "grep", "-l", "issue_sizes", "--", ":!tests/test_first_hour_messages.py"],
+    found = subprocess.run(["git", "grep", "-l", "issue_sizes", "--", ":!tests/test_user_first_hour.py"],
                            cwd=ROOT, capture_output=True, text=True)
     assert found.stdout == "", found.stdout  # every link follows the rename
 
