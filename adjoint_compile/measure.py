@@ -62,12 +62,14 @@ def track_peak(device: torch.device | str, count: str = "tensors") -> Iterator[d
 
         gc.collect()
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():  # NB: kineto prints "profiler_start/stop" lines to fd 2 on every start and stop
+        # NB: c10's CPU allocator logs "Memory block of unknown size was allocated before the profiling started"
+        # to fd 2 when the block frees a tensor made before it (the last step's gradients: always), and kineto
+        # prints "profiler_start/stop" lines: those lines are dropped, anything else on fd 2 is passed on
+        with _stderr_without(_PROFILER_NOISE):
             prof.start()
-        try:
-            yield result
-        finally:
-            with _quiet_stderr():
+            try:
+                yield result
+            finally:
                 prof.stop()
         result["peak"] = _peak_of_memory_events(prof)
     elif _rss_available():
@@ -87,18 +89,32 @@ def track_peak(device: torch.device | str, count: str = "tensors") -> Iterator[d
         )
 
 
+#: fd 2 lines of the profiler and of c10's allocator under it that say nothing about the measured code
+_PROFILER_NOISE = ("Memory block of unknown size was allocated before the profiling started",
+                   "] profiler_start", "] profiler_stop")
+
+
 @contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2 (C++ logging) inside the block."""
+def _stderr_without(drop: Sequence[str]) -> Iterator[None]:
+    """Inside the block, file descriptor 2 (C++ logging, and Python's stderr) goes to a temporary file; at its end
+    the lines that contain none of ``drop`` are written to the real fd 2, in their order."""
+    import tempfile
+
     sys.stderr.flush()
     saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
             yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().splitlines(keepends=True)
+                    if not any(d.encode() in ln for d in drop)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def _peak_of_memory_events(prof: Any) -> int:

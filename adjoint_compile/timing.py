@@ -14,12 +14,16 @@ autograd nodes, cleared at the end of the backward pass). Keys: ``f"inner.{what}
 ``f"inner.{what}_n"`` (how many); ``what`` is ``whole_graph``, ``partitions``, ``shard_programs``, ``shard_vjps`` (a
 shard's recompute + VJP compiled) or ``vjp_traces`` (make_fx tracing those).
 
-A leaf module (torch only), so the inner compiler, every pass and the runtime can use it.
+A leaf module (torch only), so the inner compiler, every pass and the runtime can use it. It also keeps one line
+of dynamo's out of a DDP user's log (:class:`_DDPRecordFunctionNoise`).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -180,3 +184,35 @@ def timed(name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     """``fn(*args, **kw)`` as stage ``name``."""
     with stage(name):
         return fn(*args, **kw)
+
+
+class _DDPRecordFunctionNoise(logging.Filter):
+    """Drops dynamo's "Profiler record function ... will be ignored" when the ``record_function`` is
+    DistributedDataParallel's own (``DistributedDataParallel.forward`` opens one around every forward): every
+    ``torch.compile`` of a DDP model logs it once per rank, about a profiler range the user never wrote and dynamo
+    drops. A ``record_function`` in the user's own code still gets the warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Profiler record function") and _tracing_ddp_forward())
+
+
+def _tracing_ddp_forward() -> bool:
+    """Whether the innermost function dynamo is tracing now (the innermost instruction translator on the Python
+    stack) is in torch.nn.parallel.distributed."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+    except ImportError:  # pragma: no cover - another torch
+        return False
+    f = sys._getframe(1)
+    while f is not None:
+        tx = f.f_locals.get("self")
+        if isinstance(tx, InstructionTranslatorBase):
+            name = getattr(getattr(tx, "f_code", None), "co_filename", "")
+            return name.endswith(os.path.join("nn", "parallel", "distributed.py"))
+        f = f.f_back
+    return False
+
+
+_DYNAMO_CTX_LOG = logging.getLogger("torch._dynamo.variables.ctx_manager")
+if not any(isinstance(f, _DDPRecordFunctionNoise) for f in _DYNAMO_CTX_LOG.filters):
+    _DYNAMO_CTX_LOG.addFilter(_DDPRecordFunctionNoise())

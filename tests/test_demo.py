@@ -97,7 +97,7 @@ def test_the_demos_training_learns_the_task(capsys):
 
     from adjoint_compile.models.selective_ssm import SSMStack
 
-    args = demo.parse_args(["--train-len", "32", "--train-batch", "32", "--steps", "150", "--seq-len", "128"])
+    args = demo.parse_args(["--train-len", "32", "--train-batch", "32", "--steps", "80", "--seq-len", "128"])
     chance = 1 / (args.vocab - 2)
     torch.manual_seed(args.seed)
     stack = SSMStack(args.d_model, args.d_state, args.layers)

@@ -81,6 +81,21 @@ _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 
 
+class _NoCudaRuntimeNoise(logging.Filter):
+    """Drops torch.utils.cpp_extension's "No CUDA runtime is found, using CUDA_HOME=..." (a CUDA build of torch on a
+    machine without a GPU, where a CUDA toolkit is installed). It is logged when that module is first imported,
+    which on CPU is when inductor builds its first C++ kernel: a CPU training step of ours, not a CUDA extension
+    build, so the line is about nothing the user does. Everything else that module logs passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+_CPP_EXTENSION_LOG = logging.getLogger("torch.utils.cpp_extension")
+if not any(isinstance(f, _NoCudaRuntimeNoise) for f in _CPP_EXTENSION_LOG.filters):
+    _CPP_EXTENSION_LOG.addFilter(_NoCudaRuntimeNoise())
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
