@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo demo-figures test test-fast bench clean
+.PHONY: setup demo demo-figures test test-slow test-all bench clean
 
 setup: $(STAMP)
 
@@ -25,12 +25,15 @@ demo: setup
 demo-figures: setup
 	$(PY) -m adjoint_compile.cli demo --out benchmarks/results
 
+# everything but the system tests marked slow (real libraries and whole models compiled with inductor)
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
-
-# everything but the tests marked slow (those that compile with inductor); `make test` still runs them all
-test-fast: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests
+
+# the tests marked slow; CI (.ci/run) runs them after `make test`
+test-slow: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
+
+test-all: test test-slow
 
 bench: setup
 	$(PY) benchmarks/scan.py

@@ -127,3 +127,25 @@ def test_example_explain_output_is_unchanged(name, capsys):
     got = "".join(line for line in capsys.readouterr().out.splitlines(True) if not line.startswith("compile time: "))
     want = (ROOT / "tests" / "golden" / f"explain_{name}.txt").read_text()
     assert got == want
+
+
+def test_make_test_leaves_the_slow_tests_to_ci_which_runs_both():
+    make = (ROOT / "Makefile").read_text()
+    rule = lambda name: make.split(f"\n{name}: setup\n")[1].split("\n\n")[0]  # noqa: E731
+    assert '-m "not slow"' in rule("test") and "-m slow" in rule("test-slow")
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "make test" in ci and "make test-slow" in ci
+
+
+def test_the_passes_are_the_stages_in_pipeline_order():
+    """passes/ holds one sub-package per stage, each with a docstring saying what it takes in and hands on, and the
+    stages' order here is the order passes/__init__.py lists them in."""
+    subs = sorted(p.name for p in (PKG / "passes").iterdir() if (p / "__init__.py").exists())
+    stages = [name for name, _ in STAGES]
+    assert set(subs) <= set(stages), subs
+    doc = (PKG / "passes" / "__init__.py").read_text()
+    numbered = [s for s in subs if s != "match"]  # NB: the shared matchers are listed after the numbered stages
+    assert sorted(numbered, key=lambda s: doc.index(f":mod:`.{s}` —")) == [s for s in stages if s in numbered]
+    assert ":mod:`.match`" in doc
+    for s in subs:
+        assert ast.get_docstring(ast.parse((PKG / "passes" / s / "__init__.py").read_text())), s
