@@ -4,6 +4,13 @@ torch.distributed ranks; per-example gradient norms and DP-SGD clipping. See REA
 docs/DESIGN.md (the design: contract, the pipeline's stages and their files, math)."""
 from __future__ import annotations
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # NB: torch's own import says this when numpy is absent; nothing here needs numpy, so it is no news to the user
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch as _torch  # noqa: F401
+
 from . import backend, ops
 from .errors import AdjointCompileWarning, AdjointVerifyReport, OptionsError, PerSampleError, SequenceParallelError
 from .explain import Report, explain, per_sample_grad_norms, report

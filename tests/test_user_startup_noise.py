@@ -36,8 +36,6 @@ def test_importing_the_package_prints_nothing():
 NO_NUMPY = "import sys; sys.modules['numpy'] = None\n"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the numpy filter around the first `import torch` in "
-                                       "adjoint_compile/__init__.py (not yet there)")
 def test_importing_the_package_without_numpy_does_not_warn_about_numpy():
     control = _python(NO_NUMPY + "import torch")
     assert "Failed to initialize NumPy" in control.stderr
