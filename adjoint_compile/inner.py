@@ -54,13 +54,15 @@ _CALLERS = {"adjoint_compile.passes.stitch": "partitions", "adjoint_compile.runt
             "adjoint_compile.runtime.shard_vjp": "shard_vjps"}
 
 
-def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> Callable[..., Any]:
+def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
+                  what: str | None = None) -> Callable[..., Any]:
     """Compile ``gm`` with the inner compiler named by the ``inner`` option (under :data:`COMPILE_LOCK`); with
     "inductor", aot_eager where inductor fails (module docstring). The seconds it takes count to the graph being
-    compiled or run (adjoint_compile.timing), by what asked for it (a partition, a shard program, ...)."""
+    compiled or run (adjoint_compile.timing), by what asked for it (``what``, else the calling module: a partition, a
+    shard program, ...)."""
     if inner == "eager":
         return gm.forward
-    what = _CALLERS.get(sys._getframe(1).f_globals.get("__name__", ""), "whole_graph")
+    what = what or _CALLERS.get(sys._getframe(1).f_globals.get("__name__", ""), "whole_graph")
     t0 = time.perf_counter()
     try:
         return _compile(gm, example_inputs, inner)

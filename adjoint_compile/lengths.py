@@ -37,6 +37,10 @@ def _key(args: tuple) -> tuple:
     return tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+#: the start of ``generic_failed`` when a region's lowering failed on the region itself, not on its size
+LOWERING_FAILED = "lowering failed: "
+
+
 class LengthDispatch:
     """See the module docstring. ``owner`` is the symbolic graph's record (``CompiledGraph``); ``pipeline(gm, args,
     opts, compile)`` runs the backend's pipeline on a specialized graph; ``fallback`` runs the symbolic graph with the
@@ -77,7 +81,7 @@ class LengthDispatch:
         if not result.lowered:
             failed = sorted({r.reason for r in result.regions if r.details.get("lowering_failed")})
             if failed:
-                return None, "; ".join(failed)
+                return None, LOWERING_FAILED + "; ".join(failed)
             self.declined = result
             return None, "short"
         sym = copy_graph_module(self.pristine)
@@ -109,6 +113,13 @@ class LengthDispatch:
             self.generic_failed = why
             if self.generic is not None:
                 return self.generic
+        if why.startswith(LOWERING_FAILED):
+            # NB: the regions themselves cannot be lowered, whatever the length: the symbolic graph serves every
+            # length (a specialized graph compiled outside dynamo's context can hold reads of tensor data)
+            fn = self._fell_back("the recognized regions could not be lowered", "see the reasons in ac.report; "
+                                 "report the model", key, why[len(LOWERING_FAILED):])
+            self.cache[key] = fn
+            return fn
         if why == "short":
             # NB: nothing to shard at these sizes; a longer call tries again
             reasons = "; ".join(sorted({r.reason for r in self.declined.regions if r.kind != "residual_chain"}))

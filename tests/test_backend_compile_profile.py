@@ -239,11 +239,12 @@ def _loop(a, b, h):
 
 
 def test_a_declined_rerolled_loop_compiles_rerolled_and_checked(monkeypatch):
-    import adjoint_compile.backend as backend_mod
+    from adjoint_compile.passes import stitch as stitch_mod
 
     compiled = []
-    real = backend_mod.compile_inner
-    monkeypatch.setattr(backend_mod, "compile_inner", lambda gm, ex, inner: compiled.append(gm) or real(gm, ex, inner))
+    real = stitch_mod.compile_inner
+    monkeypatch.setattr(stitch_mod, "compile_inner", lambda gm, ex, inner, **kw: compiled.append(gm) or real(gm, ex,
+                                                                                                            inner, **kw))
     torch.manual_seed(0)
     a, b, h = torch.rand(2, 24, 3, requires_grad=True), torch.randn(2, 24, 3, requires_grad=True), torch.randn(2, 3)
     f = torch.compile(_loop, backend="adjoint", options={"inner": "aot_eager"})

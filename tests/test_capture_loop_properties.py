@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -83,6 +84,7 @@ def make_program(T: int, D: int, write: str, time_first: bool, tanh: bool, branc
 @given(T=st.integers(1, 6), D=st.integers(1, 3), B=st.integers(1, 2), write=st.sampled_from(WRITES),
        time_first=st.booleans(), tanh=st.booleans(), branch=st.booleans(), nested=st.booleans(),
        readout=st.booleans(), shard_size=st.sampled_from([None, 1, 2, 3]))
+@pytest.mark.slow
 def test_buffer_writing_loops_equal_eager(T, D, B, write, time_first, tanh, branch, nested, readout, shard_size):
     program = make_program(T, D, write, time_first, tanh, branch, nested, readout)
     gen = torch.Generator().manual_seed(T * 100 + D * 10 + B)

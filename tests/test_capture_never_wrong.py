@@ -164,17 +164,18 @@ def test_nothing_rewritten_reaches_the_inner_compiler_as_captured(monkeypatch):
         return o.sum()
 
     seen, given = [], []
-    real_backend, real_inner = backend_mod.adjoint_backend, backend_mod.compile_inner
+    from adjoint_compile.passes import stitch as stitch_mod
+    real_backend, real_inner = backend_mod.adjoint_backend, stitch_mod.compile_inner
 
     def spy_backend(gm, ex, **kw):
         seen.append(gm.code)
         return real_backend(gm, ex, **kw)
 
-    def spy_inner(gm, ex, inner):
+    def spy_inner(gm, ex, inner, **kw):
         given.append(gm.code)
-        return real_inner(gm, ex, inner)
+        return real_inner(gm, ex, inner, **kw)
 
-    monkeypatch.setattr(backend_mod, "compile_inner", spy_inner)
+    monkeypatch.setattr(stitch_mod, "compile_inner", spy_inner)
     x = torch.randn(2, 5, 4, dtype=DT, requires_grad=True)
     compiled = torch.compile(rnn, backend=lambda gm, ex: spy_backend(gm, ex, options={"inner": "eager"}))
     _assert_same(rnn, compiled, [x], x)

@@ -195,6 +195,7 @@ CASES = [("selective_ssm", "exact"), ("mamba_conv", "exact"), ("selective_ssm", 
 
 
 @pytest.mark.parametrize("lengths", [[1, 6, 4], [7, 4]], ids=["world3_uneven_one_step", "world2_uneven"])
+@pytest.mark.slow
 def test_outputs_and_gradients_equal_the_single_process_run(lengths, tmp_path, monkeypatch):
     world = len(lengths)
     # NB: 3 ranks on 2 cores compile slowly: the truncated selective SSM (no halo) runs at 2 ranks only
@@ -268,6 +269,7 @@ def _dies_worker(rank, world, port, out_dir):
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_makes_the_others_fail_within_the_group_timeout(tmp_path):
     _spawn(_dies_worker, 2, (_port(), str(tmp_path)), timeout=90)
     assert (tmp_path / "rank1.txt").read_text() == "rank 1 fails before its first step"

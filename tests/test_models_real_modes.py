@@ -93,6 +93,7 @@ def test_bf16_autocast_as_accurate_as_aot_eager(name):
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.slow
 def test_dynamic_true_matches_eager_at_two_lengths(name):
     """``torch.compile(dynamic=True)``: one symbolic graph, specialized and sharded per call's length; exact."""
     model, call, x = TARGETS[name]()

@@ -182,6 +182,7 @@ def test_transformers_mamba_from_ids_to_loss_is_one_region(kind, shard):
     assert details["embeddings"] and details["sums_over_time"], details
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_T():
     """From ids to loss in one region with a fixed shard size, one training step's live tensors at T = 2048 exceed
     those at T = 256 by the boundary states alone (scans' states and convs' halos, (T/S) of each), while eager

@@ -148,6 +148,7 @@ DIST_CASES = {("ddp", "ssm_big", 1, True): (3, 2),  # split at the buckets, betw
               ("fsdp", "ssm"): (1, 1), ("fsdp", "hf_mamba"): (3, 1)}
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp2_gradients_equal_single_process_autograd(tmp_path):
     world = 2
     _spawn(_worker, world, (_port(), list(DIST_CASES), str(tmp_path)), timeout=240)
@@ -212,6 +213,7 @@ def _trains_like_aot_eager(run, steps):
     assert got[2] < got[0]  # it trains
 
 
+@pytest.mark.slow
 def test_trainer_trains_with_the_backend_and_its_losses_equal_aot_eager(tmp_path):
     _trains_like_aot_eager(lambda backend: _trainer_losses(backend, tmp_path), 512)
 

@@ -105,5 +105,6 @@ def stitch(captured: Captured, lowered: list[str], opts: Options,
     With nothing rewritten the graph goes to the inner compiler whole: as dynamo captured it (``pristine``, a copy
     taken before normalization, when given), exactly what that compiler alone would give, else as normalized."""
     if not lowered:
-        return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner)
+        return compile_inner(pristine if pristine is not None else captured.gm, captured.example_inputs, opts.inner,
+                             what="whole_graph")
     return timed("stitch", stitch_partitions, captured.gm, lowered, opts.inner)
