@@ -59,14 +59,16 @@ REDUCTIONS = _names("""sum mean amax amin prod std var nansum nanmean logsumexp 
 std_mean var_mean max min median nanmedian mode""")
 #: shape-preserving ops along one dim ``op(x, dim)``.
 ALONG_DIM = _names("softmax log_softmax cumsum cumprod cummax cummin logcumsumexp sort argsort")
-NORM_LAYERS = _names("layer_norm rms_norm")
-RESHAPES = _names("view reshape flatten unflatten view_as reshape_as")
-EXPANDS = _names("expand expand_as broadcast_to")
-TRANSPOSES = _names("transpose swapaxes swapdims t")
-MOVEDIMS = _names("movedim moveaxis")
-SPLITS = _names("split chunk tensor_split")
-CATS = _names("cat concat concatenate")
-CONVS = _names("conv1d conv2d conv3d conv_transpose1d conv_transpose2d")
+#: layout ops and layers with a rule each, one family a line.
+NORM_LAYERS, RESHAPES, EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS = map(_names, """
+layer_norm rms_norm
+view reshape flatten unflatten view_as reshape_as
+expand expand_as broadcast_to
+transpose swapaxes swapdims t
+movedim moveaxis
+split chunk tensor_split
+cat concat concatenate
+conv1d conv2d conv3d conv_transpose1d conv_transpose2d""".strip().splitlines())
 #: a complex tensor as real pairs in a new last dim of 2, and back (``x.real`` / ``x.imag`` are attribute reads:
 #: :data:`COMPLEX_PARTS`).
 COMPLEX_VIEWS = _names("view_as_real view_as_complex")
