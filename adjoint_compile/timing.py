@@ -12,7 +12,8 @@ graph being run: :func:`call` makes it current while the graph's callable runs, 
 call that compiled something (or a graph's first call), while that backward runs (a pre-hook on the outputs'
 autograd nodes, cleared at the end of the backward pass). Keys: ``f"inner.{what}_s"`` (seconds) and
 ``f"inner.{what}_n"`` (how many); ``what`` is ``whole_graph``, ``partitions``, ``shard_programs``, ``shard_vjps`` (a
-shard's recompute + VJP compiled) or ``vjp_traces`` (make_fx tracing those).
+shard's recompute + VJP compiled), ``loss_chunks`` (a loss chunk's value and gradient, traced and compiled, in the
+forward) or ``vjp_traces`` (make_fx tracing the shard VJPs).
 
 A leaf module (torch only), so the inner compiler, every pass and the runtime can use it. It also keeps one line
 of dynamo's out of a DDP user's log (:class:`_DDPRecordFunctionNoise`).
@@ -47,7 +48,7 @@ _lock = threading.Lock()
 PASSES = ("copy", "capture", "recognize", "decide", "lower", "per_sample", "stitch")
 #: run-time compile kinds, in the order ``summary`` shows them, with their names there
 RUN_TIME = (("whole_graph", "whole graph"), ("partitions", "partitions"), ("shard_programs", "shard programs"),
-            ("shard_vjps", "shard VJPs"), ("vjp_traces", "VJP traces"))
+            ("shard_vjps", "shard VJPs"), ("loss_chunks", "loss chunks"), ("vjp_traces", "VJP traces"))
 
 
 def current() -> dict[str, float] | None:
@@ -89,16 +90,17 @@ def stage(name: str) -> Iterator[None]:
         rec[key] = rec.get(key, 0.0) + time.perf_counter() - t0
 
 
-def add_run_time(what: str, seconds: float) -> None:
+def add_run_time(what: str, seconds: float, count: bool = True) -> None:
     """Count one run-time compile (or trace) of kind ``what``: process-wide, and in the record of the graph being
-    run or differentiated in this thread, if any."""
+    run or differentiated in this thread, if any. ``count=False``: add the seconds to the last one (a trace that
+    belongs to the compile after it)."""
     with _lock:
         _count[0] += 1
         rec = _record.get()
         for rec in (TOTALS, rec if rec is not None else _backward.get(threading.get_ident())):
             if rec is not None:
                 rec[f"inner.{what}_s"] = rec.get(f"inner.{what}_s", 0.0) + seconds
-                rec[f"inner.{what}_n"] = rec.get(f"inner.{what}_n", 0) + 1
+                rec[f"inner.{what}_n"] = rec.get(f"inner.{what}_n", 0) + int(count)
 
 
 def call(record: dict[str, float], fn: Callable[..., Any], args: tuple, watch: bool = True) -> Any:

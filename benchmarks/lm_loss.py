@@ -12,7 +12,9 @@ untied vocabulary head. The loss is written as training scripts write it:
 * ``compile``: that step under ``torch.compile`` (inductor);
 * ``compile_lce``: the stack and ``F.linear_cross_entropy(hidden, head.weight, targets,
   options=nn.LinearCrossEntropyOptions())`` (torch's chunked head + loss, written by hand) under ``torch.compile``;
-* ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written.
+* ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
+* ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
+  instead of the default (8 MiB on a CPU, 64 MiB on a GPU), to see the trade between peak and step time.
 
 Each method runs in a fresh process. For each V and T it runs one step (compiling), one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes on CPU, ``max_memory_allocated`` on CUDA, parameters and
@@ -64,6 +66,10 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
     dev = torch.device(args.device)
     if dev.type == "cpu":
         measure.prepare_cpu_measurement()
+    if method.startswith("adjoint@"):
+        # NB: a sweep of the least bytes per shard (runtime/shard_parts.py): how the default was chosen
+        from adjoint_compile.runtime import shard_parts
+        shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(float(method[8:]) * 2**20)
     rows = []
     for V in args.vocab:
         torch.manual_seed(0)
@@ -81,7 +87,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
             return F.linear_cross_entropy(hidden.flatten(0, 1), head.weight, ids[:, 1:].flatten(),
                                           options=nn.LinearCrossEntropyOptions())
 
-        if method == "adjoint":
+        if method.startswith("adjoint"):
             fn = torch.compile(step, backend="adjoint")
         elif method == "compile":
             fn = torch.compile(step)
@@ -115,11 +121,15 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 fn(ids).backward()
             step_s = measure.median_time(one, dev, repeats=args.repeats, warmup=0)
             row = {"V": V, "T": T, "peak_bytes": m["peak"], "step_s": step_s, "first_step_s": first}
-            if method == "adjoint":
+            if method.startswith("adjoint"):
                 rep = ac.report(fn)
                 row["fallbacks"] = [f.cause for f in rep.fallbacks]
                 row["loss_in_region"] = any("cross-entropy" in (r.reason or "") or "sum(s) over time" in
                                             (r.reason or "") for r in rep.regions if r.rewrite == "adjoint")
+                lowered = [r for r in rep.regions if r.rewrite == "adjoint"]
+                if lowered:  # NB: as lowered at the first length the graph was compiled for
+                    row["shard_size"] = lowered[0].details.get("shard_size")
+                    row["loss_chunk"] = lowered[0].details.get("loss_tail", {}).get("chunk")
             rows.append(row)
             print(f"  {method} V={V} T={T}: peak {m['peak'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
                   f"first {first:6.1f} s", flush=True)

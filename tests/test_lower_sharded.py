@@ -379,7 +379,10 @@ def test_default_shard_size_balances_boundaries_and_shards_with_enough_work_per_
     assert default_shard_size(100, 64, 1024) == 100
     assert default_shard_size(1, 10, 10) == 1
     # an unknown cost: ⌈√T⌉
-    assert default_shard_size(4096, 0, 1024) == default_shard_size(4096, 1024, 0) == 64
+    assert default_shard_size(4096, 1024, 0) == 64
+    # nothing carried between shards (a loss run chunk by chunk): the least bytes per shard alone
+    assert default_shard_size(10**6, 0, 1024) == MIN_SHARD_BYTES // 1024
+    assert default_shard_size(10**6, 0, 1024, min_bytes=2**20) == 1024
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

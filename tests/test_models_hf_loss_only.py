@@ -80,7 +80,7 @@ def test_loss_and_gradients_equal_the_unpatched_eager_model(make, items):
     assert max(errs.values()) <= 1e-6, errs
     rep = ac.report(f)
     assert not rep.fallbacks, str(rep)
-    details = _takes_in(rep, 1)
+    details = _takes_in(rep, 1, tail=None)
     assert details["embeddings"] and "returned_whole" not in details and KEEPS not in str(rep), str(rep)
 
 
@@ -89,13 +89,13 @@ def test_without_loss_only_the_report_says_the_logits_are_kept():
     out whole; the report names them with their size and the remedy."""
     model = _mamba().double()
     rep = ac.explain(lambda i, lab: model(input_ids=i, labels=lab), *_data(), options={"shard_size": 5})
-    details = _takes_in(rep, 1)
+    details = _takes_in(rep, 1, tail=False)
     assert [(o["shape"], o["bytes"]) for o in details["returned_whole"]] == [([B, T, V], B * T * V * 4)], details
     assert KEEPS in rep.regions[0].reason and re.search(r"keeps \w+ \[2, 13, 11\] whole \(1 KiB\)",
                                                           rep.regions[0].reason), str(rep)
     ac.loss_only(model)
     rep = ac.explain(lambda i, lab: model(input_ids=i, labels=lab), *_data(), options={"shard_size": 5})
-    assert "returned_whole" not in _takes_in(rep, 1) and KEEPS not in str(rep)
+    assert "returned_whole" not in _takes_in(rep, 1, tail=None) and KEEPS not in str(rep)
 
 
 class LossAndLogits(nn.Module):
@@ -117,12 +117,12 @@ def test_the_report_names_logits_returned_with_the_loss():
     usual case)."""
     torch.manual_seed(0)
     rep = ac.explain(LossAndLogits(True).double(), *_data(), options={"shard_size": 4})
-    (kept,) = _takes_in(rep, 1)["returned_whole"]
+    (kept,) = _takes_in(rep, 1, tail=False)["returned_whole"]
     assert kept["shape"] == [B, V, T] and kept["bytes"] == B * T * V * 8, kept
     assert all(KEEPS in r.reason for r in rep.regions if r.kind == "linear_recurrence"), str(rep)
     assert KEEPS in rep.text()
     rep = ac.explain(LossAndLogits(False).double(), *_data(), options={"shard_size": 4})
-    assert "returned_whole" not in _takes_in(rep, 1) and KEEPS not in str(rep)
+    assert "returned_whole" not in _takes_in(rep, 1, tail=True) and KEEPS not in str(rep)
     model = _mamba()
     rep = ac.explain(lambda i: model(i).logits, _data()[0], options={"shard_size": 5})
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
@@ -265,7 +265,7 @@ def _train(tmp_path, compiled: bool) -> tuple[list[float], nn.Module, list]:
         warnings.simplefilter("ignore")
         trainer.train()
     if compiled:  # NB: before the next run's dynamo reset empties the caches report() reads
-        assert "returned_whole" not in _takes_in(ac.report(model), 1)
+        assert "returned_whole" not in _takes_in(ac.report(model), 1, tail=None)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model, seen
 
 

@@ -86,6 +86,12 @@ _VIEWS = frozenset("getitem view view_as reshape reshape_as transpose permute se
                    "diagonal unfold real imag view_as_real view_as_complex contiguous".split())
 
 
+def is_view_op(n: fx.Node) -> bool:
+    """Whether ``n`` is an op whose result may share storage with its first argument (a view, a reshape, ...)."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return n.op in ("call_function", "call_method") and name in _VIEWS
+
+
 def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
     """The in-place writes of ``graph`` (:func:`is_inplace`), split by what they write into: ``(into_inputs,
     into_intermediates)``. A write reaches an input when its target is a placeholder or a chain of views of one
@@ -95,8 +101,7 @@ def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
         if not is_inplace(n):
             continue
         t = n.args[0] if n.args else None
-        while isinstance(t, fx.Node) and t.op in ("call_function", "call_method") and t.args and \
-                (t.target if t.op == "call_method" else getattr(t.target, "__name__", "")) in _VIEWS:
+        while isinstance(t, fx.Node) and t.args and is_view_op(t):
             t = t.args[0]
         (into_inputs if isinstance(t, fx.Node) and t.op == "placeholder" else into_made).append(n)
     return into_inputs, into_made

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_SHARD_BYTES", "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state",
-           "autocast_as"]
+__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "min_shard_bytes", "default_shard_size", "wanted_shard_size",
+           "own_bytes", "autocast_state", "autocast_as"]
 
 
 #: the least activation bytes a shard recomputes (estimated, see :func:`wanted_shard_size`): below it a shard's fixed
@@ -20,15 +20,27 @@ __all__ = ["MIN_SHARD_BYTES", "default_shard_size", "wanted_shard_size", "own_by
 #: ~4 MiB of estimated activations cost 1.0-1.3x the step time of shards 4-8x as long.
 MIN_SHARD_BYTES = 8 * 2**20
 
+#: the same on a GPU, where a shard's fixed cost (Python, and launching its programs' kernels) is about the same as on
+#: a CPU while its work runs ~100x faster: shards of 8 MiB left an LM step's time almost all overhead there
+MIN_SHARD_BYTES_GPU = 64 * 2**20
 
-def default_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> int:
+
+def min_shard_bytes(device: torch.device | None) -> int:
+    """The least activation bytes of one shard on ``device`` (:data:`MIN_SHARD_BYTES`, on a GPU
+    :data:`MIN_SHARD_BYTES_GPU`)."""
+    return MIN_SHARD_BYTES_GPU if device is not None and device.type not in ("cpu", "meta") else MIN_SHARD_BYTES
+
+
+def default_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0, min_bytes: int | None = None) -> int:
     """Steps per shard when ``options.shard_size`` is None: :func:`wanted_shard_size`, at most T."""
-    return min(wanted_shard_size(T, boundary_bytes, step_bytes), T)
+    return min(wanted_shard_size(T, boundary_bytes, step_bytes, min_bytes), T)
 
 
-def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> int:
+def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0, min_bytes: int | None = None) -> int:
     """The default shard size before it is cut to T (a region of fewer steps runs as one shard of T):
-    ``max(⌈√(T·c_b / c_a)⌉, ⌈MIN_SHARD_BYTES / c_a⌉)``, or ``⌈√T⌉`` when either cost is unknown (0).
+    ``max(⌈√(T·c_b / c_a)⌉, ⌈m / c_a⌉)`` with m = ``min_bytes`` (default :data:`MIN_SHARD_BYTES`), ``⌈m / c_a⌉`` for
+    a region with nothing to carry between shards (c_b = 0: a loss computed chunk by chunk), or ``⌈√T⌉`` when the
+    activations are unknown (0).
 
     ``c_b`` (``boundary_bytes``) is what the sweep keeps per shard boundary (the scans' states and the conv halos),
     ``c_a`` (``step_bytes``) the region's activations per step (every step-carrying value it makes). A sweep keeps
@@ -38,10 +50,13 @@ def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0) -> i
     """
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"T={T!r}: expected a number of steps >= 1")
-    if boundary_bytes <= 0 or step_bytes <= 0:
+    least = MIN_SHARD_BYTES if min_bytes is None else min_bytes
+    if step_bytes <= 0:
         return max(1, math.isqrt(T - 1) + 1) if T > 1 else 1
+    if boundary_bytes <= 0:
+        return max(1, -(-least // step_bytes))
     balance = math.isqrt(-(-T * boundary_bytes // step_bytes) - 1) + 1
-    return max(1, balance, -(-MIN_SHARD_BYTES // step_bytes))
+    return max(1, balance, -(-least // step_bytes))
 
 
 def h0_index(node: fx.Node) -> int | None:

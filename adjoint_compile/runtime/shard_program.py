@@ -60,8 +60,8 @@ from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout,
-                          autocast_as, autocast_state, default_shard_size, initial_zeros, own_bytes, shard_bounds,
-                          wanted_shard_size, without_steps, h0_index as _h0_index)
+                          autocast_as, autocast_state, default_shard_size, initial_zeros, min_shard_bytes, own_bytes,
+                          shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
 
@@ -107,7 +107,7 @@ class ShardProgram:
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, inner: str = "eager",
-                 window: int | None = None) -> None:
+                 window: int | None = None, scans_required: bool = True) -> None:
         self.region_gm = region_gm
         self.inner = inner
         self.window = window
@@ -126,7 +126,7 @@ class ShardProgram:
         self.out_nodes = [outs] if self.single_output else list(outs)
         self.out_step_dims_given = None if out_step_dims is None else list(out_step_dims)
         self.scans = [n for n in region_gm.graph.nodes if n.op == "call_function" and is_linear_scan(n)]
-        if not self.scans:
+        if not self.scans and scans_required:  # NB: not required by a loss run chunk by chunk (loss_tail.py)
             raise UnsupportedRegion("the region has no linear_scan")
         self.h0_input: list[int | None] = []
         for s in self.scans:
@@ -243,7 +243,9 @@ class ShardProgram:
         #: scan states, then conv halos: the carries a sweep hands from shard to shard
         self.n_carries = len(self.carry_shapes)
         #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
-        self.wanted_shard_size = shard_size or wanted_shard_size(self.T, self.boundary_bytes(), self.step_bytes())
+        dev = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
+        self.wanted_shard_size = shard_size or wanted_shard_size(self.T, self.boundary_bytes(), self.step_bytes(),
+                                                                 min_shard_bytes(dev))
         self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
         if self.length_free and shard_size is None:  # NB: a power of two: few shard lengths over all T
             self.shard_size = 1 << (self.wanted_shard_size.bit_length() - 1)
@@ -366,7 +368,7 @@ class ShardProgram:
                 if d is not None:
                     shp[d] = L
                 args.append(torch.empty(shp, dtype=v.dtype, device=v.device))
-            dev = _ev(self.scans[0]).device
+            dev = _ev(self.scans[0]).device if self.scans else None
             for shp, dt in zip(self.carry_shapes, self.carry_dtypes):
                 args.append(torch.empty(shp, dtype=dt, device=dev))
             args += [args[len(self.placeholders) + k] for k in self.shift_scans]

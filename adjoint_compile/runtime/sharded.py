@@ -31,9 +31,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import AdjointVerifyReport
+from ..errors import AdjointVerifyReport, UnsupportedRegion
+from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
 from .shard_parts import zero_adjoints, zeros_exact
-from .shard_program import MIN_SHARD_BYTES, ShardProgram, autocast_state, default_shard_size
+from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
 from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,9 @@ class _ShardedFn(torch.autograd.Function):
         ps_want = [i for i in ctx.ps_params if needs[i]]
         needs_vjp = [n and i not in ctx.ps_params for i, n in enumerate(needs)]
         ps_acc: dict[int, torch.Tensor] = {}
+        # NB: made at a shard's first gradient, as zeros: an input the programs do not read (a loss's targets, once
+        # the loss is split off: loss_tail.py) gets None, as from autograd, never uninitialized memory
         grads: list[Any] = [None] * len(inputs)
-        for i, (x, d) in enumerate(zip(inputs, prog.in_step_dims)):
-            if needs[i] and d is not None:
-                grads[i] = torch.empty_like(x)
         # step-free inputs (parameters) are whole in every shard; their grads are summed over shards
         free = [i for i, d in enumerate(prog.in_step_dims) if d is None and needs[i]]
         acc: dict[int, torch.Tensor] = {}
@@ -138,6 +138,8 @@ class _ShardedFn(torch.autograd.Function):
             gx, adj, nus = res if trunc else (*res, None)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:
+                    if grads[i] is None:
+                        grads[i] = torch.zeros_like(inputs[i])
                     grads[i].narrow(d, s, L).copy_(g)
             old = [i for i in free if gx[i] is not None and i in acc]
             if old:
@@ -194,6 +196,8 @@ class ShardedRegion(torch.nn.Module):
         self.last_verify: dict[str, Any] | None = None
         #: how the warnings name the region (the lowering sets the name of its call)
         self.label = "sharded region"
+        #: the loss split off the sweep (loss_tail.py), or why not; None until the first prepare
+        self._split: TailSplit | str | None = None
 
     @property
     def per_sample(self) -> PerSampleRegion | None:
@@ -203,10 +207,41 @@ class ShardedRegion(torch.nn.Module):
     @per_sample.setter
     def per_sample(self, ps: PerSampleRegion | None) -> None:
         self._plan.per_sample = ps
+        self._split = None
 
     def prepare(self, inputs: Sequence[Any]) -> int:
-        """Check the region for these input shapes (real or fake tensors); returns the shard size used."""
-        return self._plan.prepare(inputs, self.shard_size)
+        """Check the region for these input shapes (real or fake tensors); returns the shard size used (of the rest of
+        the region, when its loss is split off: :attr:`tail`)."""
+        S = self._plan.prepare(inputs, self.shard_size)
+        if self._split is None:
+            self._split = self._split_tail()
+        split = self._split
+        if isinstance(split, TailSplit):
+            try:
+                S_rest = split.rest.prepare(inputs, self.shard_size)
+                split.tail.prepare(tail_inputs(split, inputs, [_ev(o) for o in split.rest.out_nodes]),
+                                   self.shard_size)
+                why = check_tail(split.tail)
+            except UnsupportedRegion as e:
+                why = str(e)
+            if not why:
+                return S_rest
+            log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, why)
+            self._split = why
+        return S
+
+    def _split_tail(self) -> TailSplit | str:
+        if self.per_sample is not None:
+            return "per-example clipping records the loss's parameters shard by shard"
+        got = split_tail(self._plan)
+        if isinstance(got, str):
+            log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, got)
+        return got
+
+    @property
+    def tail(self) -> TailSplit | None:
+        """The region's loss, run once in the forward with its gradient (:mod:`.loss_tail`), or None."""
+        return self._split if isinstance(self._split, TailSplit) else None
 
     def forward(self, *inputs: Any) -> Any:
         for i, x in enumerate(inputs):
@@ -220,14 +255,26 @@ class ShardedRegion(torch.nn.Module):
             self.last_verify_error, self.last_verify = fid["max_rel_err"], fid
             log.info("adjoint-compile verify: %s: %s", self.label, fid)
             warnings.warn(AdjointVerifyReport(f"adjoint-compile verify: {self.label} {_describe(fid)}"), stacklevel=2)
-        outs = _ShardedFn.apply(self._plan, *inputs)
-        n = len(self._plan.out_nodes)
-        if len(outs) > n:  # NB: a loss's mean over valid targets: the sum of the shards' sums over their counts
-            outs = list(outs)
-            for k, i in enumerate(self._plan.ratios):
-                outs[i] = outs[i] / outs[n + k]
-            outs = outs[:n]
+        split = self.tail
+        if split is None:
+            outs = _ratios(self._plan, _ShardedFn.apply(self._plan, *inputs))
+        else:
+            rest = _ratios(split.rest, _ShardedFn.apply(split.rest, *inputs))
+            got = _ratios(split.tail, run_tail(split.tail, tail_inputs(split, inputs, rest), self.shard_size))
+            outs = [None] * (len(split.tail_pos) + len(split.rest_pos))
+            for i, o in [*zip(split.rest_pos, rest), *zip(split.tail_pos, got)]:
+                outs[i] = o
         return outs[0] if self._plan.single_output else tuple(outs)
+
+
+def _ratios(plan: ShardProgram, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A sweep's outputs with each loss's mean over valid targets made: the sum of the shards' sums over the sum of
+    their counts (the counts follow the outputs and are dropped)."""
+    n = len(plan.out_nodes)
+    outs = list(outs)
+    for k, i in enumerate(plan.ratios):
+        outs[i] = outs[i] / outs[n + k]
+    return outs[:n]
 
 
 def _describe(fid: dict[str, Any]) -> str:

@@ -150,6 +150,10 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
     if took:
         # NB: what the region starts or ends with is never stored whole: its inputs' and outputs' [B, T, ...]
         why += f"; takes in {' and '.join(took)}"
+    if tail := out.details.get("loss_tail"):
+        # NB: the loss ends the graph: its gradient is known up to the scalar cotangent (runtime/loss_tail.py)
+        why += (f"; its loss runs once, with its gradient, in the forward, {tail['chunk']} of {tail['steps']} steps "
+                f"at a time")
     if returned := out.details.get("returned_whole"):
         # NB: a graph's outputs exist whole whatever the region does: the logits a model returns with its loss
         what = ", ".join(f"{o['name']} {o['shape']}" for o in returned)

@@ -167,6 +167,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "members": [n.name for n in nodes],
             "memory": memory}
+    if mod.tail is not None:  # the loss, with its gradient, in the forward (runtime/loss_tail.py)
+        prov["loss_tail"] = {"chunk": mod.tail.tail.shard_size, "steps": T,
+                             "nodes": len([n for n in mod.tail.tail.region_gm.graph.nodes
+                                           if n.op not in ("placeholder", "output")])}
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["example_value"] = tuple(_ev(o) for o in outputs)
@@ -378,8 +382,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                 result = Lowered(rewrite=p["rewrite"], call=call.name, members=mem, scans=len(p["scans"]),
                                  nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
                                  memory=dict(p["memory"]), bounds=list(bounds),
-                                 details={k: p[k] for k in ("sums_over_time", "embeddings", "resets", "returned_whole")
-                                          if p.get(k)})
+                                 details={k: p[k] for k in ("sums_over_time", "embeddings", "resets", "returned_whole",
+                                                            "loss_tail") if p.get(k)})
             for x in scans_of:
                 done[x] = result
     for i, s in scan_of.items():

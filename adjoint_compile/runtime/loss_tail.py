@@ -1,0 +1,297 @@
+"""The loss at the end of a sharded region, computed with its gradient in the forward, a chunk of steps at a time.
+
+A region whose outputs include a scalar sum over time (a loss: cross-entropy, a mean of squares, a z-loss) ends in
+a *tail*: the ops that feed those outputs and nothing else. Typically the vocabulary head and the loss::
+
+    before:  ShardedRegion( x ─► scans, joins ─► y ─► head ─► logits ─► cross_entropy ─► loss )
+    after:   ShardedRegion( x ─► scans, joins ─► y )  ─►  LossTail( y ─► head ─► logits ─► cross_entropy ─► loss )
+
+The loss ℓ is a scalar whose cotangent g arrives in the backward, and its gradient is linear in g:
+∂L/∂y = g · ∂ℓ/∂y and ∂L/∂θ = g · ∂ℓ/∂θ for the tail's parameters θ (the head's weight). So the tail runs once, in
+the forward, chunk by chunk over the steps: one program per chunk gives the chunk's share of ℓ and of ∂ℓ/∂y and
+∂ℓ/∂θ, and the chunk's logits are gone before the next chunk starts; its backward multiplies by g. The rest of the
+region is swept as before, with g · ∂ℓ/∂y as the cotangent of y. Exact, like the sweep; the head and the loss are
+never recomputed, and their chunks are sized by the tail's own activations (a shard of the rest can be long while a
+chunk of logits stays small).
+
+What is kept: ∂ℓ/∂y for every step (y's size: the split is made only where that is no more per step than the region's
+step-carrying inputs, which the sweep keeps anyway), and ∂ℓ/∂θ. A tail with a causal conv or a token shift, or one
+reading a value without the step axis from the rest, is not split: the region runs as one sweep as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import timing
+from ..analysis.fx import is_linear_scan, is_view_op
+from ..errors import UnsupportedRegion
+from ..inner import COMPILE_LOCK, compile_inner
+from .shard_parts import arg_layout, autocast_as, autocast_state
+from .shard_program import ShardProgram, _devices, _ev
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TailSplit", "split_tail", "check_tail", "tail_inputs", "run_tail"]
+
+
+@dataclasses.dataclass
+class TailSplit:
+    """A region cut into the sweep of its rest and its loss tail (module docstring)."""
+
+    #: the region without its tail: the same inputs; outputs: the region's outputs the tail does not make, then the
+    #: frontier values the tail reads from it
+    rest: ShardProgram
+    #: the tail: inputs are ``sources`` in order; outputs: the region's outputs at ``tail_pos``
+    tail: ShardProgram
+    #: per tail input, ("rest", k): the rest's k-th frontier output, or ("input", i): the region's input i
+    sources: list[tuple[str, int]]
+    #: the region's outputs made by the tail, and by the rest (each in the region's order)
+    tail_pos: list[int]
+    rest_pos: list[int]
+
+
+def split_tail(plan: ShardProgram) -> TailSplit | str:
+    """The loss tail of the prepared region ``plan`` as a :class:`TailSplit`, or why there is none (a string)."""
+    info, gm = plan.info, plan.region_gm
+    outs = plan.out_nodes
+    tail_pos = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and o in info.sums and _scalar(o)]
+    if not tail_pos:
+        return "no scalar sum over time among the outputs"
+    got = _min_cut(plan, [outs[i] for i in tail_pos], {o for i, o in enumerate(outs) if i not in tail_pos})
+    if got is None:
+        return "every cut before the loss reads a value without the step axis as a dim of its own"
+    tail, frontier = got
+    inner = [f for f in frontier if f.op != "placeholder"]
+    kept = sum(_nbytes(_ev(f)) for f in inner) // plan.T
+    made = sum(_nbytes(_ev(n)) for n in tail if info.step_dim.get(n) is not None and not is_view_op(n)) // plan.T
+    if 2 * kept > made:
+        return (f"the loss reads {kept} bytes per step from the rest of the region ({', '.join(f.name for f in inner)})"
+                f" and makes {made}: keeping their gradients would cost more than recomputing it saves")
+    rest_gm = _rest_graph(gm, tail, [outs[i] for i in range(len(outs)) if i not in tail_pos] + inner)
+    tail_gm = _tail_graph(gm, tail, frontier, [outs[i] for i in tail_pos])
+    dims = [info.step_dim.get(f) if f.op != "placeholder" else plan.in_step_dims[plan.placeholders.index(f)]
+            for f in frontier]
+    try:
+        rest = ShardProgram(rest_gm, plan.in_step_dims, None, plan.inner, plan.window)
+        tail_prog = ShardProgram(tail_gm, dims, None, plan.inner, None, scans_required=False)
+    except (UnsupportedRegion, ValueError) as e:
+        return f"the split does not make two shard programs: {e}"
+    for p in (rest, tail_prog):
+        p.length_free, p.shared = plan.length_free, plan.shared
+    n_rest = len(outs) - len(tail_pos)
+    sources = [("input", plan.placeholders.index(f)) if f.op == "placeholder" else ("rest", n_rest + inner.index(f))
+               for f in frontier]
+    return TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos])
+
+
+def _min_cut(plan: ShardProgram, tail_outs: list[fx.Node],
+             rest_outs: set[fx.Node]) -> tuple[set[fx.Node], list[fx.Node]] | None:
+    """The tail with the cheapest frontier: (the nodes the tail computes, the values it reads from the rest or the
+    region's inputs, in graph order), or None when every cut reads a value the rest cannot hand over.
+
+    A minimum cut (networkx) over the region's nodes, each split in two: ``(n, 0)`` on the sink side means n is
+    computed by the tail, ``(n, 1)`` there means the tail reads n; the edge between them costs what the tail would
+    keep of n per step (its gradient), or cannot be cut (a tuple, a value without the step axis). The scans, the
+    region's inputs and its other outputs stay with the rest; a tail node's users are tail nodes."""
+    info, T = plan.info, plan.T
+    g = nx.DiGraph()
+    nodes = list(plan.region_gm.graph.nodes)
+    for k, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        v = _ev(n)
+        if n.op == "placeholder":
+            d = plan.in_step_dims[plan.placeholders.index(n)]
+            cost = _nbytes(v) // T * len(nodes) if d is not None and v.dtype.is_floating_point else 0
+        elif isinstance(v, torch.Tensor) and info.step_dim.get(n) is not None and n not in info.folds:
+            # NB: ties go to the earlier value (a later one costs a little more): the larger tail, run once
+            cost = max(1, _nbytes(v) // T) * len(nodes) + k
+        else:
+            cost = None  # NB: no capacity: networkx takes the edge as uncuttable
+        g.add_edge((n, 0), (n, 1), **({} if cost is None else {"capacity": cost}))
+        g.add_edge((n, 1), (n, 0))
+        for u in n.users:
+            if u.op != "output":
+                g.add_edge((n, 1), (u, 0))
+                g.add_edge((u, 0), (n, 0))
+        if n.op == "placeholder" or n in rest_outs or is_linear_scan(n):
+            g.add_edge("rest", (n, 0))
+    for o in tail_outs:
+        g.add_edge((o, 0), "tail")
+    try:
+        _, (_, sink) = nx.minimum_cut(g, "rest", "tail")
+    except nx.NetworkXUnbounded:
+        return None
+    tail = {n for n in nodes if (n, 0) in sink}
+    return tail, [n for n in nodes if (n, 1) in sink and n not in tail]
+
+
+def _scalar(n: fx.Node) -> bool:
+    v = _ev(n)
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype.is_floating_point
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _rest_graph(gm: fx.GraphModule, tail: set[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op != "output" and n not in tail:
+            env[n] = g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, g)
+
+
+def _tail_graph(gm: fx.GraphModule, tail: set[fx.Node], frontier: list[fx.Node],
+                outputs: list[fx.Node]) -> fx.GraphModule:
+    g = fx.Graph()
+    env = {f: g.placeholder(f.name) for f in frontier}
+    for n in gm.graph.nodes:
+        if n in tail:
+            env[n] = g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, g)
+
+
+def check_tail(tail: ShardProgram) -> str:
+    """Why the prepared tail cannot run chunk by chunk without carries ("" when it can)."""
+    if tail.convs or tail.shift_scans:
+        return "the loss reads a causal conv or a token shift along time"
+    if any(d is not None for d in tail.out_step_dims):
+        return "the loss part has outputs along time"
+    return ""
+
+
+class _TailFn(torch.autograd.Function):
+    """``apply(tail, want_grads, *inputs)``: the tail's outputs (sums over the chunks), with its gradients computed
+    on the way and scaled by the cotangents in the backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, tail: ShardProgram, want: bool, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wrt = [i for i, (x, n) in enumerate(zip(inputs, ctx.needs_input_grad[2:])) if want and n]
+        n_out = len(tail.out_nodes)
+        outs: list[torch.Tensor] | None = None
+        grads: list[list[Any]] = [[None] * len(inputs) for _ in range(n_out)]
+        for s, e in tail.bounds():
+            xs = tail.shard_inputs(inputs, s, e - s)
+            if wrt:
+                vals, got = value_and_grad(tail, e - s, xs, wrt, s)
+            else:
+                vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s)[0], {}
+            if outs is None:
+                outs = [v.new_zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)
+                                    if v.dtype.is_floating_point else v.dtype) for v in vals]
+            for o, v in zip(outs, vals):
+                o.add_(v)
+            for (j, i), g in got.items():
+                d = tail.in_step_dims[i]
+                if grads[j][i] is None:
+                    grads[j][i] = torch.zeros_like(inputs[i]) if d is not None else g.clone()
+                    if d is None:
+                        continue
+                if d is None:
+                    grads[j][i].add_(g)
+                else:
+                    grads[j][i].narrow(d, s, e - s).copy_(g)
+        assert outs is not None
+        outs = [o.to(v.dtype) for o, v in zip(outs, vals)]
+        ctx.grads = grads[:n_out]
+        ctx.mark_non_differentiable(*outs[n_out:])  # the counts of a mean over valid targets
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *gouts: torch.Tensor) -> tuple[Any, ...]:
+        n = len(ctx.grads[0]) if ctx.grads else 0
+        res: list[Any] = [None] * n
+        for gj, row in zip(gouts, ctx.grads):
+            if gj is None:
+                continue
+            for i, G in enumerate(row):
+                if G is not None:
+                    v = (G * gj).to(G.dtype)
+                    res[i] = v if res[i] is None else res[i] + v
+        return (None, None, *res)
+
+
+def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int],
+                   t0: int) -> tuple[list[torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
+    """One chunk of the tail: its outputs, and per (differentiable output j, input i in ``wrt``) ∂out_j/∂x_i, from
+    one program (the chunk's forward and one VJP per output, traced together and compiled by the inner compiler)."""
+    fwd = autocast_state()
+    args = [*xs, *tail._offset(t0)]
+    key = ("value_and_grad", L, _devices(args), fwd, tuple(wrt), arg_layout(args))
+    if tail.shared is not None:
+        key += (tail.program(L).code,)
+    entry = tail.vjps.get(key)
+    if entry is None:
+        with COMPILE_LOCK:
+            entry = tail.vjps.get(key) or _build(tail, L, wrt, args, fwd)
+            tail.vjps[key] = entry
+    fn, pairs = entry
+    got = list(fn(*args))
+    n = len(tail.out_step_dims)
+    vals = tail._mean_scaled(got[:n])
+    grads = dict(zip(pairs, got[n:]))
+    if tail.length_free and any(tail.out_means):  # NB: a mean over time: its program gives L·mean, the value /T
+        grads = {(j, i): g / tail.T if tail.out_means[j] else g for (j, i), g in grads.items()}
+    return vals, grads
+
+
+def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: tuple) -> tuple[Any, list]:
+    prog = tail.program(L)
+    n_x = len(tail.placeholders)
+    off = tuple((d, False, dt) for d, _, dt in fwd)
+    pairs: list[tuple[int, int]] = []
+
+    def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_(i in wrt) for i, x in enumerate(flat[:n_x])]
+            with autocast_as(fwd):
+                res = prog(*xs, *flat[n_x:])
+            got: list[torch.Tensor] = []
+            pairs.clear()
+            diff = [j for j, y in enumerate(res) if isinstance(y, torch.Tensor) and y.requires_grad]
+            # NB: the VJPs run without autocast, as eager's backward does
+            with autocast_as(off):
+                for k, j in enumerate(diff):
+                    gs = torch.autograd.grad(res[j], [xs[i] for i in wrt], torch.ones_like(res[j]),
+                                             retain_graph=k < len(diff) - 1, allow_unused=True)
+                    for i, g in zip(wrt, gs):
+                        pairs.append((j, i))
+                        got.append(torch.zeros_like(xs[i]) if g is None else g)
+        return (*(r.detach() for r in res), *got)
+
+    t = time.perf_counter()
+    gm = make_fx(joint, tracing_mode="fake")(*example)
+    gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: loss chunk value and gradient"}
+    log.debug("adjoint-compile: loss chunk program for L=%d: %d nodes", L, len(gm.graph.nodes))
+    # NB: the trace and the compile count as one loss chunk program
+    timing.add_run_time("loss_chunks", time.perf_counter() - t, count=tail.inner == "eager")
+    fn = gm if tail.inner == "eager" else compile_inner(gm, example, tail.inner, what="loss_chunks")
+    return fn, list(pairs)
+
+
+def tail_inputs(split: TailSplit, inputs: Sequence[Any], rest_outputs: Sequence[Any]) -> list[Any]:
+    """The tail's inputs: the rest's frontier outputs and the region's inputs it reads."""
+    return [rest_outputs[k] if src == "rest" else inputs[k] for src, k in split.sources]
+
+
+def run_tail(tail: ShardProgram, inputs: Sequence[torch.Tensor], shard_size: int | None) -> list[torch.Tensor]:
+    """The tail's outputs on ``inputs`` (the frontier values and region inputs it reads), chunk by chunk, with the
+    gradients kept for the backward when grad mode is on and an input requires grad."""
+    tail.prepare(inputs, shard_size)
+    want = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    return list(_TailFn.apply(tail, want, *inputs))
