@@ -80,7 +80,7 @@ class LengthGenericRegion(torch.nn.Module):
             return r
         t = self.template
         r = ShardedRegion(retarget(t, T), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
-                          window=t.window)
+                          window=t.window, cuda_graphs=t.cuda_graphs)
         r.label = t.label
         r._plan.length_free, r._plan.shared = True, self.shared
         self.regions[T] = r

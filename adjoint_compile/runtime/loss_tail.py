@@ -35,6 +35,7 @@ from .. import timing
 from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
+from .graphed import replayed
 from .shard_parts import arg_layout, autocast_as, autocast_state
 from .shard_program import ShardProgram, _devices, _ev
 
@@ -175,11 +176,12 @@ def check_tail(tail: ShardProgram) -> str:
 
 
 class _TailFn(torch.autograd.Function):
-    """``apply(tail, want_grads, *inputs)``: the tail's outputs (sums over the chunks), with its gradients computed
+    """``apply(tail, (want_grads, graphs), *inputs)``: the tail's outputs (sums over the chunks), with its gradients
     on the way and scaled by the cotangents in the backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, tail: ShardProgram, want: bool, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, tail: ShardProgram, how: tuple[bool, bool], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        want, graphs = how
         wrt = [i for i, (x, n) in enumerate(zip(inputs, ctx.needs_input_grad[2:])) if want and n]
         n_out = len(tail.out_nodes)
         outs: list[torch.Tensor] | None = None
@@ -187,9 +189,9 @@ class _TailFn(torch.autograd.Function):
         for s, e in tail.bounds():
             xs = tail.shard_inputs(inputs, s, e - s)
             if wrt:
-                vals, got = value_and_grad(tail, e - s, xs, wrt, s)
+                vals, got = value_and_grad(tail, e - s, xs, wrt, s, graphs)
             else:
-                vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s)[0], {}
+                vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s, graphs=graphs)[0], {}
             if outs is None:
                 outs = [v.new_zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)
                                     if v.dtype.is_floating_point else v.dtype) for v in vals]
@@ -226,8 +228,8 @@ class _TailFn(torch.autograd.Function):
         return (None, None, *res)
 
 
-def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int],
-                   t0: int) -> tuple[list[torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
+def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int], t0: int,
+                   graphs: bool = False) -> tuple[list[torch.Tensor], dict[tuple[int, int], torch.Tensor]]:
     """One chunk of the tail: its outputs, and per (differentiable output j, input i in ``wrt``) ∂out_j/∂x_i, from
     one program (the chunk's forward and one VJP per output, traced together and compiled by the inner compiler)."""
     fwd = autocast_state()
@@ -241,7 +243,8 @@ def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int]
             entry = tail.vjps.get(key) or _build(tail, L, wrt, args, fwd)
             tail.vjps[key] = entry
     fn, pairs = entry
-    got = list(fn(*args))
+    # NB: replayed from a CUDA graph where it can be: the caller adds the values up and copies the gradients
+    got = list(replayed(fn, args, tail.inner, "loss chunk")(*args) if graphs and not tail.random else fn(*args))
     n = len(tail.out_step_dims)
     vals = tail._mean_scaled(got[:n])
     grads = dict(zip(pairs, got[n:]))
@@ -289,9 +292,11 @@ def tail_inputs(split: TailSplit, inputs: Sequence[Any], rest_outputs: Sequence[
     return [rest_outputs[k] if src == "rest" else inputs[k] for src, k in split.sources]
 
 
-def run_tail(tail: ShardProgram, inputs: Sequence[torch.Tensor], shard_size: int | None) -> list[torch.Tensor]:
+def run_tail(tail: ShardProgram, inputs: Sequence[torch.Tensor], shard_size: int | None,
+             graphs: bool = False) -> list[torch.Tensor]:
     """The tail's outputs on ``inputs`` (the frontier values and region inputs it reads), chunk by chunk, with the
-    gradients kept for the backward when grad mode is on and an input requires grad."""
+    gradients kept for the backward when grad mode is on and an input requires grad; ``graphs``: its programs
+    replayed from CUDA graphs where they can be (:mod:`.graphed`)."""
     tail.prepare(inputs, shard_size)
     want = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-    return list(_TailFn.apply(tail, want, *inputs))
+    return list(_TailFn.apply(tail, (want, graphs), *inputs))

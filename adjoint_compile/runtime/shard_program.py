@@ -62,6 +62,7 @@ from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout,
                           autocast_as, autocast_state, default_shard_size, initial_zeros, min_shard_bytes, own_bytes,
                           shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
+from .graphed import replayed
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
 
@@ -79,8 +80,7 @@ def _devices(args: Sequence[Any]) -> tuple:
 
 
 def _layout(key: tuple) -> tuple:
-    """A :meth:`ShardProgram.prepare` key without the devices: what the compiled callables depend on besides the
-    device, which their own keys hold."""
+    """A :meth:`ShardProgram.prepare` key without the devices (the compiled callables' own keys hold those)."""
     return tuple(x[:2] if isinstance(x, tuple) else x for x in key)
 
 
@@ -421,14 +421,15 @@ class ShardProgram:
         """
         return [x if d is None else x.narrow(d, s, L).contiguous() for x, d in zip(inputs, self.in_step_dims)]
 
-    def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any],
-            first_shard: bool, t0: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def run(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool, t0: int = 0,
+            graphs: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The L-step program on shard inputs ``xs`` and ``carries`` (per scan, None: zeros): (outputs, final
         states).  ``first_shard``: previous-state readouts give their own first step; ``t0``: the shard's first
-        step."""
+        step; ``graphs``: replayed from a CUDA graph where it can be, valid until the next call (:mod:`.graphed`)."""
         prevs = [None if first_shard else carries[k] for k in self.shift_scans]
         args = [*xs, *carries, *prevs, *self._offset(t0)]
-        res = self._callable(L, args)(*args)
+        fn = self._callable(L, args)
+        res = (replayed(fn, args, self.inner, "shard program") if graphs and not self.random else fn)(*args)
         n = len(self.out_step_dims)
         return self._mean_scaled(res[:n]), list(res[n:])
 
@@ -457,7 +458,8 @@ class ShardProgram:
 
     def vjp(self, L: int, xs: Sequence[Any], carries: Sequence[Any], first_shard: bool,
             gouts: Sequence[Any], adjs: Sequence[Any], needs_x: Sequence[bool], needs_c: Sequence[bool],
-            t0: int = 0, autocast: tuple | None = None, nus: Sequence[Any] | None = None) -> tuple[list[Any], ...]:
+            t0: int = 0, autocast: tuple | None = None, nus: Sequence[Any] | None = None,
+            graphs: bool = False) -> tuple[list[Any], ...]:
         """One shard's recomputation and VJP, as one program: the cotangents ``gouts`` (per output, None: unused)
         and ``adjs`` (per scan, the adjoint of its final state; None: zero) pulled back to the inputs ``xs`` (those
         with ``needs_x``) and the carries (those with ``needs_c``).
@@ -466,7 +468,7 @@ class ShardProgram:
         recomputation runs under them, its VJP under those in effect now, as eager autograd would.
 
         ``nus`` (only when :attr:`truncating`): per scan, the ν carry from the right neighbour (:mod:`.truncated`);
-        the result then has a third list, per scan the ν' carry for the left neighbour.
+        the result then has a third list, per scan the ν' carry for the left neighbour. ``graphs``: as in :meth:`run`.
         Returns (per input: its grad or None, per scan: the grad of its carry or None). The program is traced once
         per call pattern (make_fx over recompute + ``autograd.grad``: forward and backward ops in one aten graph)
         and compiled by the inner compiler, so a shard costs one call instead of a compiled forward, a compiled
@@ -502,7 +504,7 @@ class ShardProgram:
                 fn = self.vjps.get(key) or build_vjp(self, L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args,
                                                            fwd)
                 self.vjps[key] = fn
-        got = fn(*args)
+        got = (replayed(fn, args, self.inner, "shard VJP") if graphs and not self.random else fn)(*args)
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
         for j, g in zip(wrt_c, got[len(wrt_x): len(wrt_x) + len(wrt_c)]):

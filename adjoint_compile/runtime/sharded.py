@@ -44,10 +44,12 @@ __all__ = ["MIN_SHARD_BYTES", "default_shard_size", "make_sharded", "ShardedRegi
 
 
 class _ShardedFn(torch.autograd.Function):
-    """``apply(prog, *inputs)``: the exact sweep over a prepared :class:`ShardProgram` (module docstring)."""
+    """``apply(prog, graphs, *inputs)``: the exact sweep over a prepared :class:`ShardProgram` (module docstring);
+    ``graphs``: its programs replayed from CUDA graphs where they can be (:mod:`.graphed`)."""
 
     @staticmethod
-    def forward(ctx: Any, prog: ShardProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, prog: ShardProgram, graphs: bool, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graphs = graphs
         T, bounds = prog.T, prog.bounds()
         # NB: zeros for absent carries: the first shard runs the others' compiled program (shard_parts.initial_zeros)
         zeros = zeros_exact(autocast_state())
@@ -57,7 +59,8 @@ class _ShardedFn(torch.autograd.Function):
         for s, e in bounds:
             boundary.append(carries)
             xs = prog.shard_inputs(inputs, s, e - s)
-            ys, finals = prog.run(e - s, xs, carries, first_shard=s == 0, t0=s)
+            # NB: graphs: the results are valid until the next call; the outputs are copied and the states cloned
+            ys, finals = prog.run(e - s, xs, carries, first_shard=s == 0, t0=s, graphs=ctx.graphs)
             if outs is None:
                 outs = []
                 for y, d in zip(ys, prog.out_step_dims):
@@ -95,7 +98,7 @@ class _ShardedFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs, flat = saved[: ctx.n_in], saved[ctx.n_in:]
         K = prog.n_carries
-        needs = list(ctx.needs_input_grad[1:])
+        needs = list(ctx.needs_input_grad[2:])
         ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
         # per_sample_clip: the parameters get per-example gradients (runtime/sharded_ps.py), not summed ones
         ps_want = [i for i in ctx.ps_params if needs[i]]
@@ -133,8 +136,9 @@ class _ShardedFn(torch.autograd.Function):
                         ps_acc[i].add_(g)
                     else:
                         ps_acc[i] = g
+            # NB: graphs: gx is copied or added up below, the carries are inputs of the next call (which copies them)
             res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,
-                           nus=nus)
+                           nus=nus, graphs=ctx.graphs)
             gx, adj, nus = res if trunc else (*res, None)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:
@@ -157,11 +161,11 @@ class _ShardedFn(torch.autograd.Function):
             adj = [nu.select(d, -1) if a is None else a + nu.select(d, -1) for a, nu, d in zip(adj, nus, prog.scan_dims)]
         for j, i in enumerate(prog.h0_input):
             if i is not None and needs[i] and adj[j] is not None:
-                g = adj[j].to(inputs[i].dtype)
+                g = adj[j].to(inputs[i].dtype, copy=True)  # NB: not the last call's result itself (graphs)
                 if g.shape != inputs[i].shape:  # h0 broadcast against the state
                     g = g.sum_to_size(inputs[i].shape)
                 grads[i] = g if grads[i] is None else grads[i] + g
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 class ShardedRegion(torch.nn.Module):
@@ -179,7 +183,8 @@ class ShardedRegion(torch.nn.Module):
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, shard_size: int | None = None,
-                 verify: bool = False, inner: str = "eager", window: int | None = None) -> None:
+                 verify: bool = False, inner: str = "eager", window: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         super().__init__()
         for key, v in (("shard_size", shard_size), ("window", window)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -190,6 +195,8 @@ class ShardedRegion(torch.nn.Module):
         self.shard_size = shard_size
         self.window = window
         self.verify = verify
+        #: replay the shard programs from CUDA graphs where they can be (runtime/graphed.py)
+        self.cuda_graphs = cuda_graphs
         #: the shard programs (named _plan for the tests and tools that look into a region)
         self._plan = ShardProgram(region_gm, self.in_step_dims, self.out_step_dims, inner, window)
         self.last_verify_error: float | None = None
@@ -257,10 +264,11 @@ class ShardedRegion(torch.nn.Module):
             warnings.warn(AdjointVerifyReport(f"adjoint-compile verify: {self.label} {_describe(fid)}"), stacklevel=2)
         split = self.tail
         if split is None:
-            outs = _ratios(self._plan, _ShardedFn.apply(self._plan, *inputs))
+            outs = _ratios(self._plan, _ShardedFn.apply(self._plan, self.cuda_graphs, *inputs))
         else:
-            rest = _ratios(split.rest, _ShardedFn.apply(split.rest, *inputs))
-            got = _ratios(split.tail, run_tail(split.tail, tail_inputs(split, inputs, rest), self.shard_size))
+            rest = _ratios(split.rest, _ShardedFn.apply(split.rest, self.cuda_graphs, *inputs))
+            got = _ratios(split.tail, run_tail(split.tail, tail_inputs(split, inputs, rest), self.shard_size,
+                                               self.cuda_graphs))
             outs = [None] * (len(split.tail_pos) + len(split.rest_pos))
             for i, o in [*zip(split.rest_pos, rest), *zip(split.tail_pos, got)]:
                 outs[i] = o

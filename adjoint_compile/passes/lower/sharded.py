@@ -129,7 +129,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
             raise UnsupportedRegion(f"{n.name} has {v.shape[d]} steps, not T={T}: a causal conv without its pad "
                                     f"or slice in the region")
     rewrite, window = _rewrite(opts)
-    mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window)
+    mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window,
+                        cuda_graphs=opts.cuda_graphs)
     if ps_kinds is not None:
         mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)

@@ -1,0 +1,130 @@
+"""Shard programs replayed from captured CUDA graphs: one launch per program call instead of one per kernel.
+
+A sweep calls the same few compiled programs once per shard (the forward, the recompute + VJP, a loss chunk's value
+and gradient). On a GPU, a call's Python and its kernel launches cost about a millisecond, far more than a shard's
+kernels run; replaying a captured graph costs a few microseconds. :class:`GraphedCall` captures ``fn`` once for its
+argument layout and replays it:
+
+    call k:  static_in[i].copy_(args[i])  ─►  graph.replay()  ─►  static_out   (the same tensors every call)
+
+so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
+runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the
+gradients they add up) before the next call. Graphs of one region share one memory pool. A program that cannot be
+captured (an op that synchronizes or reads a CPU value) runs as compiled, with one warning per cause.
+
+``capture`` is a parameter so that the CPU tests can run the same discipline with a stand-in graph
+(:func:`replay_on_cpu`): each call writes its results into the same output tensors, so a sweep that kept one
+across calls would be found wrong against autograd.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import AdjointCompileWarning
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphedCall", "graphable", "replayed", "replay_on_cpu"]
+
+#: the causes of failed captures already warned about
+_warned: set[str] = set()
+
+#: tests set this to :func:`replay_on_cpu` to run the graphed discipline without a GPU
+CPU_STAND_IN: Callable[..., Any] | None = None
+
+
+def graphable(args: Sequence[Any], inner: str) -> bool:
+    """Whether a program compiled by ``inner`` is replayed from a graph for these arguments: inductor programs on
+    CUDA tensors (or any tensors when the CPU stand-in is set, for tests)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if inner != "inductor" or not tensors:
+        return False
+    if CPU_STAND_IN is not None:
+        return True
+    return all(t.is_cuda for t in tensors)
+
+
+class GraphedCall:
+    """``fn`` captured for the layout of ``example`` (module docstring); ``pool``: a graph memory pool to share."""
+
+    def __init__(self, fn: Callable[..., Any], example: Sequence[Any], pool: Any = None) -> None:
+        self.fn = fn
+        self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in example]
+        self.graph: Any = None
+        self.replay_cpu: Callable[..., Any] | None = None
+        if CPU_STAND_IN is not None and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in example):
+            self.replay_cpu = CPU_STAND_IN(fn, self.static_in)
+            self.static_out = self.replay_cpu()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # NB: warm-up off the capture: lazy initializations (cuBLAS handles, autotune)
+            for _ in range(2):
+                fn(*self.static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.static_out = fn(*self.static_in)
+
+    def __call__(self, *args: Any) -> Any:
+        for s, a in zip(self.static_in, args):
+            if isinstance(s, torch.Tensor):
+                s.copy_(a)
+        if self.replay_cpu is not None:
+            return self.replay_cpu()
+        self.graph.replay()
+        return self.static_out
+
+
+def capture_or_plain(fn: Callable[..., Any], example: Sequence[Any], pool: Any, what: str) -> Callable[..., Any]:
+    """:class:`GraphedCall` of ``fn``, or ``fn`` itself (one warning per cause) when it cannot be captured."""
+    try:
+        return GraphedCall(fn, example, pool)
+    except Exception as e:  # noqa: BLE001 - whatever cannot be captured runs as compiled
+        cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        log.debug("adjoint-compile: no CUDA graph for a %s (%s)", what, cause, exc_info=True)
+        if cause not in _warned:
+            _warned.add(cause)
+            warnings.warn(f"adjoint-compile: a {what} could not be captured as a CUDA graph ({cause}); it runs as "
+                          f"compiled, one launch per kernel (same results, slower)", AdjointCompileWarning,
+                          stacklevel=3)
+        return fn
+
+
+def replay_on_cpu(fn: Callable[..., Any], static_in: list[Any]) -> Callable[[], Any]:
+    """A stand-in for a captured graph on CPU: every replay writes ``fn``'s results on ``static_in`` into the same
+    output tensors, as a CUDA graph does."""
+    out = list(fn(*static_in))
+
+    def replay() -> Any:
+        for o, r in zip(out, fn(*static_in)):
+            if isinstance(o, torch.Tensor):
+                o.copy_(r)
+        return out
+    return replay
+
+
+#: per compiled program (by id, the program kept alive with it), its graphed call; per device, the shared pool
+_GRAPHED: dict[int, tuple[Any, Callable[..., Any]]] = {}
+_POOLS: dict[Any, Any] = {}
+
+
+def replayed(fn: Callable[..., Any], args: Sequence[Any], inner: str, what: str) -> Callable[..., Any]:
+    """``fn`` (a program compiled by ``inner`` for the layout of ``args``) as a :class:`GraphedCall` where it can be
+    (:func:`graphable`), captured on its first call; else ``fn``. The caller copies what it keeps of a result before
+    its next call of any graphed program (module docstring)."""
+    if not graphable(args, inner):
+        return fn
+    got = _GRAPHED.get(id(fn))
+    if got is None:
+        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if dev.type == "cuda" and dev not in _POOLS:
+            _POOLS[dev] = torch.cuda.graph_pool_handle()
+        got = (fn, capture_or_plain(fn, args, _POOLS.get(dev), what))
+        _GRAPHED[id(fn)] = got
+    return got[1]
