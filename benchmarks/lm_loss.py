@@ -13,8 +13,10 @@ untied vocabulary head. The loss is written as training scripts write it:
 * ``compile_lce``: the stack and ``F.linear_cross_entropy(hidden, head.weight, targets,
   options=nn.LinearCrossEntropyOptions())`` (torch's chunked head + loss, written by hand) under ``torch.compile``;
 * ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
+* ``adjoint+graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": True}``;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
-  instead of the default (8 MiB on a CPU, 64 MiB on a GPU), to see the trade between peak and step time.
+  instead of the default (8 MiB on a CPU, 64 MiB on a GPU), to see the trade between peak and step time;
+  ``adjoint@M+graphs`` both.
 
 Each method runs in a fresh process. For each V and T it runs one step (compiling), one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes on CPU, ``max_memory_allocated`` on CUDA, parameters and
@@ -66,10 +68,11 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
     dev = torch.device(args.device)
     if dev.type == "cpu":
         measure.prepare_cpu_measurement()
-    if method.startswith("adjoint@"):
+    if "@" in method:
         # NB: a sweep of the least bytes per shard (runtime/shard_parts.py): how the default was chosen
         from adjoint_compile.runtime import shard_parts
-        shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(float(method[8:]) * 2**20)
+        mib = float(method.split("@")[1].split("+")[0])
+        shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(mib * 2**20)
     rows = []
     for V in args.vocab:
         torch.manual_seed(0)
@@ -88,7 +91,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                                           options=nn.LinearCrossEntropyOptions())
 
         if method.startswith("adjoint"):
-            fn = torch.compile(step, backend="adjoint")
+            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "+graphs" in method})
         elif method == "compile":
             fn = torch.compile(step)
         elif method == "compile_lce":
@@ -121,6 +124,8 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 fn(ids).backward()
             step_s = measure.median_time(one, dev, repeats=args.repeats, warmup=0)
             row = {"V": V, "T": T, "peak_bytes": m["peak"], "step_s": step_s, "first_step_s": first}
+            if dev.type == "cuda":  # NB: CUDA graphs' private pools are reserved, not allocated, between replays
+                row["max_reserved_bytes"] = torch.cuda.max_memory_reserved()
             if method.startswith("adjoint"):
                 rep = ac.report(fn)
                 row["fallbacks"] = [f.cause for f in rep.fallbacks]
