@@ -341,6 +341,10 @@ def test_one_graph_for_every_length():
     regions = [m for fn in fns if fn is not None for m in getattr(fn, "fn", fn).modules()
                if isinstance(m, LengthGenericRegion)]
     assert len(regions) == 1 and {17, 9, 22} <= regions[0].lengths, regions
+    # every length runs its loss once, in the forward: the split programs are analysed at their own length, not at
+    # the one the graph was captured at
+    per_length = regions[0].regions
+    assert {9, 22} <= set(per_length) and all(r.tail is not None for r in per_length.values()), per_length
 
 
 class FlatLayer(nn.Module):

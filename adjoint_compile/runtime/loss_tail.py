@@ -145,12 +145,20 @@ def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
+def _copy(g: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:
+    new = g.node_copy(n, env.__getitem__)
+    # NB: dynamo's example values are those of the length the graph was captured at (a region serving every length
+    # is retargeted from it): the split programs' analysis must read the values their own propagation gives
+    new.meta.pop("example_value", None)
+    return new
+
+
 def _rest_graph(gm: fx.GraphModule, tail: set[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
         if n.op != "output" and n not in tail:
-            env[n] = g.node_copy(n, env.__getitem__)
+            env[n] = _copy(g, n, env)
     g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(gm, g)
 
@@ -161,7 +169,7 @@ def _tail_graph(gm: fx.GraphModule, tail: set[fx.Node], frontier: list[fx.Node],
     env = {f: g.placeholder(f.name) for f in frontier}
     for n in gm.graph.nodes:
         if n in tail:
-            env[n] = g.node_copy(n, env.__getitem__)
+            env[n] = _copy(g, n, env)
     g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(gm, g)
 
