@@ -495,3 +495,15 @@ def test_transformers_mamba_for_causal_lm_with_labels():
                                    conv_kernel=4, use_associative_scan=False)
     rep = _check(HFWithLabels(transformers.MambaForCausalLM(cfg).double()), 5, *_data(), tol=1e-6)
     assert rep.regions[0].details["embeddings"]
+
+
+def test_a_long_shard_runs_its_loss_in_chunks(monkeypatch):
+    """A long ``shard_size`` (7 of T = 13): the recurrent shards have 7 steps, the loss run in the forward is cut to
+    the least bytes of a shard (here made tiny: two steps of logits), and the result stays exact."""
+    from adjoint_compile.runtime import shard_parts
+
+    monkeypatch.setattr(shard_parts, "MIN_SHARD_BYTES", 2 * B * V * 8)  # two steps of fp64 logits
+    torch.manual_seed(0)
+    rep = _check(Step(FORMS["flatten(0, 1)"][0]).double(), 7, *_data())
+    details = _takes_in(rep, 1)
+    assert details["shard_size"] == 7 and 1 <= details["loss_tail"]["chunk"] < 7, details

@@ -36,7 +36,7 @@ from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from .graphed import replayed
-from .shard_parts import arg_layout, autocast_as, autocast_state
+from .shard_parts import arg_layout, autocast_as, autocast_state, min_shard_bytes, wanted_shard_size
 from .shard_program import ShardProgram, _devices, _ev
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,15 @@ class TailSplit:
     #: the region's outputs made by the tail, and by the rest (each in the region's order)
     tail_pos: list[int]
     rest_pos: list[int]
+    #: the tail's activations per step (its values along time that are not views)
+    step_bytes: int = 0
+
+    def chunk(self, shard_size: int | None, device: torch.device | None) -> int | None:
+        """The tail's steps per chunk: None (chosen by the tail from its own activations) when ``shard_size`` is
+        None, else ``shard_size`` cut to the least bytes of a shard (a long shard's logits in chunks)."""
+        if shard_size is None:
+            return None
+        return min(shard_size, wanted_shard_size(shard_size, 0, max(1, self.step_bytes), min_shard_bytes(device)))
 
 
 def split_tail(plan: ShardProgram) -> TailSplit | str:
@@ -91,7 +100,7 @@ def split_tail(plan: ShardProgram) -> TailSplit | str:
     n_rest = len(outs) - len(tail_pos)
     sources = [("input", plan.placeholders.index(f)) if f.op == "placeholder" else ("rest", n_rest + inner.index(f))
                for f in frontier]
-    return TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos])
+    return TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos], made)
 
 
 def _min_cut(plan: ShardProgram, tail_outs: list[fx.Node],

@@ -227,7 +227,7 @@ class ShardedRegion(torch.nn.Module):
             try:
                 S_rest = split.rest.prepare(inputs, self.shard_size)
                 split.tail.prepare(tail_inputs(split, inputs, [_ev(o) for o in split.rest.out_nodes]),
-                                   self.shard_size)
+                                   split.chunk(self.shard_size, _device(inputs)))
                 why = check_tail(split.tail)
             except UnsupportedRegion as e:
                 why = str(e)
@@ -267,12 +267,17 @@ class ShardedRegion(torch.nn.Module):
             outs = _ratios(self._plan, _ShardedFn.apply(self._plan, self.cuda_graphs, *inputs))
         else:
             rest = _ratios(split.rest, _ShardedFn.apply(split.rest, self.cuda_graphs, *inputs))
-            got = _ratios(split.tail, run_tail(split.tail, tail_inputs(split, inputs, rest), self.shard_size,
+            got = _ratios(split.tail, run_tail(split.tail, tail_inputs(split, inputs, rest),
+                                               split.chunk(self.shard_size, _device(inputs)),
                                                self.cuda_graphs))
             outs = [None] * (len(split.tail_pos) + len(split.rest_pos))
             for i, o in [*zip(split.rest_pos, rest), *zip(split.tail_pos, got)]:
                 outs[i] = o
         return outs[0] if self._plan.single_output else tuple(outs)
+
+
+def _device(inputs: Sequence[Any]) -> torch.device | None:
+    return next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
 
 
 def _ratios(plan: ShardProgram, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
