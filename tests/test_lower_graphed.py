@@ -1,7 +1,7 @@
 """Shard programs replayed from captured graphs (runtime/graphed.py). On a GPU a replay writes its results into the
 same tensors every call; on CPU the stand-in ``replay_on_cpu`` does the same, so a sweep that kept a result across
 calls (a carried state, an adjoint, a chunk's gradient) would give wrong gradients here. Against eager autograd in
-fp64, over two steps with different data (the second replays the graphs the first captured)."""
+fp64, over two steps with different data (the second replays the graphs the first captured) and two more lengths."""
 from __future__ import annotations
 
 import copy
@@ -48,8 +48,9 @@ def test_replayed_programs_give_autograd_gradients(stand_in, options):
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
     f = torch.compile(model, backend="adjoint", options={**options, "inner": "inductor", "cuda_graphs": True})
-    for seed in (0, 1):
-        ids, tg = _data(seed)
+    # NB: two steps at T = 13, then two more lengths: one graph then serves every length, its programs shared
+    for seed, t in ((0, 13), (1, 13), (2, 9), (3, 22)):
+        ids, tg = _data(seed, t)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
