@@ -68,7 +68,8 @@ class GraphedCall:
                 fn(*self.static_in)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # NB: thread_local: a VJP is captured in the autograd engine's device thread, while the main thread waits
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.static_out = fn(*self.static_in)
 
     def __call__(self, *args: Any) -> Any:
