@@ -14,9 +14,10 @@ region is swept as before, with g · ∂ℓ/∂y as the cotangent of y. Exact, l
 never recomputed, and their chunks are sized by the tail's own activations (a shard of the rest can be long while a
 chunk of logits stays small).
 
-What is kept: ∂ℓ/∂y for every step (y's size: the split is made only where that is no more per step than the region's
-step-carrying inputs, which the sweep keeps anyway), and ∂ℓ/∂θ. A tail with a causal conv or a token shift, or one
-reading a value without the step axis from the rest, is not split: the region runs as one sweep as before.
+The cut is a minimum cut over the region's graph at the cheapest values per step (usually the last hidden state, far
+smaller than the logits). What is kept: ∂ℓ/∂y for every step and ∂ℓ/∂θ; the split is made only where the tail makes at
+least twice the bytes per step that it keeps. A tail with a causal conv or a token shift, a loss per sequence (not a
+scalar), or a cut through a value without the step axis is not split: the region runs as one sweep as before.
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def _min_cut(plan: ShardProgram, tail_outs: list[fx.Node],
         v = _ev(n)
         if n.op == "placeholder":
             d = plan.in_step_dims[plan.placeholders.index(n)]
-            cost = _nbytes(v) // T * len(nodes) if d is not None and v.dtype.is_floating_point else 0
+            cost = _nbytes(v) // T * len(nodes) if d is not None and isinstance(v, torch.Tensor) and \
+                v.is_floating_point() else 0
         elif isinstance(v, torch.Tensor) and info.step_dim.get(n) is not None and n not in info.folds:
             # NB: ties go to the earlier value (a later one costs a little more): the larger tail, run once
             cost = max(1, _nbytes(v) // T) * len(nodes) + k
