@@ -55,16 +55,21 @@ _CALLERS = {"adjoint_compile.passes.stitch": "partitions", "adjoint_compile.runt
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
-                  what: str | None = None) -> Callable[..., Any]:
+                  what: str | None = None, serial: bool = False) -> Callable[..., Any]:
     """Compile ``gm`` with the inner compiler named by the ``inner`` option (under :data:`COMPILE_LOCK`); with
     "inductor", aot_eager where inductor fails (module docstring). The seconds it takes count to the graph being
     compiled or run (adjoint_compile.timing), by what asked for it (``what``, else the calling module: a partition, a
-    shard program, ...)."""
+    shard program, ...). ``serial``: inductor's CPU kernels without OpenMP (one thread), for programs of kernels too
+    small to split between threads."""
     if inner == "eager":
         return gm.forward
     what = what or _CALLERS.get(sys._getframe(1).f_globals.get("__name__", ""), "whole_graph")
     t0 = time.perf_counter()
     try:
+        if serial and inner == "inductor":
+            import torch._inductor.config as inductor_config
+            with inductor_config.patch({"cpp.threads": 1}):
+                return _compile(gm, example_inputs, inner)
         return _compile(gm, example_inputs, inner)
     finally:
         timing.add_run_time(what, time.perf_counter() - t0)

@@ -37,7 +37,8 @@ from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from .graphed import replayed
-from .shard_parts import arg_layout, autocast_as, autocast_state, min_shard_bytes, wanted_shard_size
+from .shard_parts import (arg_layout, autocast_as, autocast_state, min_shard_bytes, serial_kernels,
+                          wanted_shard_size)
 from .shard_program import ShardProgram, _devices, _ev
 
 log = logging.getLogger(__name__)
@@ -302,7 +303,8 @@ def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: 
     log.debug("adjoint-compile: loss chunk program for L=%d: %d nodes", L, len(gm.graph.nodes))
     # NB: the trace and the compile count as one loss chunk program
     timing.add_run_time("loss_chunks", time.perf_counter() - t, count=tail.inner == "eager")
-    fn = gm if tail.inner == "eager" else compile_inner(gm, example, tail.inner, what="loss_chunks")
+    fn = gm if tail.inner == "eager" else compile_inner(gm, example, tail.inner, what="loss_chunks",
+                                                        serial=serial_kernels(tail, L, example))
     return fn, list(pairs)
 
 

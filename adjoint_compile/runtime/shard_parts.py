@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "min_shard_bytes", "default_shard_size", "wanted_shard_size",
+__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SERIAL_KERNEL_BYTES", "serial_kernels", "min_shard_bytes", "default_shard_size", "wanted_shard_size",
            "own_bytes", "autocast_state", "autocast_as"]
 
 
@@ -29,6 +29,22 @@ def min_shard_bytes(device: torch.device | None) -> int:
     """The least activation bytes of one shard on ``device`` (:data:`MIN_SHARD_BYTES`, on a GPU
     :data:`MIN_SHARD_BYTES_GPU`)."""
     return MIN_SHARD_BYTES_GPU if device is not None and device.type not in ("cpu", "meta") else MIN_SHARD_BYTES
+
+
+#: below these bytes per kernel (a shard's activations over its program's ops), a shard program's CPU kernels run on
+#: one thread: splitting kernels of a few KiB between threads costs more than it saves. Measured on the 2-core CPU,
+#: transformers' Mamba-2 (tiny config, T = 4096, 127-step shards of ~40 KiB kernels), 2 threads: 0.184 s a step with
+#: OpenMP kernels, 0.097 s with serial ones (compile: 0.065 s).
+SERIAL_KERNEL_BYTES = 2**20
+
+
+def serial_kernels(prog: Any, L: int, args: Sequence[Any]) -> bool:
+    """Whether the L-step programs of ``prog`` (prepared) on ``args`` are compiled with serial CPU kernels
+    (:data:`SERIAL_KERNEL_BYTES`)."""
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return False
+    ops = sum(1 for n in prog.region_gm.graph.nodes if n.op in ("call_function", "call_method"))
+    return L * prog.step_bytes() < SERIAL_KERNEL_BYTES * max(1, ops)
 
 
 def default_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0, min_bytes: int | None = None) -> int:

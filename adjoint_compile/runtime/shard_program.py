@@ -61,7 +61,7 @@ from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout,
                           autocast_as, autocast_state, default_shard_size, initial_zeros, min_shard_bytes, own_bytes,
-                          shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
+                          serial_kernels, shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
 from .graphed import replayed
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
@@ -437,8 +437,7 @@ class ShardProgram:
         """The shard program for L steps, compiled by the inner compiler on first use for this call pattern.
 
         NB: keyed by grad mode and each argument's requires_grad (None for an absent h0): an aot_autograd function
-        compiled for inputs that did not require grad would silently return no gradient for them later.
-        """
+        compiled for inputs that did not require grad would silently return no gradient for them later."""
         if self.inner == "eager":
             return self.program(L)
         grad = torch.is_grad_enabled()
@@ -449,7 +448,8 @@ class ShardProgram:
         fn = self.compiled.get(key)
         if fn is None:
             with COMPILE_LOCK:
-                fn = self.compiled.get(key) or compile_inner(self.program(L), args, self.inner)
+                fn = self.compiled.get(key) or compile_inner(self.program(L), args, self.inner,
+                                                             serial=serial_kernels(self, L, args))
                 self.compiled[key] = fn
         return fn
 
