@@ -34,9 +34,9 @@ def _counting(monkeypatch) -> dict[str, int]:
     for mod, kind in ((shard_program, "fwd"), (shard_vjp, "vjp")):
         real = mod.compile_inner
 
-        def counted(gm, ex, inner, _real=real, _kind=kind):
+        def counted(gm, ex, inner, _real=real, _kind=kind, **kw):
             n[_kind] += 1
-            return _real(gm, ex, inner)
+            return _real(gm, ex, inner, **kw)
         monkeypatch.setattr(mod, "compile_inner", counted)
     return n
 

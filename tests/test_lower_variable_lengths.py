@@ -61,9 +61,9 @@ def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypat
     pipelines, compiles = [], []
     real_compile = inner_mod.compile_inner
 
-    def counting(gm, ex, inner):
+    def counting(gm, ex, inner, **kw):
         compiles.append(len(ex))
-        return real_compile(gm, ex, inner)
+        return real_compile(gm, ex, inner, **kw)
 
     import adjoint_compile.runtime.shard_program as sp
     monkeypatch.setattr(sp, "compile_inner", counting)
@@ -123,9 +123,9 @@ def test_fifty_lengths_with_the_default_shard_size_keep_the_rewrite():
     import adjoint_compile.runtime.shard_program as sp
     real = sp.compile_inner
 
-    def counting(gm, ex, inner):
+    def counting(gm, ex, inner, **kw):
         compiles.append(gm)
-        return real(gm, ex, inner)
+        return real(gm, ex, inner, **kw)
 
     rng = torch.Generator().manual_seed(0)
     lengths = [3001, 2503] + sorted(set(torch.randint(1100, 4400, (80,), generator=rng).tolist()) - {3001, 2503})[:48]
