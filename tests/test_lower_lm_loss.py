@@ -507,3 +507,40 @@ def test_a_long_shard_runs_its_loss_in_chunks(monkeypatch):
     rep = _check(Step(FORMS["flatten(0, 1)"][0]).double(), 7, *_data())
     details = _takes_in(rep, 1)
     assert details["shard_size"] == 7 and 1 <= details["loss_tail"]["chunk"] < 7, details
+
+
+def test_one_recurrent_shard_with_its_loss_in_chunks_is_kept(monkeypatch):
+    """Default shard sizes where the recurrent part fits one shard but the logits do not: the region is kept (its
+    loss runs in chunks, so the logits never exist whole) rather than declined as one shard, and stays exact."""
+    from adjoint_compile.runtime import shard_parts
+
+    vocab, t = 2000, 64
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.layers, self.head = nn.Embedding(vocab, D), nn.Sequential(Layer(D), Layer(D)), \
+                nn.Linear(D, vocab)
+
+        def forward(self, ids: torch.Tensor, tg: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.head(self.layers(self.emb(ids))).flatten(0, 1), tg.flatten())
+
+    monkeypatch.setattr(shard_parts, "MIN_SHARD_BYTES", 200_000)
+    torch.manual_seed(0)
+    model = Big().double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    ids, tg = torch.randint(0, vocab, (B, t), generator=g), torch.randint(0, vocab, (B, t), generator=g)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(ids, tg)
+    want = ref(ids, tg)
+    got.backward()
+    want.backward()
+    assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-10, name
+    details = _takes_in(ac.report(f), 1)
+    assert details["shard_size"] == t and details["loss_tail"]["chunk"] < t, details

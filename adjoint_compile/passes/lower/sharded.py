@@ -135,15 +135,18 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
-    memory = expected_memory(nodes, scans, info, T, S, inputs, outputs, mod._plan.halo_bytes())
+    # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
+    # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
+    S_all = mod._plan.shard_size if mod.tail is not None else S
+    memory = expected_memory(nodes, scans, info, T, S_all, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
         # too: at short T they outweigh what sharding saves
         memory["per_example"] = ps_kinds[1] * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size()
                                                   for i in mod.per_sample.params)
         memory["sharded"] += memory["per_example"]
-    why = declines(memory, -(-T // S))
-    if not why and S >= T and rewrite == "adjoint" and opts.sequence_parallel is None:
+    why = declines(memory, -(-T // S_all))
+    if not why and S_all >= T and rewrite == "adjoint" and opts.sequence_parallel is None:
         # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
         # changes the gradients the user asked for; under sequence_parallel every rank must lower the same regions,
         # whatever the length of its slice)
