@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.runtime import graphed
-from test_lower_lm_loss import LM, _data, _rel
+from test_lower_lm_loss import LM, _data, _step_matches
 
 
 @pytest.fixture
@@ -50,18 +50,7 @@ def test_replayed_programs_give_autograd_gradients(stand_in, options):
     f = torch.compile(model, backend="adjoint", options={**options, "inner": "inductor", "cuda_graphs": True})
     # NB: two steps at T = 13, then two more lengths: one graph then serves every length, its programs shared
     for seed, t in ((0, 13), (1, 13), (2, 9), (3, 22)):
-        ids, tg = _data(seed, t)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = f(ids, tg)
-        want = ref(ids, tg)
-        got.backward()
-        want.backward()
-        assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert _rel(p.grad, q.grad) <= 1e-10, name
+        _step_matches(f, model, ref, *_data(seed, t))
     # the forward, the recompute + VJP and the loss chunk programs (per shard length), replayed shard after shard
     assert len(graphed._GRAPHED) >= 3, graphed._GRAPHED
     assert len(stand_in) >= 2 * len(graphed._GRAPHED), len(stand_in)

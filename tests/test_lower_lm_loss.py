@@ -148,6 +148,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def _step_matches(f, model: nn.Module, ref: nn.Module, *data: torch.Tensor, tol: float = 1e-10) -> None:
+    """One step of the compiled ``f`` (over ``model``) against eager ``ref``: the loss and every gradient."""
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(*data)
+    want = ref(*data)
+    got.backward()
+    want.backward()
+    assert abs(got.item() - want.item()) <= tol * abs(want.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= tol, name
+
+
 def _takes_in(rep: ac.Report, n_sums: int, tail: bool | None = True) -> dict:
     """The one sharded region's details; it takes in the head and ``n_sums`` sums over time (the loss); ``tail``:
     whether the loss (a scalar) runs once, with its gradient, in the forward (None: either)."""
@@ -533,14 +548,6 @@ def test_one_recurrent_shard_with_its_loss_in_chunks_is_kept(monkeypatch):
     ids, tg = torch.randint(0, vocab, (B, t), generator=g), torch.randint(0, vocab, (B, t), generator=g)
     torch._dynamo.reset()
     f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = f(ids, tg)
-    want = ref(ids, tg)
-    got.backward()
-    want.backward()
-    assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert _rel(p.grad, q.grad) <= 1e-10, name
+    _step_matches(f, model, ref, ids, tg)
     details = _takes_in(ac.report(f), 1)
     assert details["shard_size"] == t and details["loss_tail"]["chunk"] < t, details
