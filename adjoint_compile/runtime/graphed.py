@@ -9,12 +9,12 @@ argument layout and replays it:
 
 so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
 runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the
-gradients they add up) before the next call. Graphs of one region share one memory pool. A program that cannot be
-captured (an op that synchronizes or reads a CPU value) runs as compiled, with one warning per cause.
+gradients they add up) before the next call. All graphs on a device share one memory pool, which that discipline
+makes safe. A program that cannot be captured (an op that synchronizes or reads a CPU value) runs as compiled, with
+one warning per cause.
 
-``capture`` is a parameter so that the CPU tests can run the same discipline with a stand-in graph
-(:func:`replay_on_cpu`): each call writes its results into the same output tensors, so a sweep that kept one
-across calls would be found wrong against autograd.
+The CPU tests set :data:`CPU_STAND_IN` to a stand-in graph (:func:`replay_on_cpu`) that writes each call's results
+into the same output tensors, so a sweep that kept one across calls would be found wrong against autograd.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import AdjointCompileWarning
+from ..inner import _cause
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def capture_or_plain(fn: Callable[..., Any], example: Sequence[Any], pool: Any, 
     try:
         return GraphedCall(fn, example, pool)
     except Exception as e:  # noqa: BLE001 - whatever cannot be captured runs as compiled
-        cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        cause = _cause(e)
         log.debug("adjoint-compile: no CUDA graph for a %s (%s)", what, cause, exc_info=True)
         if cause not in _warned:
             _warned.add(cause)

@@ -200,7 +200,8 @@ class _TailFn(torch.autograd.Function):
     on the way and scaled by the cotangents in the backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, tail: ShardProgram, how: tuple[bool, bool], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, tail: ShardProgram, how: tuple[bool, bool],
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         want, graphs = how
         wrt = [i for i, (x, n) in enumerate(zip(inputs, ctx.needs_input_grad[2:])) if want and n]
         n_out = len(tail.out_nodes)
