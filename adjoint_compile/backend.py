@@ -44,7 +44,7 @@ from .regions import Fallback, Region, Rejection, group_rejections, rejection_li
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
 from .analysis.optable import draws_random
-from .runtime.verify import ForwardCheck, copy_graph_module, graph_fidelity
+from .runtime.verify import ForwardCheck, check_skipped, copy_graph_module, graph_fidelity
 from .timing import timed
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ def _checked(result: "CompiledGraph", fn: Callable[..., Any], pristine: fx.Graph
         result.timing["check_forward_skipped"] = 1.0
         log.info("adjoint-compile: first-call check skipped: the graph draws random numbers (dropout), which the "
                  "inner compiler draws differently from eager")
+        return fn
+    if check_skipped(result.timing, pristine, result.regions):
         return fn
     names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none") or (
         "per-example book-keeping" if result.per_sample is not None else "re-rolled loops")

@@ -179,6 +179,9 @@ def summary(timings: list[dict[str, float]]) -> str | None:
     line += "".join(f"; shard VJP traces {n:.0f}x {s:.2f} s" for name, n, s in kinds if name == "VJP traces")
     if "check_forward_s" in tot:
         line += f"; first-call check {tot['check_forward_s']:.2f} s"
+    if "check_forward_skipped_bytes" in tot:
+        line += (f"; first-call check skipped (the graph as captured would hold "
+                 f"{tot['check_forward_skipped_bytes'] / 2**20:.0f} MiB at once)")
     return line
 
 

@@ -4,6 +4,7 @@ any case is off its tolerance.
 
     python benchmarks/gpu_check.py                  # about two minutes on one GPU
     python benchmarks/gpu_check.py --backend-only   # the backend cases alone
+    python benchmarks/gpu_check.py --backend-only --graphs   # ... with options={"cuda_graphs": True}
 
 Kernels: forward and every gradient of ``scan_triton`` / ``scan_backward_triton`` against ``scan_ref`` /
 ``scan_backward_ref`` run in fp64 on the same inputs, at awkward sizes (T = 1, odd, non-powers of two, 2^20), both
@@ -58,6 +59,8 @@ def kernel_cases() -> list[tuple[str, float, float]]:
 
 def backend_cases() -> list[tuple[str, float, float]]:
     import adjoint_compile as ac  # noqa: F401  (registers the backend)
+    opts = {"shard_size": 64, "cuda_graphs": "--graphs" in sys.argv[1:]}
+    tag = " graphs" if opts["cuda_graphs"] else ""
     from adjoint_compile.models.selective_ssm import SSMStack
     out = []
     for T in (1, 7, 2049):
@@ -69,13 +72,13 @@ def backend_cases() -> list[tuple[str, float, float]]:
         # NB: a fixed projection, not model(x).square().mean(): the stack ends in an RMSNorm, so that loss is ~1
         # whatever the parameters and its gradients (~1e-8) are rounding noise (seen on an H200, inductor too)
         w = torch.randn(32, device="cuda")
-        f = torch.compile(lambda x: (model(x) * w).sum(), backend="adjoint", options={"shard_size": 64})
+        f = torch.compile(lambda x: (model(x) * w).sum(), backend="adjoint", options=opts)
         loss = f(x)
         loss.backward()
         want = (ref(x) * w).sum()
         want.backward()
         err = max([rel(loss, want)] + [rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())])
-        out.append((f"backend SSMStack T={T} shard 64", err, 1e-4))
+        out.append((f"backend SSMStack T={T} shard 64{tag}", err, 1e-4))
     V = 50257
     for T in (5, 1000):
         torch.manual_seed(0)
@@ -89,7 +92,7 @@ def backend_cases() -> list[tuple[str, float, float]]:
         ids = torch.randint(0, V, (2, T), device="cuda")
         tg = torch.randint(0, V, (2, T), device="cuda")
         tg[0, T // 2] = -100                                    # an ignored target
-        f = torch.compile(lambda i, t: step(i, t, mods), backend="adjoint", options={"shard_size": 64})
+        f = torch.compile(lambda i, t: step(i, t, mods), backend="adjoint", options=opts)
         loss = f(ids, tg)
         loss.backward()
         want = step(ids, tg, refm)
@@ -97,7 +100,7 @@ def backend_cases() -> list[tuple[str, float, float]]:
         err = max([rel(loss, want)] + [rel(p.grad, q.grad) for p, q in zip(mods.parameters(), refm.parameters())])
         rep = ac.report(f)
         tail = [r.details.get("loss_tail") for r in rep.regions if r.rewrite == "adjoint"]
-        out.append((f"backend LM V={V} T={T} shard 64 (fallbacks: {len(rep.fallbacks)}, loss run in the forward: "
+        out.append((f"backend LM V={V} T={T} shard 64{tag} (fallbacks: {len(rep.fallbacks)}, loss run in the forward: "
                     f"{bool(tail and tail[0])})", err, 1e-4))
     return out
 

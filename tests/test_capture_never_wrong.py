@@ -282,3 +282,63 @@ def test_output_mismatch():
     assert output_mismatch((a, a), (a,))["output"] is None
     d = torch.tensor([1.0, 2.0], dtype=torch.float64)
     assert output_mismatch((d * (1 + 1e-6),), (d,)) is not None                 # fp64 is held tighter
+
+
+def _lm_head_loss(x, w, t):
+    return torch.nn.functional.cross_entropy((x @ w).flatten(0, 1), t.flatten())
+
+
+@pytest.mark.parametrize("fn", [_lm_head_loss, lambda x, w, t: (x @ w).log_softmax(-1).exp().sum() + t.sum()])
+def test_forward_peak_bytes_bounds_the_measured_peak(fn):
+    """The estimate of what the first-call check holds, against the peak measured running the graph eagerly."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from adjoint_compile.measure import track_peak
+    from adjoint_compile.runtime.verify import forward_peak_bytes
+    x, w, t = torch.randn(1, 300, 16), torch.randn(16, 1000), torch.randint(0, 1000, (1, 300))
+    gm = make_fx(fn, tracing_mode="fake")(x, w, t)
+    with torch.no_grad(), track_peak("cpu") as m:
+        gm(x, w, t)
+    est = forward_peak_bytes(gm)
+    assert m["peak"] >= 300 * 1000 * 4                      # the logits at least
+    assert m["peak"] <= est <= 2 * m["peak"], (est, m["peak"])
+
+
+def _two_lengths(monkeypatch, **opts):
+    from adjoint_compile.runtime import verify
+    monkeypatch.setattr(verify, "CHECK_MIN_BYTES", 0)
+    monkeypatch.setattr(verify, "CHECK_FACTOR", 0)
+    torch.manual_seed(0)
+    m = Scan()
+    compiled = torch.compile(m, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager", **opts})
+    return m, compiled
+
+
+def test_first_call_check_skipped_where_it_would_hold_more_than_the_rewrite(monkeypatch):
+    """Where running the graph as captured would hold far more than the rewritten step (a language model's logits
+    at a long T), the check is skipped, and the report says so: here forced by thresholds of zero, so that the wrong
+    capture is no longer caught (which shows the check did not run)."""
+    m, compiled = _two_lengths(monkeypatch)
+    x = torch.randn(2, 33, 6, dtype=DT)
+    want = m(x)
+    _break_capture(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdjointCompileWarning)
+        got = compiled(x)
+    assert torch.allclose(got, 1.5 * want, rtol=1e-10)
+    rec = ac.report(compiled).compiled[0]
+    assert rec.fallbacks == [] and "check_forward_s" not in rec.timing and rec.timing["check_forward_skipped_bytes"] > 0
+    assert "first-call check skipped (the graph as captured would hold" in str(ac.report(compiled))
+
+
+def test_first_call_check_skipped_for_the_graph_of_every_length(monkeypatch):
+    """The same for the one graph that serves every length (its check's reference has symbolic sizes: the estimate
+    is made on the specialized copy); the results stay exact."""
+    m, compiled = _two_lengths(monkeypatch)
+    params = list(m.parameters())
+    for T in (33, 41, 57):
+        x = torch.randn(2, T, 6, dtype=DT)
+        _assert_same(m, compiled, params, x)
+    rep = ac.report(compiled)
+    owner = next(c for c in rep.compiled if c.specializations)
+    assert owner.timing.get("check_forward_skipped_bytes", 0) > 0 and "check_forward_s" not in owner.timing

@@ -27,7 +27,12 @@ from ..regions import Fallback
 log = logging.getLogger(__name__)
 
 __all__ = ["copy_graph_module", "compare_grads", "grads_of", "graph_fidelity", "ForwardCheck", "output_mismatch",
-           "FORWARD_TOLERANCE"]
+           "FORWARD_TOLERANCE", "forward_peak_bytes", "check_skipped"]
+
+#: the first-call check runs the graph as captured, whose forward alone can hold far more than the rewritten step
+#: (a language model's [B, T, V] logits at a long T): it is skipped when it would hold more than both of these
+CHECK_MIN_BYTES = 256 * 2**20
+CHECK_FACTOR = 4
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -120,6 +125,51 @@ def output_mismatch(got: Any, want: Any) -> dict[str, Any] | None:
         if not rel <= FORWARD_TOLERANCE.get(w.dtype, 1e-3):
             return {"output": i, "what": f"values differ (relative error {rel:.3g})", "rel_err": rel}
     return None
+
+
+def forward_peak_bytes(gm: fx.GraphModule) -> int:
+    """The most bytes a run of ``gm`` without autograd holds at once besides its inputs, from the nodes' example
+    values: each value is allocated at its node and freed after its last use; a view allocates nothing. While a node
+    runs, it may hold a temporary as large as its largest input (``cross_entropy``'s log-softmax of the logits)."""
+    from .shard_parts import own_bytes
+    nodes = list(gm.graph.nodes)
+    last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    freed: dict[int, int] = {}
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        if n.op in ("call_function", "call_method", "call_module"):
+            v = n.meta.get("val", n.meta.get("example_value"))
+            b = sum(own_bytes(x) for x in torch.utils._pytree.tree_leaves(v))
+            live += b
+            work = max((_size(a.meta.get("val", a.meta.get("example_value"))) for a in n.all_input_nodes), default=0)
+            peak = max(peak, live + work)
+            at = last.get(n, i)
+            freed[at] = freed.get(at, 0) + b
+        live -= freed.pop(i, 0)
+    return peak
+
+
+def _size(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def check_skipped(timing: dict[str, float], gm: fx.GraphModule, regions: Sequence[Any]) -> bool:
+    """Whether the first-call check is skipped because the graph as captured (``gm``, concrete sizes) would hold more
+    than :data:`CHECK_MIN_BYTES` and :data:`CHECK_FACTOR` times what the rewritten ``regions`` hold
+    (:func:`forward_peak_bytes`); said in the log and in ``report()``'s timing line."""
+    try:
+        need = forward_peak_bytes(gm)
+    except Exception:  # noqa: BLE001 - symbolic sizes or odd meta: the check runs as before
+        log.debug("adjoint-compile: the first-call check's memory could not be estimated", exc_info=True)
+        return False
+    held = sum(r.details.get("expected_memory_bytes", {}).get("sharded", 0) for r in regions if r.rewrite != "none")
+    if need <= max(CHECK_MIN_BYTES, CHECK_FACTOR * held):
+        return False
+    timing["check_forward_skipped"] = 1.0
+    timing["check_forward_skipped_bytes"] = float(need)
+    log.info("adjoint-compile: first-call check skipped: the graph as captured would hold %.0f MiB at once without "
+             "autograd, more than %dx the rewritten regions' %.0f MiB", need / 2**20, CHECK_FACTOR, held / 2**20)
+    return True
 
 
 def written_placeholders(gm: fx.GraphModule) -> set[int]:
