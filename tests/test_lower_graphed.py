@@ -73,3 +73,38 @@ def test_only_inductor_programs_on_cuda_are_graphed():
     assert not graphed.graphable([x, None], "inductor")  # CPU tensors, no stand-in
     assert not graphed.graphable([x], "aot_eager")
     assert not graphed.graphable([None, 1], "inductor")
+
+
+def test_an_unchanged_argument_is_not_copied_again(stand_in):
+    """The same tensor, unchanged, is not copied into the graph's input again; written in place (directly or through
+    a view) or replaced, it is."""
+    def fn(w, x):
+        return (x @ w,)
+    w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    call = graphed.GraphedCall(fn, [w, x])
+    assert torch.equal(call(w, x)[0], x @ w)
+    call.static_in[0].zero_()                       # had w been copied again, this would not show
+    assert torch.equal(call(w, x)[0], torch.zeros(4, 2, dtype=torch.float64))
+    w.add_(1.0)                                     # written in place: copied again
+    assert torch.equal(call(w, x)[0], x @ w)
+    w[0].mul_(2.0)                                  # through a view: copied again
+    assert torch.equal(call(w, x)[0], x @ w)
+    w2 = w.clone()                                  # another tensor with the same values: copied
+    call.static_in[0].zero_()
+    assert torch.equal(call(w2, x)[0], x @ w)
+
+
+def test_training_steps_with_weights_updated_in_place(stand_in):
+    """Three optimizer steps (weights updated in place between the replays) against eager training in fp64."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    for seed in range(3):
+        _step_matches(f, model, ref, *_data(seed, 13))
+        for o in opts:
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-10, atol=1e-12)

@@ -7,6 +7,9 @@ argument layout and replays it:
 
     call k:  static_in[i].copy_(args[i])  ─►  graph.replay()  ─►  static_out   (the same tensors every call)
 
+An argument that is the very tensor of the previous call, unchanged since (its version counter, which in-place
+writes through any view bump), is not copied again: a sweep passes the same weights to every shard.
+
 so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
 runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the
 gradients they add up) before the next call. All graphs on a device share one memory pool, which that discipline
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +60,8 @@ class GraphedCall:
     def __init__(self, fn: Callable[..., Any], example: Sequence[Any], pool: Any = None) -> None:
         self.fn = fn
         self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in example]
+        #: per argument, the tensor copied last and its version then (module docstring)
+        self._last: list[tuple[Any, int] | None] = [None] * len(self.static_in)
         self.graph: Any = None
         self.replay_cpu: Callable[..., Any] | None = None
         if CPU_STAND_IN is not None and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in example):
@@ -74,9 +80,13 @@ class GraphedCall:
             self.static_out = fn(*self.static_in)
 
     def __call__(self, *args: Any) -> Any:
-        for s, a in zip(self.static_in, args):
+        for i, (s, a) in enumerate(zip(self.static_in, args)):
             if isinstance(s, torch.Tensor):
+                last = self._last[i]
+                if last is not None and last[0]() is a and last[1] == a._version:
+                    continue
                 s.copy_(a)
+                self._last[i] = (weakref.ref(a), a._version)  # NB: weak: a kept view would keep its base alive
         if self.replay_cpu is not None:
             return self.replay_cpu()
         self.graph.replay()
