@@ -108,3 +108,25 @@ def test_training_steps_with_weights_updated_in_place(stand_in):
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_a_parameter_is_read_in_place_and_another_runs_as_compiled(stand_in):
+    """A parameter is the graph's own input (not cloned, updates seen without a copy); a call with another parameter
+    in its place, or the same one moved to other memory (as FSDP2 does), runs the program as compiled."""
+    calls = []
+
+    def fn(w, x):
+        calls.append(1)
+        return (x @ w,)
+    w = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    call = graphed.GraphedCall(fn, [w, x])
+    assert call.static_in[0] is w
+    with torch.no_grad():
+        w.mul_(3.0)
+    assert torch.equal(call(w, x)[0], x @ w)
+    other = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+    n = len(stand_in)
+    assert torch.equal(call(other, x)[0], x @ other) and len(stand_in) == n   # not replayed
+    w.data = w.data.clone()                                                       # same object, other memory
+    assert torch.equal(call(w, x)[0], x @ w) and len(stand_in) == n

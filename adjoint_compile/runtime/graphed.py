@@ -7,8 +7,10 @@ argument layout and replays it:
 
     call k:  static_in[i].copy_(args[i])  ─►  graph.replay()  ─►  static_out   (the same tensors every call)
 
-An argument that is the very tensor of the previous call, unchanged since (its version counter, which in-place
-writes through any view bump), is not copied again: a sweep passes the same weights to every shard.
+A parameter is read in place by the graph (a call with another parameter there, or the same one moved to other
+memory, runs as compiled); an argument that
+is the very tensor of the previous call, unchanged since (its version counter, which in-place writes through any view
+bump), is not copied again.
 
 so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
 runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the
@@ -59,7 +61,13 @@ class GraphedCall:
 
     def __init__(self, fn: Callable[..., Any], example: Sequence[Any], pool: Any = None) -> None:
         self.fn = fn
-        self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in example]
+        # NB: a parameter is its own static input (read in place, updates and all, never cloned: a vocabulary
+        # matrix would be held twice per program); any other tensor is copied in
+        self.aliased = [isinstance(a, torch.nn.Parameter) for a in example]
+        self.static_in = [a if al else a.detach().clone() if isinstance(a, torch.Tensor) else a
+                          for a, al in zip(example, self.aliased)]
+        # NB: and its memory: FSDP2 frees and re-allocates an unsharded parameter's storage under the same object
+        self._ptrs = [a.data_ptr() if al else 0 for a, al in zip(example, self.aliased)]
         #: per argument, the tensor copied last and its version then (module docstring)
         self._last: list[tuple[Any, int] | None] = [None] * len(self.static_in)
         self.graph: Any = None
@@ -80,8 +88,11 @@ class GraphedCall:
             self.static_out = fn(*self.static_in)
 
     def __call__(self, *args: Any) -> Any:
+        if any(al and (a is not s or a.data_ptr() != p) for al, s, a, p in zip(self.aliased, self.static_in, args,
+                                                                                 self._ptrs)):
+            return self.fn(*args)  # NB: other parameters (another instance of the module): run as compiled
         for i, (s, a) in enumerate(zip(self.static_in, args)):
-            if isinstance(s, torch.Tensor):
+            if isinstance(s, torch.Tensor) and not self.aliased[i]:
                 last = self._last[i]
                 if last is not None and last[0]() is a and last[1] == a._version:
                     continue
