@@ -113,10 +113,15 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 for p in params:
                     p.grad = None
                 fn(ids).backward()
+            if dev.type == "cuda":  # NB: the first step's peak: compiling, first-call check and capture included
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             one()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+                first_peak = torch.cuda.max_memory_allocated() - base
             first = time.perf_counter() - t0
             for p in params:
                 p.grad = None
@@ -126,6 +131,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
             row = {"V": V, "T": T, "peak_bytes": m["peak"], "step_s": step_s, "first_step_s": first}
             if dev.type == "cuda":  # NB: CUDA graphs' private pools are reserved, not allocated, between replays
                 row["max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                row["first_step_peak_bytes"] = first_peak
             if method.startswith("adjoint"):
                 rep = ac.report(fn)
                 row["fallbacks"] = [f.cause for f in rep.fallbacks]
@@ -137,7 +143,9 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                     row["loss_chunk"] = lowered[0].details.get("loss_tail", {}).get("chunk")
             rows.append(row)
             print(f"  {method} V={V} T={T}: peak {m['peak'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
-                  f"first {first:6.1f} s", flush=True)
+                  f"first {first:6.1f} s" + (f"  first-step peak {first_peak / 2**20:.0f} MiB  reserved "
+                                             f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB"
+                                             if dev.type == "cuda" else ""), flush=True)
     return {"method": method, "rows": rows}
 
 

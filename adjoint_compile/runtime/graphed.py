@@ -41,8 +41,16 @@ __all__ = ["GraphedCall", "graphable", "replayed", "replay_on_cpu"]
 #: the causes of failed captures already warned about
 _warned: set[str] = set()
 
+#: whether an unchanged argument is not copied again (needs ``increment_version`` to mark replayed outputs changed)
+_SKIP = hasattr(torch.autograd.graph, "increment_version")
+
 #: tests set this to :func:`replay_on_cpu` to run the graphed discipline without a GPU
 CPU_STAND_IN: Callable[..., Any] | None = None
+
+
+def _bump(t: torch.Tensor) -> None:
+    if _SKIP:
+        torch.autograd.graph.increment_version(t)
 
 
 def graphable(args: Sequence[Any], inner: str) -> bool:
@@ -94,14 +102,21 @@ class GraphedCall:
         for i, (s, a) in enumerate(zip(self.static_in, args)):
             if isinstance(s, torch.Tensor) and not self.aliased[i]:
                 last = self._last[i]
-                if last is not None and last[0]() is a and last[1] == a._version:
+                if _SKIP and last is not None and last[0]() is a and last[1] == a._version:
                     continue
                 s.copy_(a)
                 self._last[i] = (weakref.ref(a), a._version)  # NB: weak: a kept view would keep its base alive
         if self.replay_cpu is not None:
-            return self.replay_cpu()
-        self.graph.replay()
-        return self.static_out
+            out = self.replay_cpu()
+        else:
+            self.graph.replay()
+            out = self.static_out
+        # NB: a replay writes its outputs behind autograd's back: their version counters are bumped by hand, or an
+        # output passed back in (a carried state, an adjoint) would look unchanged and not be copied in again
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                _bump(t)
+        return out
 
 
 def capture_or_plain(fn: Callable[..., Any], example: Sequence[Any], pool: Any, what: str) -> Callable[..., Any]:
@@ -127,7 +142,7 @@ def replay_on_cpu(fn: Callable[..., Any], static_in: list[Any]) -> Callable[[], 
     def replay() -> Any:
         for o, r in zip(out, fn(*static_in)):
             if isinstance(o, torch.Tensor):
-                o.copy_(r)
+                o.data.copy_(r)  # NB: .data: like a graph's replay, the write leaves the version counter as it is
         return out
     return replay
 
