@@ -54,7 +54,7 @@ class Options:
     batch_dim: int = 0
     #: on CUDA with inner="inductor": replay each shard program of the exact and truncated sweeps from a captured
     #: CUDA graph (runtime/graphed.py): one launch per program call instead of one per kernel.
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -79,7 +79,7 @@ SUMMARY = {
     "tolerance": "highway only: stop iterating once an update's relative norm is below it (> 0)",
     "per_sample_clip": "DP-SGD clipping bound C > 0 (inf: per-example norms only)",
     "batch_dim": "the example axis of the inputs, for per_sample_clip (default 0)",
-    "cuda_graphs": "on CUDA with inner='inductor': replay shard programs from CUDA graphs (default false)",
+    "cuda_graphs": "on CUDA with inner='inductor': replay shard programs from CUDA graphs (default true)",
 }
 
 
@@ -205,7 +205,7 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
                        "part of each example's gradient)")
     if "batch_dim" in options:
         kw["batch_dim"] = _check_positive_int("batch_dim", options["batch_dim"], 0)
-    cuda_graphs = options.get("cuda_graphs", False)
+    cuda_graphs = options.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise _bad("cuda_graphs", cuda_graphs, "expected True or False")
     kw["cuda_graphs"] = cuda_graphs

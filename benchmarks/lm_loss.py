@@ -8,15 +8,16 @@ untied vocabulary head. The loss is written as training scripts write it:
     logits = model(ids[:, :-1])                                             # [B, T, V]
     loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
-* ``adjoint``: that step under ``backend="adjoint"`` (default options);
+* ``adjoint``: that step under ``backend="adjoint"`` (default options: on CUDA, shard programs replayed from CUDA
+  graphs);
 * ``compile``: that step under ``torch.compile`` (inductor);
 * ``compile_lce``: the stack and ``F.linear_cross_entropy(hidden, head.weight, targets,
   options=nn.LinearCrossEntropyOptions())`` (torch's chunked head + loss, written by hand) under ``torch.compile``;
 * ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
-* ``adjoint+graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": True}``;
+* ``adjoint-graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": False}``;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
   instead of the default (8 MiB on a CPU, 64 MiB on a GPU), to see the trade between peak and step time;
-  ``adjoint@M+graphs`` both.
+  ``adjoint@M-graphs`` both.
 
 Each method runs in a fresh process. For each V and T it runs one step (compiling), one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes on CPU, ``max_memory_allocated`` on CUDA, parameters and
@@ -71,7 +72,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
     if "@" in method:
         # NB: a sweep of the least bytes per shard (runtime/shard_parts.py): how the default was chosen
         from adjoint_compile.runtime import shard_parts
-        mib = float(method.split("@")[1].split("+")[0])
+        mib = float(method.split("@")[1].split("-")[0])
         shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(mib * 2**20)
     rows = []
     for V in args.vocab:
@@ -91,7 +92,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                                           options=nn.LinearCrossEntropyOptions())
 
         if method.startswith("adjoint"):
-            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "+graphs" in method})
+            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "-graphs" not in method})
         elif method == "compile":
             fn = torch.compile(step)
         elif method == "compile_lce":

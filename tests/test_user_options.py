@@ -48,7 +48,7 @@ def test_defaults_and_good_values():
     assert validate(None) == validate({}) == ac.Options()
     o = validate({"mode": "truncated", "window": 16, "shard_size": 3, "inner": "eager", "verify": True})
     assert (o.mode, o.window, o.shard_size, o.inner, o.verify) == ("truncated", 16, 3, "eager", True)
-    assert validate({}).cuda_graphs is False and validate({"cuda_graphs": True}).cuda_graphs is True
+    assert validate({}).cuda_graphs is True and validate({"cuda_graphs": False}).cuda_graphs is False
     assert validate({"mode": "highway", "iterations": 0}).iterations == 0
     assert validate({"sequence_parallel": False}).sequence_parallel is None
 

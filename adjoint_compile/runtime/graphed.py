@@ -23,6 +23,7 @@ into the same output tensors, so a sweep that kept one across calls would be fou
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 import weakref
@@ -163,6 +164,7 @@ def replayed(fn: Callable[..., Any], args: Sequence[Any], inner: str, what: str)
         dev = next(a.device for a in args if isinstance(a, torch.Tensor))
         if dev.type == "cuda" and dev not in _POOLS:
             _POOLS[dev] = torch.cuda.graph_pool_handle()
-        got = (fn, capture_or_plain(fn, args, _POOLS.get(dev), what))
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            got = (fn, capture_or_plain(fn, args, _POOLS.get(dev), what))
         _GRAPHED[id(fn)] = got
     return got[1]

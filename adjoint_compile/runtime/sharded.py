@@ -184,7 +184,7 @@ class ShardedRegion(torch.nn.Module):
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, shard_size: int | None = None,
                  verify: bool = False, inner: str = "eager", window: int | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = True) -> None:
         super().__init__()
         for key, v in (("shard_size", shard_size), ("window", window)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
