@@ -385,6 +385,21 @@ def test_default_shard_size_balances_boundaries_and_shards_with_enough_work_per_
     assert default_shard_size(10**6, 0, 1024, min_bytes=2**20) == 1024
 
 
+def test_least_shard_bytes_grow_with_the_cpu_threads():
+    """On a CPU a shard holds at least MIN_SHARD_BYTES per intra-op thread (the threads divide its work, not its
+    fixed cost), up to SHARD_THREADS threads; a GPU's least bytes do not depend on them."""
+    from adjoint_compile.runtime import shard_parts as sp
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    n = torch.get_num_threads()
+    try:
+        for threads, want in ((1, 1), (2, 2), (3, 3), (sp.SHARD_THREADS + 5, sp.SHARD_THREADS)):
+            torch.set_num_threads(threads)
+            assert sp.min_shard_bytes(cpu) == want * sp.MIN_SHARD_BYTES, threads
+            assert sp.min_shard_bytes(gpu) == sp.MIN_SHARD_BYTES_GPU
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_shard_programs_compiled_by_the_inner_compiler_match_autograd(inner):
     """The compiled shard programs (forward, and recompute + VJP in backward) against plain autograd."""

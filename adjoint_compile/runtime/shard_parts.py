@@ -10,15 +10,20 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SERIAL_KERNEL_BYTES", "serial_kernels", "min_shard_bytes",
+__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SHARD_THREADS", "SERIAL_KERNEL_BYTES", "serial_kernels", "min_shard_bytes",
            "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state", "autocast_as"]
 
 
-#: the least activation bytes a shard recomputes (estimated, see :func:`wanted_shard_size`): below it a shard's fixed
-#: cost (two compiled program calls and a few scan calls, ~1.5 ms on 2 idle CPU cores) is a visible share of its
-#: work. Measured on a 2-core CPU with tiny configs of minGRU, transformers' Mamba and Mamba-2 at T = 8192: shards of
-#: ~4 MiB of estimated activations cost 1.0-1.3x the step time of shards 4-8x as long.
+#: the least activation bytes a shard recomputes on a CPU, per intra-op thread (up to :data:`SHARD_THREADS`; estimated,
+#: see :func:`wanted_shard_size`): below it a shard's fixed cost (two compiled program calls and a few scan calls,
+#: ~1.5 ms on 2 idle CPU cores) is a visible share of its work, which the threads divide. Measured on a 2-core CPU
+#: with tiny configs of minGRU, transformers' Mamba and Mamba-2 at T = 8192: shards of ~4 MiB of estimated activations
+#: cost 1.0-1.3x the step time of shards 4-8x as long; Mamba-2 at T = 4096 with two threads: 8, 16 and 32 MiB shards
+#: step in 1.44x, 1.11x and 0.96x torch.compile's time (one thread: 1.07x, 0.89x, 0.83x).
 MIN_SHARD_BYTES = 8 * 2**20
+
+#: the most threads :data:`MIN_SHARD_BYTES` is multiplied by
+SHARD_THREADS = 8
 
 #: the same on a GPU, where a shard's fixed cost (Python, and launching its programs' kernels) is about the same as on
 #: a CPU while its work runs ~100x faster: shards of 8 MiB left an LM step's time almost all overhead there
@@ -26,9 +31,11 @@ MIN_SHARD_BYTES_GPU = 64 * 2**20
 
 
 def min_shard_bytes(device: torch.device | None) -> int:
-    """The least activation bytes of one shard on ``device`` (:data:`MIN_SHARD_BYTES`, on a GPU
-    :data:`MIN_SHARD_BYTES_GPU`)."""
-    return MIN_SHARD_BYTES_GPU if device is not None and device.type not in ("cpu", "meta") else MIN_SHARD_BYTES
+    """The least activation bytes of one shard on ``device``: on a GPU :data:`MIN_SHARD_BYTES_GPU`, else
+    :data:`MIN_SHARD_BYTES` times the intra-op threads (``torch.get_num_threads()``, at most :data:`SHARD_THREADS`)."""
+    if device is not None and device.type not in ("cpu", "meta"):
+        return MIN_SHARD_BYTES_GPU
+    return MIN_SHARD_BYTES * max(1, min(torch.get_num_threads(), SHARD_THREADS))
 
 
 #: below these bytes per kernel (a shard's activations over its program's ops), a shard program's CPU kernels run on
