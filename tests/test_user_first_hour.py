@@ -116,16 +116,24 @@ def test_a_residual_chain_alone_is_still_counted():
 
 
 def test_the_selective_ssm_examples_comment_matches_the_default_shard():
-    """examples/selective_ssm.py says what shard_size the backend chooses at the example's length: check it."""
+    """examples/selective_ssm.py says what shard_size the backend chooses at the example's length with one CPU thread,
+    and that two threads double it (shards hold at least 8 MiB per thread): check both."""
     text = (ROOT / "examples" / "selective_ssm.py").read_text()
-    m = re.search(r"(\d+) steps at T = (\d+)", text)
+    m = re.search(r"with one thread (\d+) steps at\s+#?\s*T = (\d+)", text)
     assert m is not None, "the comment on the default shard size is gone"
     shard, T = int(m.group(1)), int(m.group(2))
-    assert "declined" not in text
-    torch.manual_seed(0)
-    rep = ac.explain(make_ssm(), torch.randn(2, T, 16))
-    lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
-    assert lin and all(r.rewrite == "adjoint" and r.details["shard_size"] == shard for r in lin), str(rep)
+    assert "declined" not in text and "twice that with two" in text
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(0)
+            rep = ac.explain(make_ssm(), torch.randn(2, T, 16))
+            lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
+            assert lin and all(r.rewrite == "adjoint" and r.details["shard_size"] == threads * shard
+                               for r in lin), str(rep)
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_the_long_size_results_are_named_for_what_they_hold():
