@@ -342,3 +342,23 @@ def test_first_call_check_skipped_for_the_graph_of_every_length(monkeypatch):
     rep = ac.report(compiled)
     owner = next(c for c in rep.compiled if c.specializations)
     assert owner.timing.get("check_forward_skipped_bytes", 0) > 0 and "check_forward_s" not in owner.timing
+
+
+def test_first_call_check_never_skipped_without_a_sharded_region(monkeypatch):
+    """With nothing sharded (a re-rolled loop, per-example book-keeping) the step holds what the check holds: the
+    check runs however large the graph; with a sharded region over the thresholds it is skipped."""
+    import types
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from adjoint_compile.runtime import verify
+    monkeypatch.setattr(verify, "CHECK_MIN_BYTES", 0)
+    gm = make_fx(_lm_head_loss, tracing_mode="fake")(torch.randn(1, 30, 4), torch.randn(4, 50),
+                                                     torch.randint(0, 50, (1, 30)))
+    region = types.SimpleNamespace(rewrite="adjoint", details={"expected_memory_bytes": {"sharded": 1}})
+    unsharded = types.SimpleNamespace(rewrite="none", details={})
+    timing: dict[str, float] = {}
+    assert not verify.check_skipped(timing, gm, []) and not verify.check_skipped(timing, gm, [unsharded])
+    assert timing == {}
+    assert verify.check_skipped(timing, gm, [region, unsharded])
+    assert timing["check_forward_skipped_bytes"] == verify.forward_peak_bytes(gm) > 0

@@ -155,15 +155,16 @@ def _size(v: Any) -> int:
 
 def check_skipped(timing: dict[str, float], gm: fx.GraphModule, regions: Sequence[Any]) -> bool:
     """Whether the first-call check is skipped because the graph as captured (``gm``, concrete sizes) would hold more
-    than :data:`CHECK_MIN_BYTES` and :data:`CHECK_FACTOR` times what the rewritten ``regions`` hold
-    (:func:`forward_peak_bytes`); said in the log and in ``report()``'s timing line."""
+    than :data:`CHECK_MIN_BYTES` and :data:`CHECK_FACTOR` times what the sharded ``regions`` hold
+    (:func:`forward_peak_bytes`); never without a sharded region. Said in the log and in ``report()``'s timing line."""
     try:
         need = forward_peak_bytes(gm)
     except Exception:  # noqa: BLE001 - symbolic sizes or odd meta: the check runs as before
         log.debug("adjoint-compile: the first-call check's memory could not be estimated", exc_info=True)
         return False
     held = sum(r.details.get("expected_memory_bytes", {}).get("sharded", 0) for r in regions if r.rewrite != "none")
-    if need <= max(CHECK_MIN_BYTES, CHECK_FACTOR * held):
+    # NB: nothing sharded (a re-rolled loop, per-example book-keeping): the step itself holds what the check holds
+    if not held or need <= max(CHECK_MIN_BYTES, CHECK_FACTOR * held):
         return False
     timing["check_forward_skipped"] = 1.0
     timing["check_forward_skipped_bytes"] = float(need)
