@@ -8,9 +8,8 @@ argument layout and replays it:
     call k:  static_in[i].copy_(args[i])  ─►  graph.replay()  ─►  static_out   (the same tensors every call)
 
 A parameter is read in place by the graph (a call with another parameter there, or the same one moved to other
-memory, runs as compiled); an argument that
-is the very tensor of the previous call, unchanged since (its version counter, which in-place writes through any view
-bump), is not copied again.
+memory, runs as compiled); an argument that is the very tensor of the previous call, unchanged since (its version
+counter, which in-place writes through any view bump and each replay bumps on its outputs), is not copied again.
 
 so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
 runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the

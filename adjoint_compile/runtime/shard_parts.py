@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SHARD_THREADS", "SERIAL_KERNEL_BYTES", "serial_kernels", "min_shard_bytes",
-           "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state", "autocast_as"]
+__all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SHARD_THREADS", "SERIAL_KERNEL_BYTES", "serial_kernels",
+           "min_shard_bytes", "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state", "autocast_as"]
 
 
 #: the least activation bytes a shard recomputes on a CPU, per intra-op thread (up to :data:`SHARD_THREADS`; estimated,

@@ -23,6 +23,7 @@ import torch.fx as fx
 from ..analysis.fx import written_inputs
 from ..errors import AdjointCompileWarning
 from ..regions import Fallback
+from .shard_parts import own_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,6 @@ def forward_peak_bytes(gm: fx.GraphModule) -> int:
     """The most bytes a run of ``gm`` without autograd holds at once besides its inputs, from the nodes' example
     values: each value is allocated at its node and freed after its last use; a view allocates nothing. While a node
     runs, it may hold a temporary as large as its largest input (``cross_entropy``'s log-softmax of the logits)."""
-    from .shard_parts import own_bytes
     nodes = list(gm.graph.nodes)
     last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
     freed: dict[int, int] = {}
