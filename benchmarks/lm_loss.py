@@ -16,8 +16,8 @@ untied vocabulary head. The loss is written as training scripts write it:
 * ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
 * ``adjoint-graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": False}``;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
-  instead of the default (8 MiB on a CPU, 64 MiB on a GPU), to see the trade between peak and step time;
-  ``adjoint@M-graphs`` both.
+  (per thread on a CPU) instead of the default (8 MiB per thread on a CPU, 64 MiB on a GPU), to see the trade
+  between peak and step time; ``adjoint@M-graphs`` both.
 
 Each method runs in a fresh process. For each V and T it runs one step (compiling), one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes on CPU, ``max_memory_allocated`` on CUDA, parameters and
