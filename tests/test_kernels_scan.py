@@ -407,3 +407,77 @@ def test_public_names():
         assert callable(getattr(K, name))
     schema = str(torch.ops.adjoint_compile.linear_scan.default._schema)
     assert "Tensor a, Tensor b, Tensor? h0, int dim, bool reverse, int? window, str? impl" in schema
+
+
+# ------------------------------------------------------------------- the CPU kernel on strided and broadcast layouts
+def _layout(kind, shape, d, g):
+    """A float64 tensor of ``shape`` in a layout of the named kind (values random)."""
+    if kind == "contiguous":
+        return torch.randn(shape, generator=g, dtype=torch.float64)
+    if kind == "time-inner":       # an inductor output: the step stride smaller than a channel's
+        order = [i for i in range(len(shape)) if i != d][:-1] + [d, len(shape) - 1]
+        base = torch.randn([shape[i] for i in order], generator=g, dtype=torch.float64)
+        return base.permute([order.index(i) for i in range(len(shape))])
+    if kind == "broadcast":        # a decay per (batch, step, head), broadcast over the trailing channels
+        small = torch.rand(list(shape[:3]) + [1] * (len(shape) - 3), generator=g, dtype=torch.float64)
+        return small.expand(shape)
+    if kind == "transposed":
+        return torch.randn(list(reversed(shape)), generator=g, dtype=torch.float64).permute(
+            list(reversed(range(len(shape)))))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 3, 4, 5), (1, 1, 2, 3, 8), (3, 13, 1, 5, 1), (2, 40, 3, 2, 6)])
+@pytest.mark.parametrize("a_kind", ["contiguous", "broadcast", "time-inner", "transposed"])
+@pytest.mark.parametrize("b_kind", ["contiguous", "time-inner", "transposed"])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("h0_kind", [None, "contiguous", "transposed"])
+def test_cpu_kernel_on_strided_layouts_matches_loop(shape, a_kind, b_kind, reverse, h0_kind):
+    """Permuted and broadcast inputs, written into a permuted output, exact against the per-step loop."""
+    from adjoint_compile.kernels.scan import cpu
+    g = torch.Generator().manual_seed(sum(shape))
+    a, b = _layout(a_kind, shape, 1, g), _layout(b_kind, shape, 1, g)
+    hshape = shape[:1] + shape[2:]
+    h0 = None if h0_kind is None else _layout(h0_kind, hshape, 0, g)
+    want = K.naive_scan(a.contiguous(), b.contiguous(), None if h0 is None else h0.contiguous(), 1, reverse, None)
+    torch.testing.assert_close(cpu.prim_cpu(a, b, h0, 1, reverse), want, atol=1e-12, rtol=1e-12)
+    out = _layout("time-inner", shape, 1, g).fill_(float("nan"))
+    cpu.prim_cpu(a, b, h0, 1, reverse, out)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+def test_cpu_kernel_loops_need_no_copy_for_permuted_and_broadcast_inputs():
+    """The layouts of transformers' Mamba-2 scan in a shard program: b with the step stride 8 (``[B, H, P, T, N]`` in
+    memory), a broadcast over P and N. The kernel walks them as they are: no contiguous copy, the inner loop over N
+    at unit stride for b and out, stride 0 for a."""
+    from adjoint_compile.kernels.scan import cpu
+    shape = (2, 254, 4, 16, 8)
+    b = torch.empty(2, 4, 16, 254, 8).permute(0, 3, 1, 2, 4)
+    a = torch.empty(2, 254, 4)[..., None, None].expand(shape)
+    out = torch.empty(shape)
+    plan = cpu.loops(shape, 1, [b.stride(), out.stride(), a.stride(), (0,) * 5])
+    assert plan is not None
+    sizes, outer, n_in, inner = plan
+    assert n_in == 8 and inner[:3] == [1, 1, 0] and sorted(sizes) == [2, 4, 16]
+    # a contiguous [B, T, C] scan: one outer loop over B, the channels inner
+    c = torch.empty(3, 9, 5)
+    assert cpu.loops(c.shape, 1, [c.stride()] * 3) == ([3], [[45], [45], [45]], 5, [1, 1, 1])
+    # dims that are one for every tensor merge; a [B, T] scan has one element inner, one row per batch
+    e = torch.empty(3, 9, 4, 5)
+    assert cpu.loops(e.shape, 1, [e.stride()] * 2) == ([3], [[180], [180]], 20, [1, 1])
+    f = torch.empty(64, 9)
+    assert cpu.loops(f.shape, 1, [f.stride()] * 2) == ([64], [[9], [9]], 1, [0, 0])
+
+
+def test_cpu_kernel_with_more_outer_dims_than_loops_copies_and_stays_exact():
+    from adjoint_compile.kernels.scan import cpu
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 6, 3, 2, 3, 2, 3, 2)
+    perm = [7, 1, 5, 3, 0, 2, 4, 6]
+    b = torch.randn([shape[i] for i in perm], generator=g, dtype=torch.float64).permute(
+        [perm.index(i) for i in range(len(shape))])
+    a = torch.rand(shape, generator=g, dtype=torch.float64)
+    strides = [b.stride(), torch.empty(shape).stride(), a.stride(), (0,) * len(shape)]
+    assert cpu.loops(shape, 1, strides) is None           # the fallback path is the one under test
+    torch.testing.assert_close(cpu.prim_cpu(a, b, None, 1, False),
+                               K.naive_scan(a, b.contiguous(), None, 1, False, None), atol=1e-12, rtol=1e-12)

@@ -6,9 +6,11 @@ and against :func:`.ref.naive_scan`).
 Why: the torch reference is a blocked scan, ~3√T small torch ops per call. On the long sequences of a plain
 ``torch.compile`` that overhead is amortized, but the adjoint-sharded backward scans every shard (tens to hundreds
 of steps) three times (forward, recompute, adjoint), and there per-op overhead dominated the training step (on 2
-CPU cores, a 4-layer SSM at T = 8192 spent ~60 % of its step in 128-step reference scans). One pass of C over
-``[outer, T, inner]`` rows makes the scan memory-bound: each row of ``inner`` contiguous channels is read and
-written once, vectorized by the compiler.
+CPU cores, a 4-layer SSM at T = 8192 spent ~60 % of its step in 128-step reference scans). One pass of C makes the
+scan memory-bound: every element is read and written once, in the layouts the tensors come in (strided, permuted
+and broadcast ones too, up to :data:`MAX_OUTER_DIMS` outer loops: a shard program's scan inputs are often
+permuted by inductor, and a decay is often broadcast over channels; copying them contiguous first cost more than
+the scan), vectorized by the compiler along the innermost dim.
 
 The C source below is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/
 ``clang``) into the user's kernel cache, ``$ADJOINT_COMPILE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/adjoint_compile``
@@ -24,9 +26,9 @@ fp64 (the compute dtypes); the callers upcast half precision first.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
-import math
 import os
 import platform
 import shutil
@@ -35,6 +37,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -46,35 +49,87 @@ log = logging.getLogger(__name__)
 
 __all__ = ["available", "scan_cpu", "scan_backward_cpu", "prim_cpu"]
 
-# NB: one row of `inner` channels per step; `prev` is the previous step's output row (or h0), so the state lives in
-# `out` itself and the loop needs no scratch. a/b/out/h0 rows are contiguous (inner stride 1); outer and step
-# strides are free, so narrow()ed views along the step dim need no copy.
+# NB: the tensors are walked as loops over up to four outer dims, the step dim and one inner dim, each tensor with its
+# own strides, so that permuted layouts (an inductor program's output, its T stride smaller than a channel's) and
+# broadcast decays (a stride 0 over the channels) need no copy. The previous step's output (or h0) is the state, so
+# the loop needs no scratch. Rows of outer dims go in blocks of RB, stepped together: a row's steps are a chain of
+# dependent multiply-adds, and RB independent chains keep the core busy where the inner dim is short. The two common
+# inner layouts get loops of unit stride, which the compiler vectorizes: all contiguous, and a decay broadcast over
+# the inner dim.
 _SOURCE = r"""
 #include <stdint.h>
+#define RB 32
 #define SCAN(NAME, T_)                                                                                  \
-void NAME(const T_* a, const T_* b, const T_* h0, T_* out,                                               \
-          int64_t n_outer, int64_t n_t, int64_t n_inner,                                                 \
-          int64_t a_so, int64_t a_st, int64_t b_so, int64_t b_st,                                        \
-          int64_t o_so, int64_t o_st, int64_t h_so, int reverse) {                                       \
-    for (int64_t o = 0; o < n_outer; ++o) {                                                              \
-        const T_* prev = h0 ? h0 + o * h_so : 0;                                                         \
-        for (int64_t k = 0; k < n_t; ++k) {                                                              \
-            int64_t t = reverse ? n_t - 1 - k : k;                                                       \
-            const T_* at = a + o * a_so + t * a_st;                                                      \
-            const T_* bt = b + o * b_so + t * b_st;                                                      \
-            T_* ot = out + o * o_so + t * o_st;                                                          \
-            if (prev) {                                                                                  \
-                for (int64_t i = 0; i < n_inner; ++i) ot[i] = at[i] * prev[i] + bt[i];                   \
-            } else {                                                                                     \
-                for (int64_t i = 0; i < n_inner; ++i) ot[i] = bt[i];                                     \
+void NAME(const T_* a, const T_* b, const T_* h0, T_* out, int64_t n_od, const int64_t* od_size,         \
+          const int64_t* a_so, const int64_t* b_so, const int64_t* o_so, const int64_t* h_so,            \
+          int64_t n_t, int64_t a_st, int64_t b_st, int64_t o_st,                                         \
+          int64_t n_in, int64_t a_si, int64_t b_si, int64_t o_si, int64_t h_si, int reverse) {           \
+    int64_t n_outer = 1, idx[4] = {0, 0, 0, 0}, ca = 0, cb = 0, co = 0, ch = 0;                          \
+    int64_t ao[RB], bo[RB], oo[RB], ho[RB];                                                              \
+    for (int64_t j = 0; j < n_od; ++j) n_outer *= od_size[j];                                            \
+    const int64_t back = reverse ? o_st : -o_st;                                                         \
+    /* a row at a time when the inner dim is one element: such rows are often far apart, at strides      \
+       that map a block of them onto the same cache sets */                                              \
+    const int64_t rb = n_in == 1 ? 1 : RB;                                                               \
+    for (int64_t o0 = 0; o0 < n_outer; o0 += rb) {                                                       \
+        const int64_t nr = n_outer - o0 < rb ? n_outer - o0 : rb;                                        \
+        for (int64_t r = 0; r < nr; ++r) {                                                               \
+            ao[r] = ca; bo[r] = cb; oo[r] = co; ho[r] = ch;                                              \
+            for (int64_t j = n_od - 1; j >= 0; --j) {                                                    \
+                ++idx[j]; ca += a_so[j]; cb += b_so[j]; co += o_so[j]; ch += h_so[j];                    \
+                if (idx[j] < od_size[j]) break;                                                          \
+                ca -= a_so[j] * od_size[j]; cb -= b_so[j] * od_size[j];                                  \
+                co -= o_so[j] * od_size[j]; ch -= h_so[j] * od_size[j]; idx[j] = 0;                      \
             }                                                                                            \
-            prev = ot;                                                                                   \
+        }                                                                                                \
+        for (int64_t r = 0; r < nr; ++r) {                                                               \
+            const int64_t t = reverse ? n_t - 1 : 0;                                                     \
+            const T_* at = a + ao[r] + t * a_st;                                                         \
+            const T_* bt = b + bo[r] + t * b_st;                                                         \
+            T_* ot = out + oo[r] + t * o_st;                                                             \
+            if (h0) {                                                                                    \
+                const T_* hp = h0 + ho[r];                                                               \
+                for (int64_t i = 0; i < n_in; ++i) ot[i * o_si] = at[i * a_si] * hp[i * h_si] + bt[i * b_si]; \
+            } else {                                                                                     \
+                for (int64_t i = 0; i < n_in; ++i) ot[i * o_si] = bt[i * b_si];                          \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t k = 1; k < n_t; ++k) {                                                              \
+            const int64_t t = reverse ? n_t - 1 - k : k;                                                 \
+            const T_* a_t = a + t * a_st;                                                                \
+            const T_* b_t = b + t * b_st;                                                                \
+            T_* o_t = out + t * o_st;                                                                    \
+            if (a_si == 1 && b_si == 1 && o_si == 1) {                                                   \
+                for (int64_t r = 0; r < nr; ++r) {                                                       \
+                    const T_* at = a_t + ao[r]; const T_* bt = b_t + bo[r];                              \
+                    T_* ot = o_t + oo[r]; const T_* prev = ot + back;                                    \
+                    for (int64_t i = 0; i < n_in; ++i) ot[i] = at[i] * prev[i] + bt[i];                  \
+                }                                                                                        \
+            } else if (a_si == 0 && b_si == 1 && o_si == 1) {                                            \
+                for (int64_t r = 0; r < nr; ++r) {                                                       \
+                    const T_ s = a_t[ao[r]]; const T_* bt = b_t + bo[r];                                 \
+                    T_* ot = o_t + oo[r]; const T_* prev = ot + back;                                    \
+                    for (int64_t i = 0; i < n_in; ++i) ot[i] = s * prev[i] + bt[i];                      \
+                }                                                                                        \
+            } else if (n_in == 1) {                                                                      \
+                for (int64_t r = 0; r < nr; ++r) o_t[oo[r]] = a_t[ao[r]] * o_t[oo[r] + back] + b_t[bo[r]]; \
+            } else {                                                                                     \
+                for (int64_t r = 0; r < nr; ++r) {                                                       \
+                    const T_* at = a_t + ao[r]; const T_* bt = b_t + bo[r];                              \
+                    T_* ot = o_t + oo[r]; const T_* prev = ot + back;                                    \
+                    for (int64_t i = 0; i < n_in; ++i)                                                   \
+                        ot[i * o_si] = at[i * a_si] * prev[i * o_si] + bt[i * b_si];                     \
+                }                                                                                        \
+            }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
 }
-SCAN(ac_scan_f32, float)
-SCAN(ac_scan_f64, double)
+SCAN(ac_scan_nd_f32, float)
+SCAN(ac_scan_nd_f64, double)
 """
+
+#: outer loops the kernel takes; a layout that does not coalesce into as few is copied contiguous first
+MAX_OUTER_DIMS = 4
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -255,9 +310,10 @@ def _load() -> ctypes.CDLL | None:
                         "torch reference", _failed)
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.ac_scan_f32, lib.ac_scan_f64):
+        for fn in (lib.ac_scan_nd_f32, lib.ac_scan_nd_f64):
             fn.restype = None
-            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                           i64, i64, i64, i64, i64, ctypes.c_int]
         _lib = lib
         return lib
 
@@ -273,20 +329,61 @@ def why_unavailable() -> str | None:
     return _failed
 
 
-def _rows(x: Tensor, outer: int, T: int | None, inner: int) -> Tensor | None:
-    """``x`` as a ``[outer, T, inner]`` (or ``[outer, inner]``) view with contiguous rows, or None."""
-    shape = (outer, inner) if T is None else (outer, T, inner)
-    try:
-        v = x.view(shape)
-    except RuntimeError:
+def loops(shape: Sequence[int], d: int, strides: Sequence[Sequence[int]]
+          ) -> tuple[list[int], list[list[int]], int, list[int]] | None:
+    """The kernel's loops over tensors of ``shape`` scanned along ``d``, each tensor with its ``strides`` (one per
+    dim; 0 where it is broadcast): ``(outer sizes, per tensor its outer strides, inner size, per tensor its inner
+    stride)``, or None when more than :data:`MAX_OUTER_DIMS` outer loops remain.
+
+    The dims other than ``d`` are ordered by the first tensor's strides, then the others' (largest first: the loops
+    follow its memory), and neighbours that are one dim for every tensor are merged. The last becomes the inner loop
+    when its strides are all 0 or 1 for the first two tensors (else the inner loop has one element and every dim is
+    an outer loop: a strided inner loop would touch a cache line per element)."""
+    n = len(strides)
+    dims = sorted((i for i in range(len(shape)) if i != d and shape[i] != 1),
+                  key=lambda i: tuple(-st[i] for st in strides))
+    groups: list[tuple[int, list[int]]] = []
+    for i in dims:
+        st = [s[i] for s in strides]
+        if groups and all(g == x * shape[i] for g, x in zip(groups[-1][1], st)):
+            groups[-1] = (groups[-1][0] * shape[i], st)
+        else:
+            groups.append((shape[i], st))
+    n_in, inner = 1, [0] * n
+    if groups and all(x in (0, 1) for x in groups[-1][1][:2]):
+        n_in, inner = groups.pop()
+    if len(groups) > MAX_OUTER_DIMS:
         return None
-    return v if inner == 1 or v.stride(-1) == 1 else None
+    return [g[0] for g in groups], [[g[1][k] for g in groups] for k in range(n)], n_in, inner
+
+
+def _i64s(xs: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * max(1, len(xs)))(*xs)
+
+
+@functools.lru_cache(maxsize=512)
+def _kernel_args(shape: tuple[int, ...], d: int, strides: tuple[tuple[int, ...], ...]) -> tuple | None:
+    """:func:`loops` of (b, out, a, h0) as the kernel's arguments; cached: a shard program calls the scan with the
+    same layouts every shard, and building them is a visible part of a short scan's time."""
+    plan = loops(shape, d, strides)
+    if plan is None:
+        return None
+    sizes, (b_so, o_so, a_so, h_so), n_in, (b_si, o_si, a_si, h_si) = plan
+    return (len(sizes), _i64s(sizes), _i64s(a_so), _i64s(b_so), _i64s(o_so), _i64s(h_so),
+            n_in, a_si, b_si, o_si, h_si)
+
+
+def _strides(b: Tensor, out: Tensor, a: Tensor, h0: Tensor | None, d: int) -> tuple[tuple[int, ...], ...]:
+    """The strides of (b, out, a, h0), h0's with a 0 at ``d`` (all 0 without h0)."""
+    hs = (0,) * b.dim() if h0 is None else h0.stride()[:d] + (0,) + h0.stride()[d:]
+    return b.stride(), out.stride(), a.stride(), hs
 
 
 def prim_cpu(a: Tensor, b: Tensor, h0: Tensor | None, d: int, reverse: bool, out: Tensor | None = None) -> Tensor:
     """The full scan along ``d`` in the compute dtype, written into ``out``; same contract as
-    :func:`.ref.blocked_scan` (``a``, ``b``: same shape, any strides; ``h0``: ``a``'s shape without ``d`` or None;
-    ``out``: ``a``'s shape in the compute dtype, any strides, or None to allocate)."""
+    :func:`.ref.blocked_scan` (``a``, ``b``: same shape, any strides, broadcast ones included; ``h0``: ``a``'s shape
+    without ``d`` or None; ``out``: ``a``'s shape in the compute dtype, any strides without overlap, or None to
+    allocate)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU scan kernel is unavailable: {_failed}")
@@ -300,34 +397,22 @@ def prim_cpu(a: Tensor, b: Tensor, h0: Tensor | None, d: int, reverse: bool, out
     T = shape[d]
     if T == 0 or out.numel() == 0:
         return out
-    inner = math.prod(shape[d + 1:])
-    outer = out.numel() // (T * inner)
-    # NB: the common case (contiguous tensors: the shard programs' own) skips the view checks; this call is made
-    # three times per shard and scan, where Python overhead is a visible part of a small shard's time.
-    if a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and (h0 is None or h0.is_contiguous()):
-        av, bv, ov, hv, direct = a, b, out, h0, True
-        sa = sb = so = (T * inner, inner)
-        sh = inner
-    else:
-        av = _rows(a, outer, T, inner)
-        av = av if av is not None else a.contiguous().view(outer, T, inner)
-        bv = _rows(b, outer, T, inner)
-        bv = bv if bv is not None else b.contiguous().view(outer, T, inner)
-        hv = None
-        if h0 is not None:
-            hv = _rows(h0, outer, None, inner)
-            hv = hv if hv is not None else h0.contiguous().view(outer, inner)
-        ov = _rows(out, outer, T, inner)
-        direct = ov is not None
-        if not direct:
-            ov = torch.empty((outer, T, inner), dtype=cdt)
-        sa, sb, so = av.stride()[:2], bv.stride()[:2], ov.stride()[:2]
-        sh = 0 if hv is None else hv.stride(0)
-    fn = lib.ac_scan_f32 if cdt == torch.float32 else lib.ac_scan_f64
-    fn(av.data_ptr(), bv.data_ptr(), None if hv is None else hv.data_ptr(), ov.data_ptr(),
-       outer, T, inner, sa[0], sa[1], sb[0], sb[1], so[0], so[1], sh, int(reverse))
-    if not direct:
-        out.copy_(ov.view(out.shape))
+    dst = out
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), shape)):
+        dst = torch.empty(shape, dtype=cdt)               # an overlapping out (expanded) cannot be written in place
+    args = _kernel_args(tuple(shape), d, _strides(b, dst, a, h0, d))
+    if args is None:
+        a, b = a.contiguous(), b.contiguous()
+        h0 = None if h0 is None else h0.contiguous()
+        if not dst.is_contiguous():
+            dst = torch.empty(shape, dtype=cdt)
+        args = _kernel_args(tuple(shape), d, _strides(b, dst, a, h0, d))
+    n_od, sizes, a_so, b_so, o_so, h_so, n_in, a_si, b_si, o_si, h_si = args
+    fn = lib.ac_scan_nd_f32 if cdt == torch.float32 else lib.ac_scan_nd_f64
+    fn(a.data_ptr(), b.data_ptr(), None if h0 is None else h0.data_ptr(), dst.data_ptr(), n_od, sizes,
+       a_so, b_so, o_so, h_so, T, a.stride(d), b.stride(d), dst.stride(d), n_in, a_si, b_si, o_si, h_si, int(reverse))
+    if dst is not out:
+        out.copy_(dst)
     return out
 
 
