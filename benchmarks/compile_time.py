@@ -283,6 +283,41 @@ def render(out: Path) -> None:
            "(first, middle and last shard), come on top of the partitions' and dominate the first step.", ""]
     (out / "compile_time.md").write_text("\n".join(md))
     print(f"wrote {out / 'compile_time.md'}")
+    plot(rows, meta, out / "compile_time_cpu.png")
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    """First step per case, adjoint beside inductor, labelled with the ratio; an inductor run stopped at its time
+    limit is drawn hatched at that limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["case"], r["backend"]): r for r in rows}
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.3 * len(cases) + 2, 3.6))
+    for i, case in enumerate(cases):
+        a, ind = by.get((case, "adjoint"), {}), by.get((ADJOINT_ONLY.get(case, case), "inductor"), {})
+        fa, fi, stopped = a.get("first_step_s"), ind.get("first_step_s"), ind.get("timed_out_s")
+        if fa:
+            ax.bar(i - 0.2, fa, 0.4, color="tab:blue", label="adjoint" if i == 0 else None)
+        if fi or stopped:
+            ax.bar(i + 0.2, fi or stopped, 0.4, color="tab:gray", hatch=None if fi else "//",
+                   label="inductor" if i == 0 else None)
+        if fa and (fi or stopped):
+            ax.text(i, max(fa, fi or stopped) * 1.02, f"{'<' if not fi else ''}{fa / (fi or stopped):.2f}x",
+                    ha="center", fontsize=8)
+    ax.set_xticks(range(len(cases)), cases, rotation=20, fontsize=8)
+    ax.set_ylabel("first step: compile + forward + backward (s)")
+    ax.set_title(f"First step, fresh caches ({meta['device']}, torch {meta['torch']}, {meta['date']}); "
+                 "hatched: stopped at the time limit", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ when a whole training step is compiled; ``--loss-outside`` compiles the model al
 output's gradient then live outside the compiled code and grow with T). Peak memory is the most bytes of tensors
 live at once during one training step (:func:`adjoint_compile.measure.track_peak`), step time the median of 3.
 ``--threads N …`` adds the later step's time (median of 7 after 2 warm-up steps) with ``torch.set_num_threads(N)``
-for each N, adjoint and compile each in a fresh process.
+for each N, adjoint and compile each in a fresh process, and a plot of them (``--plot JSON`` draws it again).
 
 Every measurement (each method's memory, each first step) runs in a fresh process with its own time limit
 (``--timeout``), so compile caches and allocator state do not leak between them and a compile that does not finish
@@ -274,7 +274,12 @@ def main() -> None:
     p.add_argument("--skip-memory", action="store_true", help="no memory measurement (with --threads: times only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement (each in its own process)")
+    p.add_argument("--plot", metavar="JSON", help="draw the step-time plot of a --threads run's JSON, measuring nothing")
     a = p.parse_args()
+    if a.plot:
+        data = json.loads(Path(a.plot).read_text())
+        plot_steps(data["results"], data["meta"], Path(a.plot).with_suffix(".png"))
+        return
     results: dict[str, Any] = {}
     extra = ["--loss-outside"] if a.loss_outside else []
     for name in a.targets:
@@ -321,6 +326,45 @@ def _write(results: dict[str, Any], a: argparse.Namespace) -> None:
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / f"{name}.md").write_text(_table(done, a.mem_lens, a.first_lens if all(
         "first" in v for v in done.values() if "missing" not in v) else []) + "\n")
+    if a.threads:
+        plot_steps(results, meta, out / f"{name}.png")
+
+
+def plot_steps(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    """Later-step time per model, adjoint beside compile, per thread count (log scale), each bar pair labelled with
+    adjoint's ratio to compile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, v in results.items() if v.get("step")]
+    threads = [str(n) for n in meta["step_threads"]]
+    if not names or not threads:
+        return
+    fig, axes = plt.subplots(1, len(threads), figsize=(4.2 * len(threads), 3.6), sharey=True, squeeze=False)
+    for ax, n in zip(axes[0], threads):
+        for i, name in enumerate(names):
+            st = results[name]["step"].get(n, {})
+            ad, co = (st.get(m, {}).get("step_s") for m in ("adjoint", "compile"))
+            for dx, v, colour, label in ((-0.2, ad, "tab:blue", "adjoint"), (0.2, co, "tab:gray", "torch.compile")):
+                if v:
+                    ax.bar(i + dx, v, 0.4, color=colour, label=label if i == 0 else None)
+            if ad and co:
+                ax.text(i, max(ad, co) * 1.1, f"{ad / co:.2f}x", ha="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(f"{n} thread{'s' if n != '1' else ''}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("later training step (s)")
+    axes[0][0].legend(fontsize=8)
+    T = meta["mem_lens"][0]
+    fig.suptitle(f"Later step at T = {T}, B = {meta['batch']}, adjoint / compile ({meta['machine']}, "
+                 f"torch {meta['torch']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
