@@ -6,12 +6,12 @@
 Cases: the shipped SSM (adjoint_compile.models.selective_ssm.SSMStack, loss compiled in, shards of 256 steps), two
 examples (pre_ln_transformer and relu_resnet: residual chains, nothing rewritten in exact mode; mamba_conv, a sharded
 region with causal convs, takes both backends over 3 minutes cold and is not in the default run), a Python loop
-h = a_t * h + b_t that dynamo unrolls, at T = 512 and 2048 (re-rolled into one scan; default options decline it, one
+h = a_t * h + b_t that dynamo unrolls, at T = 512, 2048 and 8192 (re-rolled into one scan; default options decline it, one
 shard, and the re-rolled graph is compiled; --cases loop512_sharded shards it), and an MLP (nothing to rewrite).
 Inductor on the unrolled loops takes minutes: those measurements stop at --loop-timeout. Every step's loss is
 compiled in; each measurement also times later steps (the steady state: the median of up to 21, within 5 s).
 
-Prints a table and writes benchmarks/results/compile_time_cpu.json and benchmarks/results/compile_time.md.
+Prints a table and writes benchmarks/results/compile_time_cpu.json, compile_time.md and compile_time_cpu.png.
 
     python benchmarks/compile_time.py                   # the default cases, about 8 minutes on 2 cores
     python benchmarks/compile_time.py --cases mlp,ssm   # some of them
@@ -36,7 +36,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 #: case -> what it is (the table's and the results page's words)
 #: the cases run by default (the others: --cases)
-DEFAULT = ("ssm", "pre_ln_transformer", "relu_resnet", "loop512", "loop2048", "mlp")
+DEFAULT = ("ssm", "pre_ln_transformer", "relu_resnet", "loop512", "loop2048", "loop8192", "mlp")
 CASES = {
     "ssm": "SSMStack (2 layers, d_model 16, d_state 4), B=2, T=2048, shard_size=256, loss compiled in",
     "relu_resnet": "examples/relu_resnet.py (6 residual layers, width 32), B=8: a residual chain, nothing rewritten in "
@@ -47,6 +47,7 @@ CASES = {
     "loop512": "Python loop h = sigmoid(W_a x_t) * h + W_b x_t, d=16, B=2, T=512 (dynamo unrolls it), default "
                "options: re-rolled into one linear_scan, declined (one shard), compiled re-rolled",
     "loop2048": "the same loop at T=2048",
+    "loop8192": "the same loop at T=8192",
     "loop512_sharded": "the same loop at T=512 with shard_size=128: re-rolled and sharded (adjoint only; inductor: "
                        "see loop512)",
     "loop2048_sharded": "the same loop at T=2048 with shard_size=512 (adjoint only)",
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for case in args.cases.split(","):
         for backend in BACKENDS[:1] if case in ADJOINT_ONLY else BACKENDS:
-            r = _run(case, backend, args.loop_timeout if case in ("loop512", "loop2048") else args.timeout)
+            loop = case in ("loop512", "loop2048", "loop8192")
+            r = _run(case, backend, args.loop_timeout if loop else args.timeout)
             rows.append(r)
             what = (f"first step {r['first_step_s']:.2f} s (forward {r['first_forward_s']:.2f}, backward "
                     f"{r['first_backward_s']:.2f}), later steps {r['later_step_s']:.4f} s" if "error" not in r

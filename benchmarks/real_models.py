@@ -274,7 +274,8 @@ def main() -> None:
     p.add_argument("--skip-memory", action="store_true", help="no memory measurement (with --threads: times only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement (each in its own process)")
-    p.add_argument("--plot", metavar="JSON", help="draw the step-time plot of a --threads run's JSON, measuring nothing")
+    p.add_argument("--plot", metavar="JSON",
+                   help="draw the step-time plot of a --threads run's JSON, measuring nothing")
     a = p.parse_args()
     if a.plot:
         data = json.loads(Path(a.plot).read_text())
