@@ -54,6 +54,8 @@ CASES = {
     "mlp": "MLP, 8 x (Linear(256, 256) + GELU), B=64: nothing to rewrite",
 }
 BACKENDS = ("adjoint", "inductor")
+#: the line of compile_time.md under which notes written by hand are kept when the page is written again
+KEEP = "<!-- written by hand below this line: kept when the page is written again -->"
 #: cases measured with backend="adjoint" only (their inductor figure is another case's)
 ADJOINT_ONLY = {"loop512_sharded": "loop512", "loop2048_sharded": "loop2048"}
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loop-timeout", type=float, default=75.0,
                    help="the same for the loop cases: inductor compiles the unrolled loop, minutes on 2 cores")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--render", action="store_true", help="write the .md again from the .json, measuring nothing")
+    p.add_argument("--render", action="store_true", help="write the .md again from the .json, measuring nothing (notes under its KEEP line stay)")
     args = p.parse_args(argv)
     if args.render:
         render(Path(args.out))
@@ -283,8 +285,11 @@ def render(out: Path) -> None:
            "backward) and is stopped at the time limit; adjoint compiles the re-rolled graph (one linear_scan). On a "
            "sharded region (ssm) the shard programs' compiles, a forward and a recompute + VJP per call pattern "
            "(first, middle and last shard), come on top of the partitions' and dominate the first step.", ""]
-    (out / "compile_time.md").write_text("\n".join(md))
-    print(f"wrote {out / 'compile_time.md'}")
+    page = out / "compile_time.md"
+    if page.exists() and KEEP in page.read_text():  # NB: the notes written by hand under the marker stay
+        md += [KEEP + page.read_text().split(KEEP, 1)[1]]
+    page.write_text("\n".join(md))
+    print(f"wrote {page}")
     plot(rows, meta, out / "compile_time_cpu.png")
 
 
