@@ -6,8 +6,9 @@
 Cases: the shipped SSM (adjoint_compile.models.selective_ssm.SSMStack, loss compiled in, shards of 256 steps), two
 examples (pre_ln_transformer and relu_resnet: residual chains, nothing rewritten in exact mode; mamba_conv, a sharded
 region with causal convs, takes both backends over 3 minutes cold and is not in the default run), a Python loop
-h = a_t * h + b_t that dynamo unrolls, at T = 512, 2048 and 8192 (re-rolled into one scan; default options decline it, one
-shard, and the re-rolled graph is compiled; --cases loop512_sharded shards it), and an MLP (nothing to rewrite).
+h = a_t * h + b_t that dynamo unrolls, at T = 512, 2048 and 8192 (re-rolled into one scan; default options decline
+it, one shard, and the re-rolled graph is compiled; --cases loop512_sharded shards it), and an MLP (nothing to
+rewrite).
 Inductor on the unrolled loops takes minutes: those measurements stop at --loop-timeout. Every step's loss is
 compiled in; each measurement also times later steps (the steady state: the median of up to 21, within 5 s).
 
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loop-timeout", type=float, default=75.0,
                    help="the same for the loop cases: inductor compiles the unrolled loop, minutes on 2 cores")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--render", action="store_true", help="write the .md again from the .json, measuring nothing (notes under its KEEP line stay)")
+    p.add_argument("--render", action="store_true",
+                   help="write the .md again from the .json, measuring nothing (notes under its KEEP line stay)")
     args = p.parse_args(argv)
     if args.render:
         render(Path(args.out))
