@@ -105,6 +105,36 @@ def test_unrolled_loop_becomes_one_scan_with_eager_gradients(T):
     check_against_eager(loop, gm, ["a", "b", "h"], make)
 
 
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_committed_states_read_the_scan_output_with_exact_example_values(T):
+    """Re-rolling commits each used per-step state as ``H[k]``; those nodes' example values (made from one fake
+    unbind of H, not T fake selects) are exactly H[k]'s: shape, strides and storage offset."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adjoint_compile.passes.capture.batching import Emitter
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    H = g.placeholder("H")
+    states = [g.placeholder(f"s{k}") for k in range(T)]
+    g.output(tuple(g.call_function(torch.relu, (s,)) for s in states))
+    with mode:
+        H.meta["example_value"] = torch.empty(T, B, D)
+        for s in states:
+            s.meta["example_value"] = torch.empty(B, D)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    reroll_mod._commit_states(gm, Emitter(gm, {"pass": "test"}), H, states, None)
+    picks = [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] is H]
+    assert [n.args[1] for n in picks] == list(range(T))
+    for n in picks:
+        got, want = n.meta["example_value"], H.meta["example_value"][n.args[1]]
+        assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+    assert not any(s.users for s in states)
+
+
 def loop_shifted(a, b, h):
     outs = []
     for t in range(a.shape[1] - 2):

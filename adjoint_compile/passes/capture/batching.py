@@ -86,22 +86,29 @@ class Emitter:
         self.out = next(n for n in gm.graph.nodes if n.op == "output")
         self.mode = _fake_mode(gm)
 
-    def __call__(self, target: Any, args: tuple = (), kwargs: dict | None = None, method: bool = False) -> fx.Node:
+    def __call__(self, target: Any, args: tuple = (), kwargs: dict | None = None, method: bool = False,
+                 value: Any = None) -> fx.Node:
+        """A new node ``target(*args, **kwargs)``; ``value``: its example value when the caller has it already (else
+        computed on fake tensors)."""
         kwargs = kwargs or {}
-        fa = fx.node.map_arg(args, example_value)
-        fk = fx.node.map_arg(kwargs, example_value)
-        try:
-            with self.mode:
-                ev = getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
-        except Exception as e:  # noqa: BLE001 - a rule produced an op torch refuses: not provable
-            raise Unproven(f"{getattr(target, '__name__', target)} on the batched values fails: "
-                            f"{type(e).__name__}: {e}") from e
+        ev = value if value is not None else self.value(target, args, kwargs, method)
         with self.gm.graph.inserting_before(self.out):
             n = self.gm.graph.create_node("call_method" if method else "call_function", target, args, kwargs)
         n.meta["example_value"] = ev
         n.meta[PROVENANCE] = dict(self.prov)
         self.made.append(n)
         return n
+
+    def value(self, target: Any, args: tuple = (), kwargs: dict | None = None, method: bool = False) -> Any:
+        """The example value of ``target(*args, **kwargs)``, on fake tensors; :class:`Unproven` where torch refuses."""
+        fa = fx.node.map_arg(args, example_value)
+        fk = fx.node.map_arg(kwargs or {}, example_value)
+        try:
+            with self.mode:
+                return getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
+        except Exception as e:  # noqa: BLE001 - a rule produced an op torch refuses: not provable
+            raise Unproven(f"{getattr(target, '__name__', target)} on the batched values fails: "
+                           f"{type(e).__name__}: {e}") from e
 
     def __enter__(self) -> Emitter:
         return self
