@@ -268,7 +268,12 @@ def _commit_states(gm: fx.GraphModule, em: Emitter, H: fx.Node, states: list[fx.
     used = [(k, s) for k, s in enumerate(states) if s.users]
     # NB: the example values of all T reads H[k] from one fake unbind: fake-tensor dispatch of T selects, one at a
     # time, was ~0.4 ms each, the largest part of re-rolling a loop at T = 8192
-    views = em.value(torch.unbind, (H, 0)) if len(used) > 1 else None
+    views = None
+    if len(used) > 1:
+        try:
+            views = em.value(torch.unbind, (H, 0))
+        except _Unproven:  # NB: then each read computes its own, as before
+            views = None
     for k, s in used:
         s.replace_all_uses_with(em(operator.getitem, (H, k), value=None if views is None else views[k]))
 
