@@ -55,6 +55,10 @@ class Options:
     #: on CUDA with inner="inductor": replay each shard program of the exact and truncated sweeps from a captured
     #: CUDA graph (runtime/graphed.py): one launch per program call instead of one per kernel.
     cuda_graphs: bool = True
+    #: trace a Python loop over ``range`` in a module or function the compiled code calls once, as torch's scan,
+    #: instead of letting dynamo unroll it (polyfills/loops.py); False: dynamo unrolls it and the backend re-rolls
+    #: the unrolled graph.
+    roll_loops: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -80,6 +84,7 @@ SUMMARY = {
     "per_sample_clip": "DP-SGD clipping bound C > 0 (inf: per-example norms only)",
     "batch_dim": "the example axis of the inputs, for per_sample_clip (default 0)",
     "cuda_graphs": "on CUDA with inner='inductor': replay shard programs from CUDA graphs (default true)",
+    "roll_loops": "trace a loop over range in called code once, as torch's scan, not unrolled (default true)",
 }
 
 
@@ -209,4 +214,8 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if not isinstance(cuda_graphs, bool):
         raise _bad("cuda_graphs", cuda_graphs, "expected True or False")
     kw["cuda_graphs"] = cuda_graphs
+    roll_loops = options.get("roll_loops", True)
+    if not isinstance(roll_loops, bool):
+        raise _bad("roll_loops", roll_loops, "expected True or False")
+    kw["roll_loops"] = roll_loops
     return Options(**kw)

@@ -36,7 +36,8 @@ import torch.fx as fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active", "traced_mode"]
+__all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "active", "traced_mode", "traced_options",
+           "options_for", "rolling"]
 
 #: library module -> the submodule of this package that knows how to polyfill it.
 KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
@@ -78,6 +79,8 @@ def install() -> dict[str, str]:
 
 def _on_compile_start(*_: Any) -> None:
     install()
+    from .loops import roll_reachable
+    roll_reachable()
     rnn = sys.modules.get(f"{__name__}.torch_rnn")
     if rnn is not None:
         rnn.refresh()
@@ -163,26 +166,49 @@ def active() -> bool:
     return any(getattr(f, "_adjoint_compile_backend", False) for f in _compiler_chain(fn))
 
 
-def traced_mode() -> str | None:
-    """The ``mode`` option of the ``backend="adjoint"`` trace under way in this thread (:func:`enabled`'s when
-    forced), or None when dynamo is not tracing for it. Read from ``torch.compile``'s wrapper of the backend, which
-    keeps the ``options`` dict it was given (mode "exact" when absent)."""
+def traced_options() -> dict[str, Any] | None:
+    """The options dict of the ``backend="adjoint"`` trace under way in this thread ({} when it has none, or under
+    :func:`enabled`: its mode), or None when dynamo is not tracing for it. Read from ``torch.compile``'s wrapper of
+    the backend, which keeps the ``options`` dict it was given."""
     if getattr(_FORCE, "on", False):
-        return getattr(_FORCE, "mode", None) or "exact"
+        return {"mode": getattr(_FORCE, "mode", None) or "exact"}
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
     except Exception:  # noqa: BLE001 - not tracing
         return None
+    return options_for(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+def options_for(compiler_fn: Any) -> dict[str, Any] | None:
+    """The options dict given with ``backend="adjoint"`` along ``compiler_fn``'s chain ({} when none), or None when
+    the chain is not adjoint-compile's backend."""
     options: Any = None
-    for f in _compiler_chain(getattr(getattr(tx, "output", None), "compiler_fn", None)):
+    for f in _compiler_chain(compiler_fn):
         kw = getattr(f, "kwargs", None)
         if isinstance(kw, dict) and isinstance(kw.get("options"), dict):
             options = kw["options"]
         if getattr(f, "_adjoint_compile_backend", False):
-            mode = (options or {}).get("mode", "exact")
-            return mode if isinstance(mode, str) else None
+            return dict(options or {})
     return None
+
+
+def traced_mode() -> str | None:
+    """The ``mode`` option of the ``backend="adjoint"`` trace under way in this thread (:func:`enabled`'s when
+    forced; "exact" when absent), or None when dynamo is not tracing for it."""
+    options = traced_options()
+    if options is None:
+        return None
+    mode = options.get("mode", "exact")
+    return mode if isinstance(mode, str) else None
+
+
+@torch._dynamo.assume_constant_result
+def rolling() -> bool:
+    """True while dynamo traces for ``backend="adjoint"`` with ``roll_loops`` on (the default): the loops
+    :mod:`.loops` rewrote take their rolled form. Evaluated at trace time."""
+    options = traced_options()
+    return options is not None and options.get("roll_loops", True) is not False
 
 
 def polyfill_origin(node: fx.Node) -> str | None:
@@ -194,6 +220,9 @@ def polyfill_origin(node: fx.Node) -> str | None:
     return None
 
 
+from . import loop_runtime  # noqa: E402 - it reads rolling() from this module
+
+_ORIGINS.update(loop_runtime.ORIGINS)
 _register_start_callback()
 if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _ImportHook())

@@ -1,0 +1,106 @@
+"""What a rolled loop calls while dynamo traces it (:mod:`.loops` writes the calls): the guard that picks the rolled
+form, the run that traces the step once as torch's ``scan``, and the stack that reads its stacked outputs.
+
+A loop ``for t in range(start, stop): <step>`` over ``n = stop - start`` steps becomes, while dynamo traces for
+``backend="adjoint"``::
+
+    c_1, y_0 = step(c_0, x[0])            # two steps traced as written, to read their metadata
+    c_2, y_1 = step(c_1, x[1])
+    c_n, y   = scan(step, c_0, x)         # all n steps traced once, whatever n: y is [n, ...], time first
+
+or, when ``c_0`` differs from ``c_1`` in metadata, ``scan(step, c_2, x[2:])`` after the two steps, whose outputs are
+joined to scan's.
+
+with ``x[i]`` the step's slices ``X[:, t]`` of each sequence the body indexes by ``t`` (``X`` moved time first).
+NB: the two peeled steps are the check that scan cannot fail: torch's ``scan`` raises (it does not fall back) when
+its carry changes metadata from one step to the next, and a loop's first step often does (``h = 0``, a zeros init
+that broadcasts, a dtype that promotes, ``requires_grad`` appearing). After two steps whose carries and outputs are
+tensors of the same metadata, every later step has it too (it is a function of the metadata alone). Otherwise the
+steps run on as a Python loop (dynamo unrolls it, as before). The dead peeled steps are dropped with the graph's
+dead code.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._higher_order_ops.scan import scan
+
+from . import rolling
+
+__all__ = ["ok", "run", "stacked", "stack", "ORIGINS"]
+
+ORIGINS = {__file__: "adjoint-compile's loop roller (a Python loop over range traced once, as torch's scan)"}
+#: fewest steps worth rolling: two are peeled, the scan takes at least one
+MIN_STEPS = 3
+
+
+def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...]) -> bool:
+    """Whether the rolled form computes what the loop over ``r`` does: tracing for the adjoint backend, a plain
+    range of at least :data:`MIN_STEPS` steps, and every indexed sequence a tensor with those steps along its dim."""
+    if not rolling() or not isinstance(r, range) or r.step != 1 or r.start < 0 or len(r) < MIN_STEPS:
+        return False
+    for x, d in zip(xs, dims):
+        if not isinstance(x, torch.Tensor) or not -x.dim() <= d < x.dim() or x.shape[d] < r.stop:
+            return False
+    return True
+
+
+def _tensors(*groups: tuple[Any, ...]) -> bool:
+    return all(isinstance(v, torch.Tensor) for g in groups for v in g)
+
+
+def _same_meta(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    # NB: what scan's check_meta_consistency compares (shape, dtype, strides, contiguity, device)
+    return len(a) == len(b) and all(
+        u.shape == v.shape and u.dtype == v.dtype and u.device == v.device and u.stride() == v.stride()
+        and u.is_contiguous() == v.is_contiguous() for u, v in zip(a, b))
+
+
+def _fresh(step: Callable[..., Any]) -> Callable[..., Any]:
+    """The step with its carries and outputs cloned: scan refuses outputs that alias its inputs or each other (a
+    loop that appends its carry, ``h = x_t``)."""
+    def body(c: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        c2, y = step(c, x)
+        return tuple(v.clone() for v in c2), tuple(v.clone() for v in y)
+    return body
+
+
+def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor, ...], dims: tuple[int, ...],
+        r: range) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The loop's final carries and its per-step outputs, each a tensor ``[n, ...]`` (time first) when rolled or a
+    list of n tensors when the steps ran as a Python loop. ``step(carry, x_t) -> (carry, ys_t)``."""
+    seq = tuple(x.movedim(d, 0)[r.start:r.stop] for x, d in zip(xs, dims))
+    c1, y0 = step(carry, tuple(x[0] for x in seq))
+    c2, y1 = step(c1, tuple(x[1] for x in seq))
+    if not (_tensors(c1, c2, y0, y1) and _same_meta(c1, c2) and _same_meta(y0, y1)):
+        lists = tuple([a, b] for a, b in zip(y0, y1))
+        c = c2
+        for i in range(2, len(r)):
+            c, y = step(c, tuple(x[i] for x in seq))
+            for acc, v in zip(lists, y):
+                acc.append(v)
+        return c, lists
+    body = _fresh(step)
+    if _tensors(carry) and _same_meta(tuple(v.clone() for v in carry), c2):
+        # NB: the peeled steps only proved the metadata; scan all n steps, so the outputs are scan's own (dead code
+        # for the peeled ones)
+        return scan(body, tuple(v.clone() for v in carry), seq)
+    # NB: c2 goes through the same clone as scan's carries, so its strides are those scan compares against
+    c, ys = scan(body, tuple(v.clone() for v in c2), tuple(x[2:] for x in seq))
+    return c, tuple(torch.cat([a.unsqueeze(0), b.unsqueeze(0), rest]) for a, b, rest in zip(y0, y1, ys))
+
+
+def stacked(ys: Any, keep: bool) -> Any:
+    """What a list the loop appended to holds after it: ``ys`` itself where every later use is ``torch.stack``
+    (``keep``), else a list of its steps."""
+    if isinstance(ys, torch.Tensor) and not keep:
+        return list(ys.unbind(0))
+    return ys
+
+
+def stack(tensors: Any, dim: int = 0) -> torch.Tensor:
+    """``torch.stack(tensors, dim)``, where ``tensors`` may be a rolled loop's outputs stacked time first."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.movedim(0, dim).contiguous()
+    return torch.stack(tensors, dim)

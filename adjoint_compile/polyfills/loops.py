@@ -1,0 +1,694 @@
+"""Python loops over ``range`` rolled before dynamo unrolls them: dynamo traces the step once, as torch's ``scan``,
+so the first step's compile time does not grow with T.
+
+Dynamo runs a model's Python: a ``for t in range(T)`` loop is traced T times, ~3 ms a step on a CPU, before any
+backend sees the graph (40 s at T = 8192 for a three-line recurrence). This module rewrites such a loop in the
+source of the function that holds it, ahead of dynamo. Before and after::
+
+    h = torch.zeros_like(x[:, 0])             h = torch.zeros_like(x[:, 0])
+    hs = []                                   hs = []
+    for t in range(x.shape[1]):               _r = range(x.shape[1])
+        h = a[:, t] * h + b[:, t]             if loop_runtime.ok(_r, (a, b), (1, 1)):
+        hs.append(h)                              def _step(_c, _x):
+    y = torch.stack(hs, 1)                            (h,) = _c
+                                                      (_x0, _x1) = _x
+                                                      h = _x0 * h + _x1
+                                                      _y0 = h
+                                                      return (h,), (_y0,)
+                                                  (h,), _ys = loop_runtime.run(_step, (h,), (a, b), (1, 1), _r)
+                                                  hs = loop_runtime.stacked(_ys[0], True)
+                                              else:
+                                                  for t in _r:  <the loop as written>
+                                              y = loop_runtime.stack(hs, 1)
+
+The rewritten function is what dynamo inlines in place of the original (its ``_torchdynamo_inline``, the attribute
+dynamo itself reads to unwrap a function); the original is not changed and runs as written in eager and for every
+other backend (``ok`` is false unless the trace is for ``backend="adjoint"`` with ``roll_loops`` on). The rolled
+form is then an ordinary torch ``scan`` to the backend's recognizers (passes/match/find_recurrences.py).
+
+A loop is rolled only when this can be read from its source (otherwise it stays as written, and the reason is
+logged at INFO and kept in :func:`rolled`):
+
+* ``t`` appears only as an index ``X[t]``, ``X[:, t]``, ``X[..., t, 1:]``: after full slices or an ellipsis, into a
+  sequence ``X`` (a name or ``self.attr``) the body does not assign;
+* the body is assignments to names and ``L.append(expr)`` to lists made empty before the loop; no control flow, no
+  ``t`` arithmetic, no writes into tensors or attributes;
+* every call is a torch function or tensor method that is not in-place and does not leave the graph (``item``,
+  ``nonzero``, ...), or a call of a submodule or method whose own code is such (checked on the modules reachable from
+  the compiled frame);
+* a name the body assigns and reads first is a carry, defined before the loop; any other name it assigns (and ``t``)
+  is not read after the loop; a list is read after it only by ``torch.stack`` (else it is rebuilt as a list).
+
+NB: the function is found on the modules and functions reachable from the frame dynamo starts compiling (its
+locals, closure and the globals it names), in the compile-start callback. A loop written in the compiled function
+itself is not rolled: dynamo already runs that code.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import inspect
+import logging
+import math
+import sys
+import textwrap
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import loop_runtime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["analyse", "rolled", "roll_reachable", "LoopReport"]
+
+P = "__ac_"  # prefix of every name the rewrite adds
+_SAFE_MODULES = {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math}
+_SAFE_BUILTINS = {"len", "abs", "isinstance", "getattr", "hasattr"}
+#: calls that leave the graph, depend on data for their shape, or draw random numbers (different streams per step)
+_DENY = {"item", "tolist", "numpy", "backward", "register_hook", "retain_grad", "data_ptr", "nonzero", "argwhere",
+         "masked_select", "unique", "unique_consecutive", "bincount", "histc", "manual_seed", "save", "load", "print",
+         "set_grad_enabled", "no_grad", "enable_grad", "compile", "is_nonzero", "untyped_storage", "storage",
+         "dropout", "dropout1d", "dropout2d", "alpha_dropout", "feature_alpha_dropout", "rand", "randn", "randint",
+         "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson", "randperm",
+         # Python containers changed in place: a side effect scan refuses
+         "append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add", "discard", "sort",
+         "reverse", "popitem"}
+_SAFE_NN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.Identity, nn.Conv1d, nn.Conv2d,
+            nn.Flatten, nn.Unflatten) + tuple(
+    getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n)) + tuple(
+    v for v in vars(nn.modules.activation).values()
+    if isinstance(v, type) and issubclass(v, nn.Module) and v is not nn.MultiheadAttention)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopReport:
+    """One ``for`` loop over ``range`` in a function's source, and what became of it."""
+    where: str           # file:line
+    rolled: bool
+    reason: str          # why not, or what it carries
+
+
+_RESULTS: dict[types.CodeType, tuple[Any, tuple[LoopReport, ...]]] = {}
+
+
+def rolled() -> dict[str, tuple[LoopReport, ...]]:
+    """Function qualname -> its loops over ``range`` and whether each is rolled (functions looked at so far)."""
+    return {code.co_qualname if hasattr(code, "co_qualname") else code.co_name: reps
+            for code, (_, reps) in _RESULTS.items() if reps}
+
+
+class _Reject(Exception):
+    pass
+
+
+def _names(node: ast.AST, ctx: type) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _root(e: ast.expr) -> str | None:
+    while isinstance(e, ast.Attribute):
+        e = e.value
+    return e.id if isinstance(e, ast.Name) else None
+
+
+def _attr_path(e: ast.expr) -> tuple[str, ...] | None:
+    parts: list[str] = []
+    while isinstance(e, ast.Attribute):
+        parts.append(e.attr)
+        e = e.value
+    return (e.id, *reversed(parts)) if isinstance(e, ast.Name) else None
+
+
+def _resolve(path: tuple[str, ...], env: dict[str, Any]) -> Any:
+    obj: Any = env.get(path[0], inspect.Parameter.empty)
+    if obj is inspect.Parameter.empty:
+        import builtins
+        obj = getattr(builtins, path[0], None)
+    for a in path[1:]:
+        obj = getattr(obj, a, None)
+    return obj
+
+
+@dataclasses.dataclass
+class _Fn:
+    """What the checks need of the function being rewritten."""
+    fn: types.FunctionType
+    params: set[str]
+    locals_: set[str]            # every name the function assigns or binds
+    module_calls: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # self.attr(...) paths
+
+
+def _check_calls(node: ast.AST, f: _Fn) -> None:
+    """Raise _Reject for a call that may leave the graph or mutate state (see the module doc)."""
+    for c in ast.walk(node):
+        if isinstance(c, (ast.Lambda, ast.NamedExpr, ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp,
+                          ast.GeneratorExp, ast.Await, ast.Yield, ast.YieldFrom)):
+            raise _Reject(f"{type(c).__name__} in the step")
+        if not isinstance(c, ast.Call):
+            continue
+        fn = c.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
+        if name is None:
+            raise _Reject("a call of a computed callable")
+        if name in _DENY or (name.endswith("_") and not name.endswith("__")):
+            raise _Reject(f"calls {name} (in place, random, or leaves the graph)")
+        path = _attr_path(fn)
+        if path is not None and path[0] not in f.locals_ and path[0] not in f.params:
+            obj = _resolve(path[:-1], f.fn.__globals__) if len(path) > 1 else None
+            if len(path) > 1 and obj in _SAFE_MODULES:
+                continue
+            if len(path) == 1 and path[0] in _SAFE_BUILTINS:
+                continue
+            target = _resolve(path, f.fn.__globals__)
+            if isinstance(target, types.BuiltinFunctionType) and getattr(target, "__module__", "") in (
+                    "torch", "torch._C._nn", "torch._C._special", "torch._C._linalg", "math"):
+                continue
+            if isinstance(target, types.FunctionType) and _helper_ok(target):
+                continue
+            raise _Reject(f"calls {'.'.join(path)}, which may not trace inside torch's scan")
+        if path is not None and path[0] == "self" and len(path) >= 2:
+            f.module_calls.add(path[1:])  # self.mod(...) or self.method(...) or self.param.method(...)
+        # else: a method of a local tensor, allowed unless denied above
+
+
+def _helper_ok(fn: types.FunctionType, owner: Any = None, depth: int = 0) -> bool:
+    """A function or method called from a step: straight-line code whose calls pass :func:`_check_calls`, and whose
+    ``self.x(...)`` calls pass :func:`_callee_ok` on ``owner`` (three levels at most)."""
+    if depth > 3:
+        return False
+    try:
+        tree = _parse(fn)
+    except (OSError, TypeError, SyntaxError, _Reject):
+        return False
+    params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
+    f = _Fn(fn, params, _names(tree, ast.Store) | params)
+    for s in ast.walk(tree):
+        if isinstance(s, (ast.If, ast.For, ast.While, ast.Try, ast.With, ast.Raise, ast.Global, ast.Nonlocal,
+                          ast.Delete, ast.FunctionDef, ast.ClassDef)) and s is not tree or (
+                isinstance(s, (ast.Subscript, ast.Attribute)) and isinstance(s.ctx, ast.Store)):
+            return False
+    try:
+        for s in tree.body:
+            _check_calls(s, f)
+    except _Reject:
+        return False
+    return all(owner is not None and _callee_ok(owner, path, depth + 1) for path in f.module_calls)
+
+
+def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
+    """Whether ``owner.<path>(...)`` traces inside scan: a tensor method, a torch.nn layer without state it updates
+    (:data:`_SAFE_NN`, or a Sequential of such), or a module or method of the user's whose code passes
+    :func:`_helper_ok`."""
+    obj: Any = owner
+    prev: Any = None
+    for a in path:
+        prev, obj = obj, getattr(obj, a, None)
+    if isinstance(prev, torch.Tensor):
+        return True
+    if isinstance(obj, nn.Sequential):
+        return all(_callee_ok(m, (), depth) for m in obj)
+    if isinstance(obj, _SAFE_NN):
+        return True
+    if isinstance(obj, nn.Module):
+        fwd = type(obj).forward
+        return (not type(obj).__module__.startswith("torch.") and not obj._forward_hooks
+                and not obj._forward_pre_hooks and isinstance(fwd, types.FunctionType)
+                and _helper_ok(fwd, obj, depth))
+    if isinstance(obj, types.MethodType) and isinstance(obj.__func__, types.FunctionType):
+        return _helper_ok(obj.__func__, obj.__self__, depth)
+    return False
+
+
+def _parse(fn: types.FunctionType) -> ast.FunctionDef:
+    src = textwrap.dedent(inspect.getsource(fn))
+    mod = ast.parse(src)
+    if len(mod.body) != 1 or not isinstance(mod.body[0], ast.FunctionDef):
+        raise _Reject("not a plain def")
+    tree = mod.body[0]
+    ast.increment_lineno(mod, fn.__code__.co_firstlineno - 1)
+    return tree
+
+
+def _full_slice(e: ast.expr) -> bool:
+    return isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None
+
+
+def _ellipsis(e: ast.expr) -> bool:
+    return isinstance(e, ast.Constant) and e.value is Ellipsis
+
+
+class _IndexByT(ast.NodeTransformer):
+    """Replaces each ``X[..., t, rest]`` by ``__ac_x{i}[..., rest]`` (``X`` moved time first and indexed at the
+    step); records (X, dim) per sequence."""
+
+    def __init__(self, var: str, assigned: set[str]) -> None:
+        self.var, self.assigned = var, assigned
+        self.xs: list[tuple[ast.expr, int]] = []
+        self._keys: dict[tuple[str, int], int] = {}
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        pos = [i for i, e in enumerate(elts) if isinstance(e, ast.Name) and e.id == self.var]
+        if not pos:
+            return self.generic_visit(node)
+        if len(pos) > 1 or not isinstance(node.ctx, ast.Load):
+            raise _Reject("t indexes a write, or twice")
+        k = pos[0]
+        before, after = elts[:k], elts[k + 1:]
+        root = _root(node.value)
+        if _attr_path(node.value) is None or root in self.assigned or root == self.var:
+            raise _Reject("t indexes something the step assigns, or not a name")
+        if any(_ellipsis(e) or (isinstance(e, ast.Constant) and e.value is None) for e in after):
+            raise _Reject("an ellipsis or None after t")
+        if all(_full_slice(e) for e in before):
+            dim = len(before)
+        elif len(before) == 1 and _ellipsis(before[0]):
+            dim = -(len(after) + 1)
+        else:
+            raise _Reject("t indexes after something other than full slices")
+        key = (ast.dump(node.value), dim)
+        if key not in self._keys:
+            self._keys[key] = len(self.xs)
+            self.xs.append((node.value, dim))
+        x = ast.Name(f"{P}x{self._keys[key]}", ast.Load())
+        rest = [self.visit(e) for e in before + after]
+        if not rest:
+            return ast.copy_location(x, node)
+        sl = rest[0] if len(rest) == 1 and not before else ast.Tuple(rest, ast.Load())
+        return ast.copy_location(ast.Subscript(x, sl, ast.Load()), node)
+
+
+def _range_args(loop: ast.For) -> list[ast.expr]:
+    it = loop.iter
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and not it.keywords
+            and 1 <= len(it.args) <= 3 and not any(isinstance(a, ast.Starred) for a in it.args)):
+        raise _Reject("not a loop over range(...)")
+    if not isinstance(loop.target, ast.Name):
+        raise _Reject("the loop variable is not a name")
+    if loop.orelse:
+        raise _Reject("for ... else")
+    return it.args
+
+
+def _append_target(s: ast.stmt) -> str | None:
+    if (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Attribute)
+            and s.value.func.attr == "append" and isinstance(s.value.func.value, ast.Name)
+            and len(s.value.args) == 1 and not s.value.keywords):
+        return s.value.func.value.id
+    return None
+
+
+def _stmt_stores(s: ast.stmt) -> set[str]:
+    if isinstance(s, ast.Assign):
+        targets = s.targets
+    elif isinstance(s, (ast.AugAssign, ast.AnnAssign)) and s.value is not None:
+        targets = [s.target]
+    else:
+        raise _Reject(f"a {type(s).__name__} statement in the step")
+    out: set[str] = set()
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, (ast.Subscript, ast.Attribute, ast.Starred)):
+                raise _Reject("a write into a tensor, attribute or starred target")
+            if isinstance(n, ast.Name):
+                out.add(n.id)
+    return out
+
+
+def _following(path: list[tuple[list[ast.stmt], int, ast.AST]]) -> list[ast.stmt]:
+    """The statements that may run after the loop at ``path`` (innermost block first), with the bodies of enclosing
+    loops from their start (their next iteration)."""
+    out: list[ast.stmt] = []
+    for level, (block, i, owner) in enumerate(reversed(path)):
+        out.extend(block[i + 1:])
+        if isinstance(owner, (ast.For, ast.While, ast.AsyncFor)):
+            if level:
+                raise _Reject("the loop is inside a block within another loop")
+            out.extend(block[:i])
+    return out
+
+
+def _live(name: str, after: list[ast.stmt]) -> bool:
+    """Whether ``name`` may be read after the loop before being assigned again (conservative)."""
+    for s in after:
+        if name in _names(s, ast.Load) or isinstance(s, ast.AugAssign) and name in _names(s.target, ast.Store):
+            return True
+        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
+            return False
+    return False
+
+
+def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list[ast.Call] | None:
+    """The ``torch.stack(name, dim)`` calls that read the list ``name`` after the loop, or None when it is read
+    some other way."""
+    calls: list[ast.Call] = []
+    for s in after:
+        loads = [n for n in ast.walk(s) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+        ok = {id(c.args[0]): c for c in ast.walk(s) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+              and c.func.attr == "stack" and isinstance(c.func.value, ast.Name) and c.func.value.id in torch_names
+              and c.args and isinstance(c.args[0], ast.Name) and c.args[0].id == name and len(c.args) <= 2
+              and all(k.arg == "dim" for k in c.keywords)}
+        for n in loads:
+            if id(n) not in ok:
+                return None
+            calls.append(ok[id(n)])
+        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
+            break
+    return calls
+
+
+@dataclasses.dataclass
+class _Plan:
+    loop: ast.For
+    path: list[tuple[list[ast.stmt], int, ast.AST]]
+    carries: list[str]
+    lists: list[str]
+    stacks: list[list[ast.Call] | None]
+    xs: list[tuple[ast.expr, int]]
+    body: list[ast.stmt]
+
+
+def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn, tree: ast.FunctionDef) -> _Plan:
+    _range_args(loop)
+    var = loop.target.id
+    block, idx, _ = path[-1]
+    lists: list[str] = []
+    assigned: set[str] = set()
+    read_first: list[str] = []
+    for s in loop.body:
+        if isinstance(s, ast.Pass):
+            continue
+        lst = _append_target(s)
+        if lst is not None:
+            if lst in lists:
+                raise _Reject(f"{lst} is appended to twice a step")
+            lists.append(lst)
+            loads = _names(s.value.args[0], ast.Load)
+            stores: set[str] = set()
+            _check_calls(s.value.args[0], f)
+        else:
+            stores = _stmt_stores(s)
+            loads = _names(s, ast.Load) | (stores if isinstance(s, ast.AugAssign) else set())
+            _check_calls(s, f)
+        read_first += [n for n in sorted(loads) if n not in assigned and n not in read_first]
+        assigned |= stores
+    if not lists and not assigned:
+        raise _Reject("the step assigns nothing")
+    for lst in lists:
+        if lst in assigned or lst in read_first:
+            raise _Reject(f"the step uses the list {lst} other than by append")
+        made = [j for j in range(idx) if lst in _names(block[j], ast.Store) | _names(block[j], ast.Load)]
+        s0 = block[made[-1]] if made else None
+        if not (isinstance(s0, ast.Assign) and len(s0.targets) == 1 and isinstance(s0.targets[0], ast.Name)
+                and (isinstance(s0.value, ast.List) and not s0.value.elts
+                     or isinstance(s0.value, ast.Call) and isinstance(s0.value.func, ast.Name)
+                     and s0.value.func.id == "list" and not s0.value.args)):
+            raise _Reject(f"{lst} is not made empty just before the loop")
+    if var in assigned:
+        raise _Reject("the step assigns the loop variable")
+    carries = [n for n in read_first if n in assigned]
+    before = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+              and n.lineno < loop.lineno}
+    for c in carries:
+        if c not in before and c not in f.params:
+            raise _Reject(f"the carry {c} is not assigned before the loop")
+    indexer = _IndexByT(var, assigned | set(lists))
+    body = [indexer.visit(_copy(s)) for s in loop.body]
+    if var in set().union(*(_names(s, ast.Load) for s in body)):
+        raise _Reject("t is used other than as an index")
+    if not indexer.xs:
+        raise _Reject("the step indexes no sequence by t")
+    after = _following(path)
+    for n in (assigned - set(carries)) | {var}:
+        if _live(n, after):
+            raise _Reject(f"{n} is read after the loop")
+    torch_names = {k for k, v in f.fn.__globals__.items() if v is torch}
+    stacks = [_stack_uses(lst, after, torch_names) for lst in lists]
+    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body)
+
+
+def _copy(node: Any) -> Any:
+    return copy.deepcopy(node)
+
+
+def _tup(names: list[str], ctx: type) -> ast.Tuple:
+    return ast.Tuple([ast.Name(n, ctx()) for n in names], ctx())
+
+
+def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
+    """The statements that replace the loop (see the module doc)."""
+    rt = f"{P}rt"
+    r, step, ys = f"{P}r{k}", f"{P}step{k}", f"{P}ys{k}"
+    xs = ast.Tuple([_copy(x) for x, _ in p.xs], ast.Load())
+    dims = ast.Tuple([ast.Constant(d) for _, d in p.xs], ast.Load())
+    inner: list[ast.stmt] = []
+    if p.carries:
+        inner.append(ast.Assign([_tup(p.carries, ast.Store)], ast.Name(f"{P}c", ast.Load())))
+    inner.append(ast.Assign([_tup([f"{P}x{i}" for i in range(len(p.xs))], ast.Store)], ast.Name(f"{P}x", ast.Load())))
+    j = 0
+    for s in p.body:
+        if _append_target(s) is not None:
+            inner.append(ast.Assign([ast.Name(f"{P}y{j}", ast.Store())], s.value.args[0]))
+            j += 1
+        else:
+            inner.append(s)
+    inner.append(ast.Return(ast.Tuple([_tup(p.carries, ast.Load),
+                                       _tup([f"{P}y{i}" for i in range(j)], ast.Load)], ast.Load())))
+    fdef = ast.FunctionDef(step, ast.arguments([], [ast.arg(f"{P}c"), ast.arg(f"{P}x")], None, [], [], None, []),
+                           inner, [], None, type_params=[]) if sys.version_info >= (3, 12) else ast.FunctionDef(
+        step, ast.arguments([], [ast.arg(f"{P}c"), ast.arg(f"{P}x")], None, [], [], None, []), inner, [], None)
+    call = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "run", ast.Load()),
+                    [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load())], [])
+    rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(p.carries, ast.Store), ast.Name(ys, ast.Store())],
+                                                          ast.Store())], call)]
+    for i, lst in enumerate(p.lists):
+        rolled.append(ast.Assign([ast.Name(lst, ast.Store())], ast.Call(
+            ast.Attribute(ast.Name(rt, ast.Load()), "stacked", ast.Load()),
+            [ast.Subscript(ast.Name(ys, ast.Load()), ast.Constant(i), ast.Load()),
+             ast.Constant(p.stacks[i] is not None)], [])))
+        for c in p.stacks[i] or ():
+            c.func = ast.Attribute(ast.Name(rt, ast.Load()), "stack", ast.Load())
+    loop = p.loop
+    args = _range_args(loop)
+    loop.iter = ast.Name(r, ast.Load())
+    guard = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "ok", ast.Load()),
+                     [ast.Name(r, ast.Load()), ast.Tuple([_copy(x) for x, _ in p.xs], ast.Load()), dims], [])
+    out = [ast.Assign([ast.Name(r, ast.Store())], ast.Call(ast.Name("range", ast.Load()), args, [])),
+           ast.If(guard, rolled, [loop])]
+    for s in out:
+        ast.copy_location(s, loop)
+    return out
+
+
+def _loops(tree: ast.FunctionDef) -> list[tuple[ast.For, list[tuple[list[ast.stmt], int, ast.AST]]]]:
+    """Every ``for`` statement of the function (not of functions nested in it), with its path of blocks."""
+    out: list[tuple[ast.For, list[tuple[list[ast.stmt], int, ast.AST]]]] = []
+
+    def visit(owner: ast.AST, path: list[tuple[list[ast.stmt], int, ast.AST]]) -> None:
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(owner, field, None)
+            if not isinstance(block, list):
+                continue
+            for i, s in enumerate(block):
+                if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                here = path + [(block, i, owner)]
+                if isinstance(s, ast.For):
+                    out.append((s, here))
+                visit(s, here)
+    visit(tree, [])
+    return out
+
+
+def analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]:
+    """The function with its rollable loops rewritten (None when none is), a report per loop over ``range``, and
+    the ``self.x(...)`` calls its rolled steps make (to check on each instance). Cached per code object."""
+    code = fn.__code__
+    if code in _RESULTS:
+        return _RESULTS[code][0]
+    got = _analyse(fn)
+    _RESULTS[code] = (got, got[1])
+    for rep in got[1]:
+        log.info("adjoint-compile loop at %s: %s", rep.where, "rolled" if rep.rolled else f"not rolled: {rep.reason}")
+    return got
+
+
+def _analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]:
+    if "range" not in code_names(fn.__code__):
+        return None, (), set()
+    try:
+        tree = _parse(fn)
+    except (OSError, TypeError, SyntaxError, _Reject):
+        return None, (), set()
+    tree.decorator_list = []
+    params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
+    f = _Fn(fn, params, _names(tree, ast.Store) | params)
+    plans, reports = [], []
+    for loop, path in _loops(tree):
+        where = f"{fn.__code__.co_filename}:{loop.lineno}"
+        try:
+            plan = _plan(loop, path, f, tree)
+        except _Reject as e:
+            if isinstance(loop.iter, ast.Call) and getattr(loop.iter.func, "id", None) == "range":
+                reports.append(LoopReport(where, False, str(e)))
+            continue
+        plans.append(plan)
+        reports.append(LoopReport(where, True, f"carries {', '.join(plan.carries) or 'nothing'}; "
+                                               f"collects {', '.join(plan.lists) or 'nothing'}"))
+    if not plans:
+        return None, tuple(reports), set()
+    # NB: innermost blocks last in source order: replace from the end so earlier indices stay valid
+    for k, plan in sorted(enumerate(plans), key=lambda kp: -kp[1].loop.lineno):
+        block, i, _ = plan.path[-1]
+        block[i:i + 1] = _rewrite(plan, k)
+    try:
+        new = _build(fn, tree)
+    except Exception as e:  # noqa: BLE001 - a rewrite that does not compile leaves the function as written
+        log.warning("adjoint-compile: could not rebuild %s with its loops rolled (%s: %s); dynamo unrolls them",
+                    fn.__qualname__, type(e).__name__, e)
+        return None, tuple(dataclasses.replace(r, rolled=False, reason=f"rebuild failed: {e}") for r in reports), set()
+    return new, tuple(reports), set(f.module_calls)
+
+
+def code_names(code: types.CodeType) -> set[str]:
+    return set(code.co_names)
+
+
+def _build(fn: types.FunctionType, tree: ast.FunctionDef) -> types.FunctionType:
+    """Compile the rewritten def with the original's file, lines, globals, closure cells and defaults; the runtime
+    module is one more global (``__ac_rt``) of the function's module."""
+    free = fn.__code__.co_freevars
+    body: ast.stmt = tree
+    if "__class__" in free:
+        body = ast.ClassDef(f"{P}K", [], [], [tree], [])  # NB: zero-argument super() needs a __class__ cell
+    outer = ast.FunctionDef(f"{P}outer", ast.arguments([], [ast.arg(n) for n in free if n != "__class__"], None, [],
+                                                        [], None, []), [body, ast.Return(ast.Constant(None))], [], None)
+    mod = ast.Module([outer], [])
+    ast.copy_location(outer, tree)
+    ast.fix_missing_locations(mod)
+    code = compile(mod, fn.__code__.co_filename, "exec")
+    outer_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    if "__class__" in free:
+        klass = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType))
+        inner = next(c for c in klass.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
+    else:
+        inner = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
+    if inner.co_freevars != free:
+        raise _Reject(f"closure {inner.co_freevars} differs from {free}")
+    # NB: dynamo reaches a closure cell and a global of the inlined function through the original function, so
+    # the cells are the original's, in its order, and the runtime is a global of the function's module
+    fn.__globals__.setdefault(f"{P}rt", loop_runtime)
+    new = types.FunctionType(inner, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    return new
+
+
+def _compile_frame() -> tuple[types.CodeType, dict[str, Any], dict[str, Any], tuple[Any, ...], Any] | None:
+    """The frame dynamo is starting to compile (its code, globals, locals, closure) and the compiler it compiles
+    for, read from dynamo's ``_compile`` frame up the stack (None when not found: nothing is rolled)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and f.f_code.co_filename.endswith("convert_frame.py"):
+            loc = f.f_locals
+            try:
+                return loc["code"], loc["globals"], loc["locals"], tuple(loc["closure"] or ()), loc["compiler_fn"]
+            except KeyError:
+                return None
+        f = f.f_back
+    return None
+
+
+def _reachable(code: types.CodeType, glob: dict[str, Any], loc: dict[str, Any], closure: tuple[Any, ...]
+               ) -> tuple[list[nn.Module], list[types.FunctionType]]:
+    """The modules and plain functions the frame can reach: its locals, closure cells and the globals it names,
+    through closures and submodules (bounded)."""
+    seen: set[int] = set()
+    mods: list[nn.Module] = []
+    fns: list[types.FunctionType] = []
+    todo: list[tuple[Any, int]] = [(v, 0) for v in loc.values()]
+    todo += [(c.cell_contents, 0) for c in closure if _has(c)]
+    todo += [(glob[n], 0) for n in code.co_names if n in glob]
+    while todo:
+        v, depth = todo.pop()
+        if id(v) in seen or depth > 3:
+            continue
+        seen.add(id(v))
+        if isinstance(v, nn.Module):
+            for m in v.modules():
+                if m is v or id(m) not in seen:
+                    seen.add(id(m))
+                    mods.append(m)
+        elif isinstance(v, types.MethodType):
+            todo += [(v.__func__, depth), (v.__self__, depth)]
+        elif isinstance(v, types.FunctionType):
+            if v.__module__ and v.__module__.split(".")[0] in ("torch", "adjoint_compile"):
+                continue
+            fns.append(v)
+            todo += [(c.cell_contents, depth + 1) for c in v.__closure__ or () if _has(c)]
+            todo += [(v.__globals__[n], depth + 1) for n in v.__code__.co_names if n in v.__globals__]
+    return mods, fns
+
+
+def _has(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _install(fn: Any, instances: list[Any]) -> str:
+    """Point dynamo at ``fn``'s rolled form when it has one and every instance passes its step's calls."""
+    if not isinstance(fn, types.FunctionType) or fn.__module__.split(".")[0] in ("torch", "adjoint_compile"):
+        return "skipped"
+    new, _, calls = analyse(fn)
+    if new is None:
+        return "nothing to roll"
+    bad = [i for i in instances for c in calls if not _callee_ok(i, c)]
+    mine = getattr(fn, "_torchdynamo_inline", None)
+    if bad:
+        if mine is new:
+            del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
+        log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
+                 fn.__qualname__, type(bad[0]).__name__, ".".join(next(c for c in calls
+                                                                       if not _callee_ok(bad[0], c))))
+        return "instance refused"
+    if mine is None:
+        fn._torchdynamo_inline = new
+    return "rolled" if fn._torchdynamo_inline is new else "has its own _torchdynamo_inline"
+
+
+def roll_reachable() -> None:
+    """Called as dynamo starts compiling a frame: for ``backend="adjoint"`` (``roll_loops`` on), give every function
+    the frame can reach whose loops roll its rolled form (see the module doc). Never raises."""
+    from . import options_for
+    try:
+        got = _compile_frame()
+        if got is None:
+            return
+        code, glob, loc, closure, compiler_fn = got
+        opts = options_for(compiler_fn)
+        if opts is None or opts.get("roll_loops", True) is False:
+            return
+        mods, fns = _reachable(code, glob, loc, closure)
+        by_class: dict[type, list[nn.Module]] = {}
+        for m in mods:
+            by_class.setdefault(type(m), []).append(m)
+        for cls, insts in by_class.items():
+            for klass in cls.__mro__:
+                if klass.__module__.split(".")[0] in ("torch", "builtins", "adjoint_compile"):
+                    continue
+                for v in vars(klass).values():
+                    if isinstance(v, types.FunctionType) and "range" in v.__code__.co_names:
+                        _install(v, insts)
+        for fn in fns:
+            if "range" in fn.__code__.co_names:
+                _install(fn, [])
+    except Exception as e:  # noqa: BLE001 - rolling is an optimisation: a failure leaves tracing as it was
+        log.warning("adjoint-compile: loop rolling skipped (%s: %s)", type(e).__name__, e)
