@@ -80,11 +80,11 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> C
         if inner == "aot_eager":
             return lookup_backend("aot_eager")(gm, list(example_inputs))
         if inner == "inductor":
-            return _inductor_or_aot_eager(gm, example_inputs)
+            return inductor_or_aot_eager(gm, example_inputs)
     raise AssertionError(f"inner={inner!r} should have been rejected by options.validate")
 
 
-def _inductor_or_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def inductor_or_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     # NB: imported on first use: loading inductor costs seconds, and eager/aot_eager users never need it
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx

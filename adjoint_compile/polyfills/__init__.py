@@ -23,6 +23,7 @@ happened. NB: the registration is process-wide, but the polyfill only takes over
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -79,8 +80,8 @@ def install() -> dict[str, str]:
 
 def _on_compile_start(*_: Any) -> None:
     install()
-    from .loops import roll_reachable
-    roll_reachable()
+    # NB: imported by name: the loop roller reads this module's trace state (no import cycle)
+    importlib.import_module(f"{__name__}.loops").roll_reachable()
     rnn = sys.modules.get(f"{__name__}.torch_rnn")
     if rnn is not None:
         rnn.refresh()
@@ -121,10 +122,22 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
+class _KeepStart(list):
+    """dynamo's list of start callbacks, which keeps :func:`_on_compile_start` through ``torch._dynamo.reset()``
+    (it clears the list): the loops must be rolled before the first trace after a reset too."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.append(_on_compile_start)
+
+
 def _register_start_callback() -> None:
     try:
         from torch._dynamo.callback import callback_handler
-        callback_handler.register_start_callback(_on_compile_start)
+        if not isinstance(callback_handler.start_callbacks, _KeepStart):
+            callback_handler.start_callbacks = _KeepStart(callback_handler.start_callbacks)
+        if _on_compile_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_compile_start)
     except Exception as e:  # noqa: BLE001 - older torch: install() must be called by hand
         log.debug("no dynamo start callback (%s); call adjoint_compile.polyfills.install()", e)
 
@@ -220,9 +233,6 @@ def polyfill_origin(node: fx.Node) -> str | None:
     return None
 
 
-from . import loop_runtime  # noqa: E402 - it reads rolling() from this module
-
-_ORIGINS.update(loop_runtime.ORIGINS)
 _register_start_callback()
 if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _ImportHook())

@@ -70,6 +70,9 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
         r: range) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """The loop's final carries and its per-step outputs, each a tensor ``[n, ...]`` (time first) when rolled or a
     list of n tensors when the steps ran as a Python loop. ``step(carry, x_t) -> (carry, ys_t)``."""
+    # NB: int() specializes a length dynamo holds symbolic (a model seen at several lengths): inductor lowers a scan
+    # of symbolic length to a while loop it cannot compile; the loop as written specializes it too
+    r = range(int(r.start), int(r.stop))
     seq = tuple(x.movedim(d, 0)[r.start:r.stop] for x, d in zip(xs, dims))
     c1, y0 = step(carry, tuple(x[0] for x in seq))
     c2, y1 = step(c1, tuple(x[1] for x in seq))

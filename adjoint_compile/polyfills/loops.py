@@ -59,11 +59,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import loop_runtime
+from . import _ORIGINS, loop_runtime, options_for
 
 log = logging.getLogger(__name__)
 
 __all__ = ["analyse", "rolled", "roll_reachable", "LoopReport"]
+
+_ORIGINS.update(loop_runtime.ORIGINS)
 
 P = "__ac_"  # prefix of every name the rewrite adds
 _SAFE_MODULES = {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math}
@@ -81,7 +83,8 @@ _SAFE_NN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn
             nn.Flatten, nn.Unflatten) + tuple(
     getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n)) + tuple(
     v for v in vars(nn.modules.activation).values()
-    if isinstance(v, type) and issubclass(v, nn.Module) and v is not nn.MultiheadAttention)
+    if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == nn.modules.activation.__name__
+    and v is not nn.MultiheadAttention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +364,21 @@ def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list
     return calls
 
 
+def _made_empty(s: ast.stmt, name: str) -> bool:
+    """``name = []`` / ``list()``, or one of ``a, name = [], []``."""
+    if not (isinstance(s, ast.Assign) and len(s.targets) == 1):
+        return False
+    target, value = s.targets[0], s.value
+    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+        pairs = list(zip(target.elts, value.elts))
+    else:
+        pairs = [(target, value)]
+    return any(isinstance(t, ast.Name) and t.id == name and (
+        isinstance(v, ast.List) and not v.elts
+        or isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "list" and not v.args)
+        for t, v in pairs)
+
+
 @dataclasses.dataclass
 class _Plan:
     loop: ast.For
@@ -402,11 +420,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
         if lst in assigned or lst in read_first:
             raise _Reject(f"the step uses the list {lst} other than by append")
         made = [j for j in range(idx) if lst in _names(block[j], ast.Store) | _names(block[j], ast.Load)]
-        s0 = block[made[-1]] if made else None
-        if not (isinstance(s0, ast.Assign) and len(s0.targets) == 1 and isinstance(s0.targets[0], ast.Name)
-                and (isinstance(s0.value, ast.List) and not s0.value.elts
-                     or isinstance(s0.value, ast.Call) and isinstance(s0.value.func, ast.Name)
-                     and s0.value.func.id == "list" and not s0.value.args)):
+        if not made or not _made_empty(block[made[-1]], lst):
             raise _Reject(f"{lst} is not made empty just before the loop")
     if var in assigned:
         raise _Reject("the step assigns the loop variable")
@@ -667,7 +681,6 @@ def _install(fn: Any, instances: list[Any]) -> str:
 def roll_reachable() -> None:
     """Called as dynamo starts compiling a frame: for ``backend="adjoint"`` (``roll_loops`` on), give every function
     the frame can reach whose loops roll its rolled form (see the module doc). Never raises."""
-    from . import options_for
     try:
         got = _compile_frame()
         if got is None:

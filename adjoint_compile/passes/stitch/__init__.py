@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from ...inner import COMPILE_LOCK, compile_inner
+from ...inner import COMPILE_LOCK, compile_inner, inductor_or_aot_eager
 from ...options import Options
 from ...timing import timed
 from ..capture import Captured
@@ -58,7 +58,10 @@ class _LazyInner(torch.nn.Module):
                 if self._compiled is None and self.dynamic and self.inner != "eager":
                     # NB: a partition of a graph with symbolic sizes: dynamo traces it once with those sizes
                     # symbolic, so one compile serves every length
-                    self._compiled = torch.compile(self.gm, backend=self.inner, dynamic=True)
+                    # what inductor cannot compile with those sizes (a torch scan of symbolic length) runs with
+                    # aot_eager, as a graph with concrete sizes does
+                    backend = inductor_or_aot_eager if self.inner == "inductor" else self.inner
+                    self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
                 elif self._compiled is None:
                     self._compiled = compile_inner(self.gm, list(args), self.inner)
         out = self._compiled(*args)

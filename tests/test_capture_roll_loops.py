@@ -1,0 +1,239 @@
+"""Python loops over range rolled before dynamo (polyfills/loops.py): the step traced once as torch's scan.
+
+Oracle: the same module run eagerly (plain autograd) in float64: outputs and every parameter's gradient to 1e-10.
+What is rolled is read from ``loops.rolled()`` and the captured graph (a ``scan`` node, no per-step copies);
+whatever is not rolled must still be exact.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import pytest
+
+import adjoint_compile as ac
+from adjoint_compile.polyfills import loop_runtime, loops
+
+
+
+@pytest.fixture(autouse=True)
+def _f64():
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch._dynamo.reset()
+    yield
+    torch.set_default_dtype(prev)
+
+
+class Gate(nn.Module):
+    """The loop as users write it: h = sigmoid(W_a x_t) * h + W_b x_t, outputs collected and stacked."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h = torch.zeros_like(x[:, 0])
+        hs = []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        return self.out(torch.stack(hs, 1))
+
+
+class Cell(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(2 * d, d)
+
+    def forward(self, x_t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        z = torch.sigmoid(self.gate(torch.cat([x_t, h], -1)))
+        return z * h + (1 - z) * x_t
+
+
+class Forms(nn.Module):
+    """Two carries (one a scalar at first), a submodule cell, an ellipsis index, a time-major parameter, two lists;
+    one list read only by stack, one read another way."""
+
+    def __init__(self, d: int = 5, t_max: int = 64) -> None:
+        super().__init__()
+        self.cell = Cell(d)
+        self.pos = nn.Parameter(torch.randn(t_max, d) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xt = x.transpose(1, 2)  # [B, d, T]
+        h, s = torch.zeros(x.shape[0], x.shape[2]), 0.0
+        outs, sums = [], list()
+        for t in range(1, x.shape[1]):
+            h = self.cell(xt[..., t] + self.pos[t], h)
+            s = 0.9 * s + h.sum(-1)
+            outs.append(h * 2)
+            sums.append(s)
+        y = torch.stack(outs, dim=-2)
+        return y.sum() + sum(v.square() for v in sums) + s.sum()
+
+
+class Grows(nn.Module):
+    """A carry that grows every step (scan cannot take it): the steps run as a Python loop."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x[:, :1] * 0
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(x[:, t] + h)
+            out = torch.cat([out, h[:, None]], 1)
+        return out
+
+
+class Refused(nn.Module):
+    """Loops the roller must leave as written: a write into a buffer, t arithmetic, control flow, .item(), a
+    temporary read after the loop."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros_like(x)
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = 0.5 * h + x[:, t]
+            buf[:, t] = h
+        g = torch.zeros_like(h)
+        for t in range(1, x.shape[1]):
+            g = 0.5 * g + x[:, t] - x[:, t - 1]
+        k = torch.zeros_like(h)
+        for t in range(x.shape[1]):
+            if t > 0:
+                k = k * 0.5
+            k = k + x[:, t]
+        m = torch.zeros_like(h)
+        for t in range(x.shape[1]):
+            m = m + x[:, t] * float(x[0, t, 0].item() > 0)
+        for t in range(x.shape[1]):
+            last = self.lin(x[:, t])
+        return buf.sum() + g.sum() + k.sum() + m.sum() + last.sum()
+
+
+def _check(model: nn.Module, x: torch.Tensor, **options) -> ac.explain.Report:
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    f = torch.compile(lambda v: model(v).square().sum(), backend="adjoint", options=options or None)
+    got = f(x1)
+    got.backward()
+    g = [p.grad.clone() for p in model.parameters()] + [x1.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    want = model(x2).square().sum()
+    want.backward()
+    w = [p.grad for p in model.parameters()] + [x2.grad]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for name, a, b in zip([n for n, _ in model.named_parameters()] + ["x"], g, w):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"grad {n}: {m}")
+    return ac.report(f)
+
+
+def _scans(rep) -> int:
+    """Regions captured from torch's scan (a rolled loop; an unrolled one is source "unrolled_loop")."""
+    return sum(1 for r in rep.regions if r.source == "scan")
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 50])
+def test_gate_rolled_exact(T):
+    rep = _check(Gate(), torch.randn(2, T, 6))
+    if T >= loop_runtime.MIN_STEPS:
+        assert _scans(rep) == 1 and [r.source for r in rep.regions] == ["scan"]
+    else:  # too short to roll: the loop as written
+        assert _scans(rep) == 0
+    assert any(r.rolled for r in loops.rolled()["Gate.forward"])
+
+
+def test_gate_rolled_and_sharded_exact():
+    rep = _check(Gate(), torch.randn(2, 37, 6), shard_size=5)
+    assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")]
+
+
+def test_graph_does_not_grow_with_T():
+    sizes = [len(_check(Gate(), torch.randn(2, T, 6)).graphs[0].graph.nodes) for T in (16, 128)]
+    assert sizes[0] == sizes[1]
+
+
+def test_forms_rolled_exact():
+    rep = _check(Forms(), torch.randn(3, 11, 5))
+    assert _scans(rep) == 2  # h and s: two recurrences in the one scan
+    (r,) = loops.rolled()["Forms.forward"]
+    assert r.rolled and "carries h, s" in r.reason and "collects outs, sums" in r.reason
+
+
+def test_growing_carry_runs_as_loop_exact():
+    rep = _check(Grows(), torch.randn(2, 9, 3))
+    assert _scans(rep) == 0
+
+
+def test_refused_loops_stay_as_written_exact():
+    _check(Refused(), torch.randn(2, 6, 4))
+    why = [r.reason for r in loops.rolled()["Refused.forward"]]
+    assert not any(r.rolled for r in loops.rolled()["Refused.forward"])
+    assert why == ["a write into a tensor, attribute or starred target", "t is used other than as an index",
+                   "a If statement in the step", "calls float, which may not trace inside torch's scan",
+                   "last is read after the loop"]
+
+
+def test_roll_loops_false_and_other_backends_unroll():
+    rep = _check(Gate(), torch.randn(2, 9, 6), roll_loops=False)
+    assert _scans(rep) == 0 and [r.source for r in rep.regions] == ["unrolled_loop"]
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    m = Gate()
+    _check(m, torch.randn(2, 9, 6))  # rolled for adjoint ...
+    torch._dynamo.reset()
+    torch.compile(m, backend=keep)(torch.randn(2, 9, 6))  # ... and unrolled as written for any other backend
+    assert not any(n.target is torch.ops.higher_order.scan for g in graphs for n in g.graph.nodes)
+    assert sum(1 for g in graphs for n in g.graph.nodes if "sigmoid" in str(n.target)) == 1
+    assert sum(1 for g in graphs for n in g.graph.nodes if "mul" in str(n.target)) == 9
+
+
+class Counting(nn.Module):
+    """A cell with a side effect in Python: it may not trace inside scan, so its caller's loop is not rolled."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x_t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x_t)
+
+
+class UsesCounting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = Counting()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(x[:, t]) + h)
+        return h
+
+
+def test_side_effect_in_cell_is_not_rolled_exact():
+    m = UsesCounting()
+    rep = _check(m, torch.randn(2, 5, 4))
+    assert _scans(rep) == 0 and m.cell.calls == 2 * 5  # compiled trace + eager oracle: one call a step each
+
+
+def test_plain_function_rolled():
+    def helper_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = b[0] * 0
+        ys = []
+        for t in range(a.shape[0]):
+            h = a[t] * h + b[t]
+            ys.append(h)
+        return torch.stack(ys)
+    new, (rep,), _ = loops.analyse(helper_scan)
+    assert new is not None and rep.rolled
+    a, b = torch.rand(7, 3), torch.randn(7, 3)
+    assert torch.equal(new(a, b), helper_scan(a, b))  # eager: the rolled function runs the loop as written
