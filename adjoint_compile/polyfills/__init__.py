@@ -81,7 +81,7 @@ def install() -> dict[str, str]:
 def _on_compile_start(*_: Any) -> None:
     install()
     # NB: imported by name: the loop roller reads this module's trace state (no import cycle)
-    importlib.import_module(f"{__name__}.loops").roll_reachable()
+    importlib.import_module(f"{__name__}.loop_install").roll_reachable()
     rnn = sys.modules.get(f"{__name__}.torch_rnn")
     if rnn is not None:
         rnn.refresh()

@@ -48,45 +48,23 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import inspect
 import logging
-import math
 import sys
-import textwrap
 import types
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from . import _ORIGINS, loop_runtime, options_for
+from . import _ORIGINS, loop_runtime
+from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root
 
 log = logging.getLogger(__name__)
 
-__all__ = ["analyse", "rolled", "roll_reachable", "LoopReport"]
+__all__ = ["analyse", "rolled", "LoopReport"]
 
 _ORIGINS.update(loop_runtime.ORIGINS)
 
 P = "__ac_"  # prefix of every name the rewrite adds
-_SAFE_MODULES = {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math}
-_SAFE_BUILTINS = {"len", "abs", "isinstance", "getattr", "hasattr"}
-#: calls that leave the graph, depend on data for their shape, or draw random numbers (different streams per step)
-_DENY = {"item", "tolist", "numpy", "backward", "register_hook", "retain_grad", "data_ptr", "nonzero", "argwhere",
-         "masked_select", "unique", "unique_consecutive", "bincount", "histc", "manual_seed", "save", "load", "print",
-         "set_grad_enabled", "no_grad", "enable_grad", "compile", "is_nonzero", "untyped_storage", "storage",
-         "dropout", "dropout1d", "dropout2d", "alpha_dropout", "feature_alpha_dropout", "rand", "randn", "randint",
-         "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson", "randperm",
-         # Python containers changed in place: a side effect scan refuses
-         "append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add", "discard", "sort",
-         "reverse", "popitem"}
-_SAFE_NN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.Identity, nn.Conv1d, nn.Conv2d,
-            nn.Flatten, nn.Unflatten) + tuple(
-    getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n)) + tuple(
-    v for v in vars(nn.modules.activation).values()
-    if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == nn.modules.activation.__name__
-    and v is not nn.MultiheadAttention)
-
-
 @dataclasses.dataclass(frozen=True)
 class LoopReport:
     """One ``for`` loop over ``range`` in a function's source, and what became of it."""
@@ -102,138 +80,6 @@ def rolled() -> dict[str, tuple[LoopReport, ...]]:
     """Function qualname -> its loops over ``range`` and whether each is rolled (functions looked at so far)."""
     return {code.co_qualname if hasattr(code, "co_qualname") else code.co_name: reps
             for code, (_, reps) in _RESULTS.items() if reps}
-
-
-class _Reject(Exception):
-    pass
-
-
-def _names(node: ast.AST, ctx: type) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
-
-
-def _root(e: ast.expr) -> str | None:
-    while isinstance(e, ast.Attribute):
-        e = e.value
-    return e.id if isinstance(e, ast.Name) else None
-
-
-def _attr_path(e: ast.expr) -> tuple[str, ...] | None:
-    parts: list[str] = []
-    while isinstance(e, ast.Attribute):
-        parts.append(e.attr)
-        e = e.value
-    return (e.id, *reversed(parts)) if isinstance(e, ast.Name) else None
-
-
-def _resolve(path: tuple[str, ...], env: dict[str, Any]) -> Any:
-    obj: Any = env.get(path[0], inspect.Parameter.empty)
-    if obj is inspect.Parameter.empty:
-        import builtins
-        obj = getattr(builtins, path[0], None)
-    for a in path[1:]:
-        obj = getattr(obj, a, None)
-    return obj
-
-
-@dataclasses.dataclass
-class _Fn:
-    """What the checks need of the function being rewritten."""
-    fn: types.FunctionType
-    params: set[str]
-    locals_: set[str]            # every name the function assigns or binds
-    module_calls: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # self.attr(...) paths
-
-
-def _check_calls(node: ast.AST, f: _Fn) -> None:
-    """Raise _Reject for a call that may leave the graph or mutate state (see the module doc)."""
-    for c in ast.walk(node):
-        if isinstance(c, (ast.Lambda, ast.NamedExpr, ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp,
-                          ast.GeneratorExp, ast.Await, ast.Yield, ast.YieldFrom)):
-            raise _Reject(f"{type(c).__name__} in the step")
-        if not isinstance(c, ast.Call):
-            continue
-        fn = c.func
-        name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
-        if name is None:
-            raise _Reject("a call of a computed callable")
-        if name in _DENY or (name.endswith("_") and not name.endswith("__")):
-            raise _Reject(f"calls {name} (in place, random, or leaves the graph)")
-        path = _attr_path(fn)
-        if path is not None and path[0] not in f.locals_ and path[0] not in f.params:
-            obj = _resolve(path[:-1], f.fn.__globals__) if len(path) > 1 else None
-            if len(path) > 1 and obj in _SAFE_MODULES:
-                continue
-            if len(path) == 1 and path[0] in _SAFE_BUILTINS:
-                continue
-            target = _resolve(path, f.fn.__globals__)
-            if isinstance(target, types.BuiltinFunctionType) and getattr(target, "__module__", "") in (
-                    "torch", "torch._C._nn", "torch._C._special", "torch._C._linalg", "math"):
-                continue
-            if isinstance(target, types.FunctionType) and _helper_ok(target):
-                continue
-            raise _Reject(f"calls {'.'.join(path)}, which may not trace inside torch's scan")
-        if path is not None and path[0] == "self" and len(path) >= 2:
-            f.module_calls.add(path[1:])  # self.mod(...) or self.method(...) or self.param.method(...)
-        # else: a method of a local tensor, allowed unless denied above
-
-
-def _helper_ok(fn: types.FunctionType, owner: Any = None, depth: int = 0) -> bool:
-    """A function or method called from a step: straight-line code whose calls pass :func:`_check_calls`, and whose
-    ``self.x(...)`` calls pass :func:`_callee_ok` on ``owner`` (three levels at most)."""
-    if depth > 3:
-        return False
-    try:
-        tree = _parse(fn)
-    except (OSError, TypeError, SyntaxError, _Reject):
-        return False
-    params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
-    f = _Fn(fn, params, _names(tree, ast.Store) | params)
-    for s in ast.walk(tree):
-        if isinstance(s, (ast.If, ast.For, ast.While, ast.Try, ast.With, ast.Raise, ast.Global, ast.Nonlocal,
-                          ast.Delete, ast.FunctionDef, ast.ClassDef)) and s is not tree or (
-                isinstance(s, (ast.Subscript, ast.Attribute)) and isinstance(s.ctx, ast.Store)):
-            return False
-    try:
-        for s in tree.body:
-            _check_calls(s, f)
-    except _Reject:
-        return False
-    return all(owner is not None and _callee_ok(owner, path, depth + 1) for path in f.module_calls)
-
-
-def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
-    """Whether ``owner.<path>(...)`` traces inside scan: a tensor method, a torch.nn layer without state it updates
-    (:data:`_SAFE_NN`, or a Sequential of such), or a module or method of the user's whose code passes
-    :func:`_helper_ok`."""
-    obj: Any = owner
-    prev: Any = None
-    for a in path:
-        prev, obj = obj, getattr(obj, a, None)
-    if isinstance(prev, torch.Tensor):
-        return True
-    if isinstance(obj, nn.Sequential):
-        return all(_callee_ok(m, (), depth) for m in obj)
-    if isinstance(obj, _SAFE_NN):
-        return True
-    if isinstance(obj, nn.Module):
-        fwd = type(obj).forward
-        return (not type(obj).__module__.startswith("torch.") and not obj._forward_hooks
-                and not obj._forward_pre_hooks and isinstance(fwd, types.FunctionType)
-                and _helper_ok(fwd, obj, depth))
-    if isinstance(obj, types.MethodType) and isinstance(obj.__func__, types.FunctionType):
-        return _helper_ok(obj.__func__, obj.__self__, depth)
-    return False
-
-
-def _parse(fn: types.FunctionType) -> ast.FunctionDef:
-    src = textwrap.dedent(inspect.getsource(fn))
-    mod = ast.parse(src)
-    if len(mod.body) != 1 or not isinstance(mod.body[0], ast.FunctionDef):
-        raise _Reject("not a plain def")
-    tree = mod.body[0]
-    ast.increment_lineno(mod, fn.__code__.co_firstlineno - 1)
-    return tree
 
 
 def _full_slice(e: ast.expr) -> bool:
@@ -601,107 +447,3 @@ def _build(fn: types.FunctionType, tree: ast.FunctionDef) -> types.FunctionType:
     new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
     new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
     return new
-
-
-def _compile_frame() -> tuple[types.CodeType, dict[str, Any], dict[str, Any], tuple[Any, ...], Any] | None:
-    """The frame dynamo is starting to compile (its code, globals, locals, closure) and the compiler it compiles
-    for, read from dynamo's ``_compile`` frame up the stack (None when not found: nothing is rolled)."""
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_name == "_compile" and f.f_code.co_filename.endswith("convert_frame.py"):
-            loc = f.f_locals
-            try:
-                return loc["code"], loc["globals"], loc["locals"], tuple(loc["closure"] or ()), loc["compiler_fn"]
-            except KeyError:
-                return None
-        f = f.f_back
-    return None
-
-
-def _reachable(code: types.CodeType, glob: dict[str, Any], loc: dict[str, Any], closure: tuple[Any, ...]
-               ) -> tuple[list[nn.Module], list[types.FunctionType]]:
-    """The modules and plain functions the frame can reach: its locals, closure cells and the globals it names,
-    through closures and submodules (bounded)."""
-    seen: set[int] = set()
-    mods: list[nn.Module] = []
-    fns: list[types.FunctionType] = []
-    todo: list[tuple[Any, int]] = [(v, 0) for v in loc.values()]
-    todo += [(c.cell_contents, 0) for c in closure if _has(c)]
-    todo += [(glob[n], 0) for n in code.co_names if n in glob]
-    while todo:
-        v, depth = todo.pop()
-        if id(v) in seen or depth > 3:
-            continue
-        seen.add(id(v))
-        if isinstance(v, nn.Module):
-            for m in v.modules():
-                if m is v or id(m) not in seen:
-                    seen.add(id(m))
-                    mods.append(m)
-        elif isinstance(v, types.MethodType):
-            todo += [(v.__func__, depth), (v.__self__, depth)]
-        elif isinstance(v, types.FunctionType):
-            if v.__module__ and v.__module__.split(".")[0] in ("torch", "adjoint_compile"):
-                continue
-            fns.append(v)
-            todo += [(c.cell_contents, depth + 1) for c in v.__closure__ or () if _has(c)]
-            todo += [(v.__globals__[n], depth + 1) for n in v.__code__.co_names if n in v.__globals__]
-    return mods, fns
-
-
-def _has(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
-def _install(fn: Any, instances: list[Any]) -> str:
-    """Point dynamo at ``fn``'s rolled form when it has one and every instance passes its step's calls."""
-    if not isinstance(fn, types.FunctionType) or fn.__module__.split(".")[0] in ("torch", "adjoint_compile"):
-        return "skipped"
-    new, _, calls = analyse(fn)
-    if new is None:
-        return "nothing to roll"
-    bad = [i for i in instances for c in calls if not _callee_ok(i, c)]
-    mine = getattr(fn, "_torchdynamo_inline", None)
-    if bad:
-        if mine is new:
-            del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
-        log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
-                 fn.__qualname__, type(bad[0]).__name__, ".".join(next(c for c in calls
-                                                                       if not _callee_ok(bad[0], c))))
-        return "instance refused"
-    if mine is None:
-        fn._torchdynamo_inline = new
-    return "rolled" if fn._torchdynamo_inline is new else "has its own _torchdynamo_inline"
-
-
-def roll_reachable() -> None:
-    """Called as dynamo starts compiling a frame: for ``backend="adjoint"`` (``roll_loops`` on), give every function
-    the frame can reach whose loops roll its rolled form (see the module doc). Never raises."""
-    try:
-        got = _compile_frame()
-        if got is None:
-            return
-        code, glob, loc, closure, compiler_fn = got
-        opts = options_for(compiler_fn)
-        if opts is None or opts.get("roll_loops", True) is False:
-            return
-        mods, fns = _reachable(code, glob, loc, closure)
-        by_class: dict[type, list[nn.Module]] = {}
-        for m in mods:
-            by_class.setdefault(type(m), []).append(m)
-        for cls, insts in by_class.items():
-            for klass in cls.__mro__:
-                if klass.__module__.split(".")[0] in ("torch", "builtins", "adjoint_compile"):
-                    continue
-                for v in vars(klass).values():
-                    if isinstance(v, types.FunctionType) and "range" in v.__code__.co_names:
-                        _install(v, insts)
-        for fn in fns:
-            if "range" in fn.__code__.co_names:
-                _install(fn, [])
-    except Exception as e:  # noqa: BLE001 - rolling is an optimisation: a failure leaves tracing as it was
-        log.warning("adjoint-compile: loop rolling skipped (%s: %s)", type(e).__name__, e)

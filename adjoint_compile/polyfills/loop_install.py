@@ -1,0 +1,125 @@
+"""Where the loop roller (:mod:`.loops`) finds the functions to roll: when dynamo starts compiling a frame for
+``backend="adjoint"``, the modules and functions the frame can reach, and the instances whose submodules each rolled
+step calls (:func:`.loop_calls._callee_ok`)."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any
+
+import torch.nn as nn
+
+from . import _FORCE, options_for
+from .loop_calls import _callee_ok
+from .loops import analyse
+
+log = logging.getLogger(__name__)
+
+__all__ = ["roll_reachable"]
+
+
+def _compile_frame() -> tuple[types.CodeType, dict[str, Any], dict[str, Any], tuple[Any, ...], Any] | None:
+    """The frame dynamo is starting to compile (its code, globals, locals, closure) and the compiler it compiles
+    for, read from dynamo's ``_compile`` frame up the stack (None when not found: nothing is rolled)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and f.f_code.co_filename.endswith("convert_frame.py"):
+            loc = f.f_locals
+            try:
+                return loc["code"], loc["globals"], loc["locals"], tuple(loc["closure"] or ()), loc["compiler_fn"]
+            except KeyError:
+                return None
+        f = f.f_back
+    return None
+
+
+def _reachable(code: types.CodeType, glob: dict[str, Any], loc: dict[str, Any], closure: tuple[Any, ...]
+               ) -> tuple[list[nn.Module], list[types.FunctionType]]:
+    """The modules and plain functions the frame can reach: its locals, closure cells and the globals it names,
+    through closures and submodules (bounded)."""
+    seen: set[int] = set()
+    mods: list[nn.Module] = []
+    fns: list[types.FunctionType] = []
+    todo: list[tuple[Any, int]] = [(v, 0) for v in loc.values()]
+    todo += [(c.cell_contents, 0) for c in closure if _has(c)]
+    todo += [(glob[n], 0) for n in code.co_names if n in glob]
+    while todo:
+        v, depth = todo.pop()
+        if id(v) in seen or depth > 3:
+            continue
+        seen.add(id(v))
+        if isinstance(v, nn.Module):
+            for m in v.modules():
+                if m is v or id(m) not in seen:
+                    seen.add(id(m))
+                    mods.append(m)
+        elif isinstance(v, types.MethodType):
+            todo += [(v.__func__, depth), (v.__self__, depth)]
+        elif isinstance(v, types.FunctionType):
+            if v.__module__ and v.__module__.split(".")[0] in ("torch", "adjoint_compile"):
+                continue
+            fns.append(v)
+            todo += [(c.cell_contents, depth + 1) for c in v.__closure__ or () if _has(c)]
+            todo += [(v.__globals__[n], depth + 1) for n in v.__code__.co_names if n in v.__globals__]
+    return mods, fns
+
+
+def _has(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _install(fn: Any, instances: list[Any]) -> str:
+    """Point dynamo at ``fn``'s rolled form when it has one and every instance passes its step's calls."""
+    if not isinstance(fn, types.FunctionType) or fn.__module__.split(".")[0] in ("torch", "adjoint_compile"):
+        return "skipped"
+    new, _, calls = analyse(fn)
+    if new is None:
+        return "nothing to roll"
+    bad = [i for i in instances for c in calls if not _callee_ok(i, c)]
+    mine = getattr(fn, "_torchdynamo_inline", None)
+    if bad:
+        if mine is new:
+            del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
+        log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
+                 fn.__qualname__, type(bad[0]).__name__, ".".join(next(c for c in calls
+                                                                       if not _callee_ok(bad[0], c))))
+        return "instance refused"
+    if mine is None:
+        fn._torchdynamo_inline = new
+    return "rolled" if fn._torchdynamo_inline is new else "has its own _torchdynamo_inline"
+
+
+def roll_reachable() -> None:
+    """Called as dynamo starts compiling a frame: for ``backend="adjoint"`` (``roll_loops`` on), give every function
+    the frame can reach whose loops roll its rolled form (see the module doc). Never raises."""
+    try:
+        got = _compile_frame()
+        if got is None:
+            return
+        code, glob, loc, closure, compiler_fn = got
+        opts = options_for(compiler_fn)
+        if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as the backend would
+            opts = {}
+        if opts is None or opts.get("roll_loops", True) is False:
+            return
+        mods, fns = _reachable(code, glob, loc, closure)
+        by_class: dict[type, list[nn.Module]] = {}
+        for m in mods:
+            by_class.setdefault(type(m), []).append(m)
+        for cls, insts in by_class.items():
+            for klass in cls.__mro__:
+                if klass.__module__.split(".")[0] in ("torch", "builtins", "adjoint_compile"):
+                    continue
+                for v in vars(klass).values():
+                    if isinstance(v, types.FunctionType) and "range" in v.__code__.co_names:
+                        _install(v, insts)
+        for fn in fns:
+            if "range" in fn.__code__.co_names:
+                _install(fn, [])
+    except Exception as e:  # noqa: BLE001 - rolling is an optimisation: a failure leaves tracing as it was
+        log.warning("adjoint-compile: loop rolling skipped (%s: %s)", type(e).__name__, e)
