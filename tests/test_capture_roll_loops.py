@@ -237,3 +237,25 @@ def test_plain_function_rolled():
     assert new is not None and rep.rolled
     a, b = torch.rand(7, 3), torch.randn(7, 3)
     assert torch.equal(new(a, b), helper_scan(a, b))  # eager: the rolled function runs the loop as written
+
+
+class ComplexLoop(nn.Module):
+    """A complex carry: torch's scan cannot differentiate it, so the steps run as a Python loop."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.theta = nn.Parameter(torch.rand(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lam = torch.exp(-0.1 + 1j * self.theta)
+        h = torch.zeros(x.shape[0], x.shape[2], dtype=lam.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            h = lam * h + x[:, t]
+            ys.append(h.real)
+        return torch.stack(ys, 1)
+
+
+def test_complex_carry_runs_as_loop_exact():
+    rep = _check(ComplexLoop(), torch.randn(2, 7, 3))
+    assert _scans(rep) == 0
