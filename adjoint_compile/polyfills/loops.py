@@ -287,6 +287,8 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
         if _live(n, after):
             raise _Reject(f"{n} is read after the loop")
     torch_names = {k for k, v in f.fn.__globals__.items() if v is torch}
+    if "torch" not in f.fn.__globals__:
+        torch_names.add("torch")  # NB: an ``import torch`` in an enclosing function
     stacks = [_stack_uses(lst, after, torch_names) for lst in lists]
     return _Plan(loop, path, carries, lists, stacks, indexer.xs, body)
 
