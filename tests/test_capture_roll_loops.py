@@ -259,3 +259,28 @@ class ComplexLoop(nn.Module):
 def test_complex_carry_runs_as_loop_exact():
     rep = _check(ComplexLoop(), torch.randn(2, 7, 3))
     assert _scans(rep) == 0
+
+
+def _make_decay(scale: float | torch.Tensor):
+    """Functions with one code object and different closures: each must roll with its own."""
+    def decay_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = b[0] * 0
+        ys = []
+        for t in range(a.shape[0]):
+            h = scale * a[t] * h + b[t]
+            ys.append(h)
+        return torch.stack(ys)
+    return decay_scan
+
+
+@pytest.mark.parametrize("kind", ["tensor", "float"])
+def test_same_code_different_closures_exact(kind):
+    """Each function rolls with its own closure cells (tensors); a float read by the step keeps the loop as written
+    (dynamo makes a float that changed symbolic, which scan refuses)."""
+    a, b = torch.rand(9, 3), torch.randn(9, 3)
+    for i, scale in enumerate((0.5, -2.0)):
+        fn = _make_decay(torch.tensor(scale) if kind == "tensor" else scale)
+        f = torch.compile(lambda u, v: fn(u, v), backend="adjoint")
+        torch.testing.assert_close(f(a, b), fn(a, b), rtol=1e-10, atol=1e-10)
+        assert _scans(ac.report(f)) == (i + 1 if kind == "tensor" else 0)  # NB: one record for the lambda's code
+    assert all(r.rolled for r in loops.rolled()["_make_decay.<locals>.decay_scan"])

@@ -35,10 +35,16 @@ ORIGINS = {__file__: "adjoint-compile's loop roller (a Python loop over range tr
 MIN_STEPS = 3
 
 
-def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...]) -> bool:
+def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any, ...] = ()) -> bool:
     """Whether the rolled form computes what the loop over ``r`` does: tracing for the adjoint backend, a plain
-    range of at least :data:`MIN_STEPS` steps, and every indexed sequence a tensor with those steps along its dim."""
+    range of at least :data:`MIN_STEPS` steps, every indexed sequence a tensor with those steps along its dim, and
+    no float among the values the step reads from its function (``invariants``).
+
+    NB: dynamo holds a float that changed between calls symbolic, and scan refuses a symbolic float input (it
+    raises); a traced float looks the same whether symbolic or not, so any float keeps the loop as written."""
     if not rolling() or not isinstance(r, range) or r.step != 1 or r.start < 0 or len(r) < MIN_STEPS:
+        return False
+    if any(isinstance(v, float) for v in invariants):
         return False
     for x, d in zip(xs, dims):
         if not isinstance(x, torch.Tensor) or not -x.dim() <= d < x.dim() or x.shape[d] < r.stop:

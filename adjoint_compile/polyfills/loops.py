@@ -51,6 +51,7 @@ import dataclasses
 import logging
 import sys
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ __all__ = ["analyse", "rolled", "LoopReport"]
 _ORIGINS.update(loop_runtime.ORIGINS)
 
 P = "__ac_"  # prefix of every name the rewrite adds
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopReport:
     """One ``for`` loop over ``range`` in a function's source, and what became of it."""
@@ -73,13 +76,16 @@ class LoopReport:
     reason: str          # why not, or what it carries
 
 
-_RESULTS: dict[types.CodeType, tuple[Any, tuple[LoopReport, ...]]] = {}
+#: code object -> (the rewritten code or None, a report per loop, the step's self.x(...) calls)
+_RESULTS: dict[types.CodeType, tuple[types.CodeType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]] = {}
+#: function -> its rolled form (the rewritten code with this function's globals, closure cells and defaults)
+_ROLLED: weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType] = weakref.WeakKeyDictionary()
 
 
 def rolled() -> dict[str, tuple[LoopReport, ...]]:
     """Function qualname -> its loops over ``range`` and whether each is rolled (functions looked at so far)."""
     return {code.co_qualname if hasattr(code, "co_qualname") else code.co_name: reps
-            for code, (_, reps) in _RESULTS.items() if reps}
+            for code, (_, reps, _) in _RESULTS.items() if reps}
 
 
 def _full_slice(e: ast.expr) -> bool:
@@ -234,6 +240,8 @@ class _Plan:
     stacks: list[list[ast.Call] | None]
     xs: list[tuple[ast.expr, int]]
     body: list[ast.stmt]
+    #: the function's own names the step reads and does not assign (loop_runtime.ok checks them)
+    invariants: list[str]
 
 
 def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn, tree: ast.FunctionDef) -> _Plan:
@@ -277,7 +285,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
         if c not in before and c not in f.params:
             raise _Reject(f"the carry {c} is not assigned before the loop")
     indexer = _IndexByT(var, assigned | set(lists))
-    body = [indexer.visit(_copy(s)) for s in loop.body]
+    body = [indexer.visit(copy.deepcopy(s)) for s in loop.body]
     if var in set().union(*(_names(s, ast.Load) for s in body)):
         raise _Reject("t is used other than as an index")
     if not indexer.xs:
@@ -290,11 +298,9 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     if "torch" not in f.fn.__globals__:
         torch_names.add("torch")  # NB: an ``import torch`` in an enclosing function
     stacks = [_stack_uses(lst, after, torch_names) for lst in lists]
-    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body)
-
-
-def _copy(node: Any) -> Any:
-    return copy.deepcopy(node)
+    own = before | f.params | set(f.fn.__code__.co_freevars)
+    invariants = [n for n in read_first if n not in assigned and n != var and n in own]
+    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants)
 
 
 def _tup(names: list[str], ctx: type) -> ast.Tuple:
@@ -305,7 +311,7 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     """The statements that replace the loop (see the module doc)."""
     rt = f"{P}rt"
     r, step, ys = f"{P}r{k}", f"{P}step{k}", f"{P}ys{k}"
-    xs = ast.Tuple([_copy(x) for x, _ in p.xs], ast.Load())
+    xs = ast.Tuple([copy.deepcopy(x) for x, _ in p.xs], ast.Load())
     dims = ast.Tuple([ast.Constant(d) for _, d in p.xs], ast.Load())
     inner: list[ast.stmt] = []
     if p.carries:
@@ -320,9 +326,7 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
             inner.append(s)
     inner.append(ast.Return(ast.Tuple([_tup(p.carries, ast.Load),
                                        _tup([f"{P}y{i}" for i in range(j)], ast.Load)], ast.Load())))
-    fdef = ast.FunctionDef(step, ast.arguments([], [ast.arg(f"{P}c"), ast.arg(f"{P}x")], None, [], [], None, []),
-                           inner, [], None, type_params=[]) if sys.version_info >= (3, 12) else ast.FunctionDef(
-        step, ast.arguments([], [ast.arg(f"{P}c"), ast.arg(f"{P}x")], None, [], [], None, []), inner, [], None)
+    fdef = _def(step, [f"{P}c", f"{P}x"], inner)
     call = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "run", ast.Load()),
                     [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load())], [])
     rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(p.carries, ast.Store), ast.Name(ys, ast.Store())],
@@ -338,12 +342,19 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     args = _range_args(loop)
     loop.iter = ast.Name(r, ast.Load())
     guard = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "ok", ast.Load()),
-                     [ast.Name(r, ast.Load()), ast.Tuple([_copy(x) for x, _ in p.xs], ast.Load()), dims], [])
+                     [ast.Name(r, ast.Load()), ast.Tuple([copy.deepcopy(x) for x, _ in p.xs], ast.Load()), dims,
+                      _tup(p.invariants, ast.Load)], [])
     out = [ast.Assign([ast.Name(r, ast.Store())], ast.Call(ast.Name("range", ast.Load()), args, [])),
            ast.If(guard, rolled, [loop])]
     for s in out:
         ast.copy_location(s, loop)
     return out
+
+
+def _def(name: str, params: list[str], body: list[ast.stmt]) -> ast.FunctionDef:
+    extra: dict[str, Any] = {"type_params": []} if sys.version_info >= (3, 12) else {}
+    return ast.FunctionDef(name, ast.arguments([], [ast.arg(n) for n in params], None, [], [], None, []), body, [],
+                           None, **extra)
 
 
 def _loops(tree: ast.FunctionDef) -> list[tuple[ast.For, list[tuple[list[ast.stmt], int, ast.AST]]]]:
@@ -368,19 +379,31 @@ def _loops(tree: ast.FunctionDef) -> list[tuple[ast.For, list[tuple[list[ast.stm
 
 def analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]:
     """The function with its rollable loops rewritten (None when none is), a report per loop over ``range``, and
-    the ``self.x(...)`` calls its rolled steps make (to check on each instance). Cached per code object."""
+    the ``self.x(...)`` calls its rolled steps make (to check on each instance). The rewrite is made once per code
+    object; each function object gets its own rolled form, with its own closure cells."""
     code = fn.__code__
-    if code in _RESULTS:
-        return _RESULTS[code][0]
-    got = _analyse(fn)
-    _RESULTS[code] = (got, got[1])
-    for rep in got[1]:
-        log.info("adjoint-compile loop at %s: %s", rep.where, "rolled" if rep.rolled else f"not rolled: {rep.reason}")
-    return got
+    if code not in _RESULTS:
+        _RESULTS[code] = _analyse(fn)
+        for rep in _RESULTS[code][1]:
+            log.info("adjoint-compile loop at %s: %s", rep.where,
+                     "rolled" if rep.rolled else f"not rolled: {rep.reason}")
+    new_code, reports, calls = _RESULTS[code]
+    if new_code is None:
+        return None, reports, calls
+    if fn not in _ROLLED:
+        # NB: dynamo reaches a closure cell and a global of the inlined function through the original function, so
+        # the cells are the original's, in its order, and the runtime is a global of the function's module
+        fn.__globals__.setdefault(f"{P}rt", loop_runtime)
+        new = types.FunctionType(new_code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+        new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+        _ROLLED[fn] = new
+    return _ROLLED[fn], reports, calls
 
 
-def _analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]:
-    if "range" not in code_names(fn.__code__):
+def _analyse(fn: types.FunctionType) -> tuple[types.CodeType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]:
+    if "range" not in fn.__code__.co_names:
         return None, (), set()
     try:
         tree = _parse(fn)
@@ -408,44 +431,30 @@ def _analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[L
         block, i, _ = plan.path[-1]
         block[i:i + 1] = _rewrite(plan, k)
     try:
-        new = _build(fn, tree)
+        new_code = _compile(fn, tree)
     except Exception as e:  # noqa: BLE001 - a rewrite that does not compile leaves the function as written
         log.warning("adjoint-compile: could not rebuild %s with its loops rolled (%s: %s); dynamo unrolls them",
                     fn.__qualname__, type(e).__name__, e)
         return None, tuple(dataclasses.replace(r, rolled=False, reason=f"rebuild failed: {e}") for r in reports), set()
-    return new, tuple(reports), set(f.module_calls)
+    return new_code, tuple(reports), set(f.module_calls)
 
 
-def code_names(code: types.CodeType) -> set[str]:
-    return set(code.co_names)
-
-
-def _build(fn: types.FunctionType, tree: ast.FunctionDef) -> types.FunctionType:
-    """Compile the rewritten def with the original's file, lines, globals, closure cells and defaults; the runtime
-    module is one more global (``__ac_rt``) of the function's module."""
+def _compile(fn: types.FunctionType, tree: ast.FunctionDef) -> types.CodeType:
+    """The rewritten def compiled with the original's file and lines, and its free variables in the same order
+    (the cells are the original function's)."""
     free = fn.__code__.co_freevars
     body: ast.stmt = tree
     if "__class__" in free:
         body = ast.ClassDef(f"{P}K", [], [], [tree], [])  # NB: zero-argument super() needs a __class__ cell
-    outer = ast.FunctionDef(f"{P}outer", ast.arguments([], [ast.arg(n) for n in free if n != "__class__"], None, [],
-                                                        [], None, []), [body, ast.Return(ast.Constant(None))], [], None)
+    outer = _def(f"{P}outer", [n for n in free if n != "__class__"], [body, ast.Return(ast.Constant(None))])
     mod = ast.Module([outer], [])
     ast.copy_location(outer, tree)
     ast.fix_missing_locations(mod)
     code = compile(mod, fn.__code__.co_filename, "exec")
-    outer_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    scope = next(c for c in code.co_consts if isinstance(c, types.CodeType))
     if "__class__" in free:
-        klass = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType))
-        inner = next(c for c in klass.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
-    else:
-        inner = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
+        scope = next(c for c in scope.co_consts if isinstance(c, types.CodeType))
+    inner = next(c for c in scope.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
     if inner.co_freevars != free:
         raise _Reject(f"closure {inner.co_freevars} differs from {free}")
-    # NB: dynamo reaches a closure cell and a global of the inlined function through the original function, so
-    # the cells are the original's, in its order, and the runtime is a global of the function's module
-    fn.__globals__.setdefault(f"{P}rt", loop_runtime)
-    new = types.FunctionType(inner, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
-    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
-    return new
+    return inner
