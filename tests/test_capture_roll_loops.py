@@ -284,3 +284,14 @@ def test_same_code_different_closures_exact(kind):
         torch.testing.assert_close(f(a, b), fn(a, b), rtol=1e-10, atol=1e-10)
         assert _scans(ac.report(f)) == (i + 1 if kind == "tensor" else 0)  # NB: one record for the lambda's code
     assert all(r.rolled for r in loops.rolled()["_make_decay.<locals>.decay_scan"])
+
+
+def _recurses(v: torch.Tensor) -> torch.Tensor:
+    """Calls itself (never run here): reading it must end."""
+    return _recurses(v * 0.5)
+
+
+def test_a_helper_that_calls_itself_is_refused():
+    from adjoint_compile.polyfills import loop_calls
+    assert loop_calls._own_calls(_recurses) is None
+    assert loop_calls._own_calls(_make_decay) is None  # a def inside: not straight-line

@@ -168,15 +168,7 @@ def _compiler_chain(fn: Any) -> Iterator[Any]:
 @torch._dynamo.assume_constant_result
 def active() -> bool:
     """True while dynamo traces for ``backend="adjoint"`` (or under :func:`enabled`); evaluated at trace time."""
-    if getattr(_FORCE, "on", False):
-        return True
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # noqa: BLE001 - not tracing
-        return False
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    return any(getattr(f, "_adjoint_compile_backend", False) for f in _compiler_chain(fn))
+    return traced_options() is not None
 
 
 def traced_options() -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import math
 import textwrap
@@ -112,28 +113,48 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
         # else: a method of a local tensor, allowed unless denied above
 
 
-def _helper_ok(fn: types.FunctionType, owner: Any = None, depth: int = 0) -> bool:
-    """A function or method called from a step: straight-line code whose calls pass :func:`_check_calls`, and whose
-    ``self.x(...)`` calls pass :func:`_callee_ok` on ``owner`` (three levels at most)."""
-    if depth > 3:
-        return False
+@functools.lru_cache(maxsize=1024)
+def _own_calls(fn: types.FunctionType) -> frozenset[tuple[str, ...]] | None:
+    """The ``self.x(...)`` calls of a function or method called from a step when its own code is straight-line and
+    its other calls pass :func:`_check_calls`, else None. Read once per function; a function that calls itself
+    (through others too) is refused."""
+    if fn in _VISITING:
+        return None
+    _VISITING.add(fn)
+    try:
+        return _read_calls(fn)
+    finally:
+        _VISITING.discard(fn)
+
+
+_VISITING: set[types.FunctionType] = set()
+
+
+def _read_calls(fn: types.FunctionType) -> frozenset[tuple[str, ...]] | None:
     try:
         tree = _parse(fn)
     except (OSError, TypeError, SyntaxError, _Reject):
-        return False
+        return None
     params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
     f = _Fn(fn, params, _names(tree, ast.Store) | params)
     for s in ast.walk(tree):
         if isinstance(s, (ast.If, ast.For, ast.While, ast.Try, ast.With, ast.Raise, ast.Global, ast.Nonlocal,
                           ast.Delete, ast.FunctionDef, ast.ClassDef)) and s is not tree or (
                 isinstance(s, (ast.Subscript, ast.Attribute)) and isinstance(s.ctx, ast.Store)):
-            return False
+            return None
     try:
         for s in tree.body:
             _check_calls(s, f)
     except _Reject:
-        return False
-    return all(owner is not None and _callee_ok(owner, path, depth + 1) for path in f.module_calls)
+        return None
+    return frozenset(f.module_calls)
+
+
+def _helper_ok(fn: types.FunctionType, owner: Any = None, depth: int = 0) -> bool:
+    """A function or method called from a step: :func:`_own_calls` passes, and its ``self.x(...)`` calls pass
+    :func:`_callee_ok` on ``owner`` (three levels at most)."""
+    calls = _own_calls(fn) if depth <= 3 else None
+    return calls is not None and all(owner is not None and _callee_ok(owner, path, depth + 1) for path in calls)
 
 
 def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
@@ -146,14 +167,15 @@ def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
         prev, obj = obj, getattr(obj, a, None)
     if isinstance(prev, torch.Tensor):
         return True
+    if isinstance(obj, nn.Module) and (obj._forward_hooks or obj._forward_pre_hooks):
+        return False  # NB: a hook is Python the step would run
     if isinstance(obj, nn.Sequential):
         return all(_callee_ok(m, (), depth) for m in obj)
     if isinstance(obj, _SAFE_NN):
         return True
     if isinstance(obj, nn.Module):
         fwd = type(obj).forward
-        return (not type(obj).__module__.startswith("torch.") and not obj._forward_hooks
-                and not obj._forward_pre_hooks and isinstance(fwd, types.FunctionType)
+        return (not type(obj).__module__.startswith("torch.") and isinstance(fwd, types.FunctionType)
                 and _helper_ok(fwd, obj, depth))
     if isinstance(obj, types.MethodType) and isinstance(obj.__func__, types.FunctionType):
         return _helper_ok(obj.__func__, obj.__self__, depth)

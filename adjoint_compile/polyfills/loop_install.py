@@ -80,14 +80,15 @@ def _install(fn: Any, instances: list[Any]) -> str:
     new, _, calls = analyse(fn)
     if new is None:
         return "nothing to roll"
-    bad = [i for i in instances for c in calls if not _callee_ok(i, c)]
+    if calls and not instances:
+        return "no instance to check"  # NB: a method reached as a plain function; its class's instances decide
+    bad = next(((i, c) for i in instances for c in calls if not _callee_ok(i, c)), None)
     mine = getattr(fn, "_torchdynamo_inline", None)
-    if bad:
+    if bad is not None:
         if mine is new:
             del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
         log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
-                 fn.__qualname__, type(bad[0]).__name__, ".".join(next(c for c in calls
-                                                                       if not _callee_ok(bad[0], c))))
+                 fn.__qualname__, type(bad[0]).__name__, ".".join(bad[1]))
         return "instance refused"
     if mine is None:
         fn._torchdynamo_inline = new

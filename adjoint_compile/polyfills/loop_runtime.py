@@ -92,12 +92,15 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
                 acc.append(v)
         return c, lists
     body = _fresh(step)
-    if _tensors(carry) and _same_meta(tuple(v.clone() for v in carry), c2):
-        # NB: the peeled steps only proved the metadata; scan all n steps, so the outputs are scan's own (dead code
-        # for the peeled ones)
-        return scan(body, tuple(v.clone() for v in carry), seq)
-    # NB: c2 goes through the same clone as scan's carries, so its strides are those scan compares against
-    c, ys = scan(body, tuple(v.clone() for v in c2), tuple(x[2:] for x in seq))
+    # NB: the carries go through the same clone as scan's own, so their strides are those scan compares
+    c2 = tuple(v.clone() for v in c2)
+    if _tensors(carry):
+        c0 = tuple(v.clone() for v in carry)
+        if _same_meta(c0, c2):
+            # NB: the peeled steps only proved the metadata; scan all n steps, so the outputs are scan's own (the
+            # peeled ones are dead code)
+            return scan(body, c0, seq)
+    c, ys = scan(body, c2, tuple(x[2:] for x in seq))
     return c, tuple(torch.cat([a.unsqueeze(0), b.unsqueeze(0), rest]) for a, b, rest in zip(y0, y1, ys))
 
 
