@@ -6,10 +6,10 @@
 Cases: the shipped SSM (adjoint_compile.models.selective_ssm.SSMStack, loss compiled in, shards of 256 steps), two
 examples (pre_ln_transformer and relu_resnet: residual chains, nothing rewritten in exact mode; mamba_conv, a sharded
 region with causal convs, takes both backends over 3 minutes cold and is not in the default run), a Python loop
-h = a_t * h + b_t that dynamo unrolls, at T = 512, 2048 and 8192 (re-rolled into one scan; default options decline
-it, one shard, and the re-rolled graph is compiled; --cases loop512_sharded shards it), and an MLP (nothing to
-rewrite).
-Inductor on the unrolled loops takes minutes: those measurements stop at --loop-timeout. Every step's loss is
+h = a_t * h + b_t in a module's forward, at T = 512, 2048 and 8192 (adjoint rolls it before dynamo: traced once, as
+torch's scan; default options decline it, one shard; --cases loop512_sharded shards it; loop8192_unrolled turns
+rolling off: dynamo unrolls it and the backend re-rolls the graph), and an MLP (nothing to rewrite).
+Inductor gets the loops unrolled by dynamo and takes minutes: those measurements stop at --loop-timeout. Every step's loss is
 compiled in; each measurement also times later steps (the steady state: the median of up to 21, within 5 s).
 
 Prints a table and writes benchmarks/results/compile_time_cpu.json, compile_time.md and compile_time_cpu.png.
@@ -37,7 +37,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 #: case -> what it is (the table's and the results page's words)
 #: the cases run by default (the others: --cases)
-DEFAULT = ("ssm", "pre_ln_transformer", "relu_resnet", "loop512", "loop2048", "loop8192", "mlp")
+DEFAULT = ("ssm", "pre_ln_transformer", "relu_resnet", "loop512", "loop2048", "loop8192", "loop8192_unrolled", "mlp")
 CASES = {
     "ssm": "SSMStack (2 layers, d_model 16, d_state 4), B=2, T=2048, shard_size=256, loss compiled in",
     "relu_resnet": "examples/relu_resnet.py (6 residual layers, width 32), B=8: a residual chain, nothing rewritten in "
@@ -45,20 +45,23 @@ CASES = {
     "mamba_conv": "examples/mamba_conv.py (3 layers with causal convs), B=2, T=2048: both backends over 3 minutes "
                   "cold here (not in the default run)",
     "pre_ln_transformer": "examples/pre_ln_transformer.py (3 layers), B=2, T=16, loss compiled in",
-    "loop512": "Python loop h = sigmoid(W_a x_t) * h + W_b x_t, d=16, B=2, T=512 (dynamo unrolls it), default "
-               "options: re-rolled into one linear_scan, declined (one shard), compiled re-rolled",
+    "loop512": "Python loop h = sigmoid(W_a x_t) * h + W_b x_t in a module's forward, d=16, B=2, T=512, default "
+               "options: adjoint rolls it before dynamo (traced once, as torch's scan; one shard: compiled as "
+               "captured); inductor gets it unrolled by dynamo",
     "loop2048": "the same loop at T=2048",
     "loop8192": "the same loop at T=8192",
     "loop512_sharded": "the same loop at T=512 with shard_size=128: re-rolled and sharded (adjoint only; inductor: "
                        "see loop512)",
     "loop2048_sharded": "the same loop at T=2048 with shard_size=512 (adjoint only)",
+    "loop8192_unrolled": "the same loop at T=8192 with roll_loops=False: dynamo unrolls it, the backend re-rolls the "
+                         "graph into one linear_scan and compiles that (adjoint only)",
     "mlp": "MLP, 8 x (Linear(256, 256) + GELU), B=64: nothing to rewrite",
 }
 BACKENDS = ("adjoint", "inductor")
 #: the line of compile_time.md under which notes written by hand are kept when the page is written again
 KEEP = "<!-- written by hand below this line: kept when the page is written again -->"
 #: cases measured with backend="adjoint" only (their inductor figure is another case's)
-ADJOINT_ONLY = {"loop512_sharded": "loop512", "loop2048_sharded": "loop2048"}
+ADJOINT_ONLY = {"loop512_sharded": "loop512", "loop2048_sharded": "loop2048", "loop8192_unrolled": "loop8192"}
 
 
 def _build(case: str):
@@ -94,7 +97,8 @@ def _build(case: str):
                     hs.append(h)
                 return self.out(torch.stack(hs, 1))
 
-        return Loop(), (torch.randn(2, T, 16),), ({"shard_size": T // 4} if case.endswith("_sharded") else {})
+        opts = {"shard_size": T // 4} if case.endswith("_sharded") else {}
+        return Loop(), (torch.randn(2, T, 16),), ({"roll_loops": False} if case.endswith("_unrolled") else opts)
     if case == "mlp":
         return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.GELU())]), \
             (torch.randn(64, 256),), {}
@@ -284,7 +288,8 @@ def render(out: Path) -> None:
            "inner compiler's compile of the same graph (inductor, its backward compiled at once) plus the backend's "
            "passes, milliseconds; differences between the two columns there are within the run-to-run spread of this "
            "shared machine. On the loops inductor compiles the unrolled graph (T copies of the step, forward and "
-           "backward) and is stopped at the time limit; adjoint compiles the re-rolled graph (one linear_scan). On a "
+           "backward) and is stopped at the time limit; adjoint traces the loop once (rolled before dynamo: "
+           "flat in T), or, with roll_loops=False, pays dynamo's unrolling and compiles the re-rolled graph. On a "
            "sharded region (ssm) the shard programs' compiles, a forward and a recompute + VJP per call pattern "
            "(first, middle and last shard), come on top of the partitions' and dominate the first step.", ""]
     page = out / "compile_time.md"

@@ -295,3 +295,26 @@ def test_a_helper_that_calls_itself_is_refused():
     from adjoint_compile.polyfills import loop_calls
     assert loop_calls._own_calls(_recurses) is None
     assert loop_calls._own_calls(_make_decay) is None  # a def inside: not straight-line
+
+
+def _loop_with(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = torch.zeros_like(x[:, 0])
+    for t in range(x.shape[1]):
+        h = torch.tanh(m.cell(x[:, t]) + h)
+    return h
+
+
+def test_module_passed_in_is_not_rolled_exact():
+    """A module handed to a function whose step calls it: its calls are not checked per instance, so not rolled."""
+    owner, x = UsesCounting(), torch.randn(2, 5, 4)
+    f = torch.compile(lambda v: _loop_with(owner, v).square().sum(), backend="adjoint")
+    got = f(x)
+    assert owner.cell.calls == 5  # one call a step: traced as written
+    torch.testing.assert_close(got, _loop_with(owner, x).square().sum(), rtol=1e-10, atol=1e-10)
+    assert _scans(ac.report(f)) == 0
+    assert any(r.rolled for r in loops.rolled()["_loop_with"])  # rolled in source; ok() refused it at trace time
+
+
+def test_highway_mode_keeps_the_loop_unrolled():
+    rep = _check(Gate(), torch.randn(2, 9, 6), mode="highway", iterations=9)
+    assert _scans(rep) == 0 and [r.source for r in rep.regions] == ["unrolled_loop"]

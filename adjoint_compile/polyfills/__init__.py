@@ -210,10 +210,13 @@ def traced_mode() -> str | None:
 
 @torch._dynamo.assume_constant_result
 def rolling() -> bool:
-    """True while dynamo traces for ``backend="adjoint"`` with ``roll_loops`` on (the default): the loops
-    :mod:`.loops` rewrote take their rolled form. Evaluated at trace time."""
+    """True while dynamo traces for ``backend="adjoint"`` with ``roll_loops`` on (the default), outside highway
+    mode: the loops :mod:`.loops` rewrote take their rolled form. Evaluated at trace time.
+
+    NB: highway mode rewrites gated cells from the unrolled steps (passes/match/find_cells.py), not from a scan."""
     options = traced_options()
-    return options is not None and options.get("roll_loops", True) is not False
+    return (options is not None and options.get("roll_loops", True) is not False
+            and options.get("mode", "exact") != "highway")
 
 
 def polyfill_origin(node: fx.Node) -> str | None:

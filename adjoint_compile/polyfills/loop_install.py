@@ -106,7 +106,7 @@ def roll_reachable() -> None:
         opts = options_for(compiler_fn)
         if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as the backend would
             opts = {}
-        if opts is None or opts.get("roll_loops", True) is False:
+        if opts is None or opts.get("roll_loops", True) is False or opts.get("mode") == "highway":
             return
         mods, fns = _reachable(code, glob, loc, closure)
         by_class: dict[type, list[nn.Module]] = {}

@@ -38,13 +38,14 @@ MIN_STEPS = 3
 def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any, ...] = ()) -> bool:
     """Whether the rolled form computes what the loop over ``r`` does: tracing for the adjoint backend, a plain
     range of at least :data:`MIN_STEPS` steps, every indexed sequence a tensor with those steps along its dim, and
-    no float among the values the step reads from its function (``invariants``).
+    neither a float nor a module among the values the step reads from its function (``invariants``, self aside).
 
     NB: dynamo holds a float that changed between calls symbolic, and scan refuses a symbolic float input (it
-    raises); a traced float looks the same whether symbolic or not, so any float keeps the loop as written."""
+    raises); a traced float looks the same whether symbolic or not, so any float keeps the loop as written. A module
+    passed in (``m.cell(h)``) was not checked for calls that scan refuses, as ``self``'s submodules are."""
     if not rolling() or not isinstance(r, range) or r.step != 1 or r.start < 0 or len(r) < MIN_STEPS:
         return False
-    if any(isinstance(v, float) for v in invariants):
+    if any(isinstance(v, (float, torch.nn.Module)) for v in invariants):
         return False
     for x, d in zip(xs, dims):
         if not isinstance(x, torch.Tensor) or not -x.dim() <= d < x.dim() or x.shape[d] < r.stop:

@@ -8,7 +8,7 @@ source of the function that holds it, ahead of dynamo. Before and after::
     h = torch.zeros_like(x[:, 0])             h = torch.zeros_like(x[:, 0])
     hs = []                                   hs = []
     for t in range(x.shape[1]):               _r = range(x.shape[1])
-        h = a[:, t] * h + b[:, t]             if loop_runtime.ok(_r, (a, b), (1, 1)):
+        h = a[:, t] * h + b[:, t]             if loop_runtime.ok(_r, (a, b), (1, 1), (a, b)):
         hs.append(h)                              def _step(_c, _x):
     y = torch.stack(hs, 1)                            (h,) = _c
                                                       (_x0, _x1) = _x
@@ -37,7 +37,10 @@ logged at INFO and kept in :func:`rolled`):
   ``nonzero``, ...), or a call of a submodule or method whose own code is such (checked on the modules reachable from
   the compiled frame);
 * a name the body assigns and reads first is a carry, defined before the loop; any other name it assigns (and ``t``)
-  is not read after the loop; a list is read after it only by ``torch.stack`` (else it is rebuilt as a list).
+  is not read after the loop; a list is read after it only by ``torch.stack`` (else it is rebuilt as a list);
+* at trace time (``loop_runtime.ok``): at least three steps, the indexed sequences are tensors long enough, and no
+  name of the function the step reads (but ``self``) holds a float (scan refuses one that dynamo made symbolic) or
+  a module (its calls were not checked).
 
 NB: the function is found on the modules and functions reachable from the frame dynamo starts compiling (its
 locals, closure and the globals it names), in the compile-start callback. A loop written in the compiled function
@@ -240,7 +243,7 @@ class _Plan:
     stacks: list[list[ast.Call] | None]
     xs: list[tuple[ast.expr, int]]
     body: list[ast.stmt]
-    #: the function's own names the step reads and does not assign (loop_runtime.ok checks them)
+    #: the function's own names the step reads and does not assign, but self (loop_runtime.ok checks them)
     invariants: list[str]
 
 
@@ -299,7 +302,8 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
         torch_names.add("torch")  # NB: an ``import torch`` in an enclosing function
     stacks = [_stack_uses(lst, after, torch_names) for lst in lists]
     own = before | f.params | set(f.fn.__code__.co_freevars)
-    invariants = [n for n in read_first if n not in assigned and n != var and n in own]
+    # NB: self's submodule calls are checked per instance (loop_install); any other module the step reads is not
+    invariants = [n for n in read_first if n not in assigned and n != var and n in own and n != "self"]
     return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants)
 
 
