@@ -162,6 +162,9 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     iterations = options.get("iterations")
     if iterations is not None:
         kw["iterations"] = _check_positive_int("iterations", iterations, 0)
+        if mode != "highway":
+            raise _bad("iterations", iterations, f"it applies to mode='highway' only (mode={mode!r}); for Highway-BP "
+                       f"pass {{'mode': 'highway', 'iterations': {iterations}}}")
     elif mode == "highway":
         raise OptionsError("adjoint-compile option 'iterations' is required when mode='highway' (an int >= 0)")
 

@@ -79,6 +79,13 @@ def test_window_outside_truncated_mode_is_refused_like_tolerance(options):
     ac.explain(lambda x: x * 2, torch.randn(3), options={"mode": "truncated", "window": 8})  # its own mode
 
 
+@pytest.mark.parametrize("options", [{"iterations": 3}, {"mode": "truncated", "window": 2, "iterations": 3}])
+def test_iterations_outside_highway_mode_is_refused(options):
+    with pytest.raises(ac.OptionsError, match=r"'iterations'=3 is not valid: it applies to mode='highway' only"):
+        ac.explain(lambda x: x * 2, torch.randn(3), options=options)
+    ac.explain(lambda x: x * 2, torch.randn(3), options={"mode": "highway", "iterations": 3})  # its own mode
+
+
 # --------------------------------------------------------------------------------------------- the warning
 
 
