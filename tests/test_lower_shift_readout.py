@@ -177,3 +177,33 @@ def test_a_pad_that_is_not_a_one_step_shift_is_left_alone():
     gm = trace(fn, torch.rand(B, 6, D), torch.randn(B, 6, D))
     assert canonicalize_shifts(gm) == 0
     assert sum(n.target in _PADS for n in gm.graph.nodes) == 3
+
+
+class NarrowFirst(nn.Module):
+    """The fill made in the default dtype (float32) while the model runs in float64, as after ``model.double()``:
+    eager's cat promotes, so h_{t-1} keeps float64 at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2 * D).double()
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, -1)
+        h = ac.ops.linear_scan(torch.sigmoid(a), b)
+        h_prev = torch.cat([torch.zeros(x.shape[0], 1, D, dtype=torch.float32), h[:, :-1]], dim=1)
+        return h_prev * torch.tanh(h) + x
+
+
+@pytest.mark.parametrize("T,shard", [(7, 3), (10, 4)])
+def test_previous_state_carried_in_its_own_dtype_across_shards(T, shard):
+    torch.manual_seed(0)
+    model = NarrowFirst()
+    x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)
+    ref_out, ref_g = _grads(model, model, x, None)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": shard})
+    out, g = _grads(f, model, x, None)
+    assert ac.report(f).compiled[-1].lowered
+    assert out.dtype == ref_out.dtype == torch.float64
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

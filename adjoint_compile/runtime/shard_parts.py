@@ -154,7 +154,9 @@ def own_bytes(v: object) -> int:
 def _prev_or_first(prev: torch.Tensor | None, first: torch.Tensor, d: int) -> torch.Tensor:
     """The step before a shard's first one in a previous-state readout: the carried state, or ``first`` in the
     sequence's first shard (where the readout gives its own ``first``)."""
-    return first if prev is None else prev.unsqueeze(d).to(first.dtype)
+    # NB: in the dtype the readout's cat promotes to, not ``first``'s: a narrower fill (float32 zeros beside a float64
+    # state) would round the carried state at every shard boundary, where eager's cat keeps it
+    return first if prev is None else prev.unsqueeze(d).to(torch.promote_types(first.dtype, prev.dtype))
 
 
 def _with_halo(halo: torch.Tensor | None, x: torch.Tensor, p: int, d: int, fill: float = 0.0) -> torch.Tensor:
