@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
 from . import polyfills, timing
-from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_here, notes_of
+from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_here, notes_of, options_given
 from .polyfills import torch_rnn
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, CompiledGraphFn, run_pipeline
@@ -144,6 +144,8 @@ class Report:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
                 lines.append("  " + "  ".join(cells).rstrip())
             lines.append(GROUP_LEGEND)
+        elif not self.graphs and not self.graph_breaks:
+            lines.append("  no graph compiled: the compiled model has not been called yet, or its calls held no tensor ops")
         else:
             lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
                          "as is")
@@ -293,7 +295,7 @@ def report(compiled_model: Any) -> Report:
         flat += [c, *c.specializations]
     for c in flat:
         _fidelity(c)
-    opts = next((c.options for c in flat if c.options is not None), None) or validate(None)
+    opts = next((c.options for c in flat if c.options is not None), None) or _declared_options(compiled_model)
     breaks = [GraphBreak(b.reason, b.location, b.code) for c in found if (b := break_of(c.captured.gm)) is not None]
     # NB: an nn.GRU / nn.LSTM left native is a break dynamo does not record on a graph (explain() lists it too)
     notes = notes_of(compiled_model)
@@ -388,6 +390,14 @@ def _is_distributed(model: torch.nn.Module) -> bool:
         return False
     return isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
         isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _declared_options(compiled_model: Any) -> Options:
+    """The options of the ``torch.compile`` call (before its first graph, which records its own)."""
+    try:
+        return validate(options_given(compiled_model))
+    except (ValueError, TypeError):  # NB: bad options raise at the first call, with the message that names them
+        return validate(None)
 
 
 def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:

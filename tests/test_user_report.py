@@ -34,7 +34,11 @@ def test_report_of_a_compiled_model_equals_explain_and_names_the_lowered_calls()
     x = torch.randn(2, 24, 8)
     opts = {"inner": "eager", "shard_size": 5}
     f = torch.compile(model, backend="adjoint", options=opts)
-    assert ac.report(f).compiled == [] and ac.report(f).regions == []  # nothing compiled before the first call
+    before = ac.report(f)
+    assert before.compiled == [] and before.regions == []  # nothing compiled before the first call
+    # the options given, not the defaults, and no claim about a model not yet seen
+    assert before.options.shard_size == 5 and before.options.inner == "eager"
+    assert "not been called yet" in str(before) and "no recurrence" not in str(before)
     f(x).sum().backward()
     got = ac.report(f)
     assert len(got.compiled) == 1 and got.options.shard_size == 5
@@ -115,3 +119,17 @@ def test_report_of_a_compiled_torch_nn_container():
     f = torch.compile(model, backend="adjoint", options={"inner": "eager"})
     f(torch.randn(2, 3))
     assert len(ac.report(f).compiled) == 1
+
+
+@pytest.mark.parametrize("how", ["function", "module", "in_place"])
+def test_report_before_the_first_call_states_the_options_given(how):
+    opts = {"mode": "truncated", "window": 3, "inner": "aot_eager"}
+    if how == "function":
+        f = torch.compile(lambda x: x + 1, backend="adjoint", options=opts)
+    elif how == "module":
+        f = torch.compile(torch.nn.Linear(2, 2), backend="adjoint", options=opts)
+    else:
+        f = torch.nn.Linear(2, 2)
+        f.compile(backend="adjoint", options=opts)
+    head = str(ac.report(f)).splitlines()[0]
+    assert head.endswith("mode=truncated window=3, inner=aot_eager"), head

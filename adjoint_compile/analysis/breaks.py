@@ -171,25 +171,19 @@ def notes_here(tx: Any) -> CompileNotes | None:
 _LINKS = ("dynamo_ctx", "_compiled_call_impl", "callback", "_torchdynamo_orig_backend", "__wrapped__", "compiler_fn")
 
 
-def notes_of(compiled: Any) -> CompileNotes | None:
-    """The notes of the ``torch.compile`` call that made ``compiled`` (an OptimizedModule, a compiled function, or a
-    module compiled in place), or None before its first compile."""
+def _linked(compiled: Any):
+    """The objects reachable from a ``torch.compile`` result through torch's wrappers of the backend."""
     todo, seen = [compiled], set()
     while todo and len(seen) < 64:
         o = todo.pop()
         if o is None or id(o) in seen:
             continue
         seen.add(id(o))
-        try:
-            n = getattr(o, NOTES, None)
-        except Exception:  # noqa: BLE001 - an object whose __getattr__ raises something else
-            continue
-        if isinstance(n, CompileNotes):
-            return n
+        yield o
         for k in _LINKS:
             try:
                 todo.append(getattr(o, k, None))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an object whose __getattr__ raises something else
                 continue
         # NB: torch.compile(fn) returns eval_frame's closure over its context (and the callback)
         code = getattr(o, "__code__", None)
@@ -199,6 +193,28 @@ def notes_of(compiled: Any) -> CompileNotes | None:
                     todo.append(cell.cell_contents)
                 except ValueError:  # NB: an empty cell
                     continue
+
+
+def notes_of(compiled: Any) -> CompileNotes | None:
+    """The notes of the ``torch.compile`` call that made ``compiled`` (an OptimizedModule, a compiled function, or a
+    module compiled in place), or None before its first compile."""
+    for o in _linked(compiled):
+        try:
+            n = getattr(o, NOTES, None)
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(n, CompileNotes):
+            return n
+    return None
+
+
+def options_given(compiled: Any) -> dict | None:
+    """The ``options`` dict passed to the ``torch.compile(..., backend="adjoint")`` call that made ``compiled``
+    (known before its first call), or None when none is found."""
+    for o in _linked(compiled):
+        kw = getattr(o, "kwargs", None)
+        if getattr(o, "compiler_name", None) == "adjoint" and isinstance(kw, dict):
+            return kw.get("options") or {}
     return None
 
 
