@@ -81,6 +81,8 @@ class CompiledGraph:
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
     #: seconds spent, by stage (``check_forward_s``: the first-call check's extra forward)
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: for the specialization whose regions serve every length: the lengths they have run (filled as they run)
+    lengths: set[int] | None = None
 
 
 class CompiledGraphFn:

@@ -95,6 +95,8 @@ class Report:
         for i, r in enumerate(self.regions):
             d = r.to_dict()
             d["graph"] = self.graph_index[i] if i < len(self.graph_index) else None
+            if (seen := self._lengths(i)) is not None and r.rewrite != "none":
+                d["lengths"] = seen
             regions.append(d)
         return {
             "options": self.options.to_dict(),
@@ -110,6 +112,12 @@ class Report:
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
+
+    def _lengths(self, i: int) -> list[int] | None:
+        """The lengths region ``i`` has run at, when its graph serves every length (else None)."""
+        g = self.graph_index[i] if i < len(self.graph_index) else None
+        seen = self.compiled[g].lengths if g is not None and g < len(self.compiled) else None
+        return None if seen is None else sorted(seen)
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -138,7 +146,13 @@ class Report:
             for i, r in enumerate(self.regions):
                 g = self.graph_index[i] if i < len(self.graph_index) else ""
                 grp = "" if r.group is None else str(r.group)
-                rows.append((str(i), str(g), r.kind, r.source, str(r.length), r.rewrite, grp, r.name, r.reason))
+                length, reason = str(r.length), r.reason
+                if (seen := self._lengths(i)) is not None and r.rewrite != "none":
+                    # NB: lowered at one length, run at every one: the row says which have run
+                    length = f"{seen[0]}..{seen[-1]}" if len(seen) > 1 else length
+                    reason += (f"; serves every length ({len(seen)} so far: {_listed(seen)}), each cut into "
+                               f"power-of-two shards of the same programs")
+                rows.append((str(i), str(g), r.kind, r.source, length, r.rewrite, grp, r.name, reason))
             widths = [max(len(row[c]) for row in rows) for c in range(len(header) - 1)]
             for row in rows:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
@@ -390,6 +404,10 @@ def _is_distributed(model: torch.nn.Module) -> bool:
         return False
     return isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
         isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _listed(xs: list[int], most: int = 6) -> str:
+    return ", ".join(map(str, xs)) if len(xs) <= most else f"{', '.join(map(str, xs[:most - 1]))}, ..., {xs[-1]}"
 
 
 def _declared_options(compiled_model: Any) -> Options:

@@ -92,6 +92,9 @@ class LengthDispatch:
             return None, why
         self.owner.specializations.append(result)
         self.owner.lowered = list(calls)
+        result.lengths = set()
+        for c in calls:  # NB: one set for the report: every region of the graph runs at each call's length
+            sym.get_submodule(next(n.target for n in sym.graph.nodes if n.name == c)).lengths = result.lengths
         fn = stitch_partitions(sym, calls, opts.inner, dynamic=True)
         if opts.check_forward and not check_skipped(self.owner.timing, concrete, result.regions):
             names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")

@@ -85,6 +85,11 @@ def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypat
     assert len(compiles) <= 24, len(compiles)
     report = ac.report(step)
     assert any(r.rewrite == "adjoint" for r in report.regions)
+    # the report's row of the region serving every length names the lengths it ran, not only the one it was lowered at
+    rows = [d for d in report.to_dict()["regions"] if d.get("lengths")]
+    assert rows and all(d["lengths"] == sorted(region.lengths) and d["rewrite"] == "adjoint" for d in rows)
+    line = next(ln for ln in str(report).splitlines() if "serves every length" in ln)
+    assert f"{min(region.lengths)}..{max(region.lengths)}" in line and f"({len(region.lengths)} so far:" in line
     fallbacks = [f for rec in report.compiled for f in rec.fallbacks]
     # a length too short to shard, said once per graph, is the only fallback, with the sizes it affected (auto-dynamic:
     # T = 3 before the first long call; dynamic=True: T = 1, which dynamo compiles with batch symbolic and T static)
