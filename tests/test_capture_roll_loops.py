@@ -318,3 +318,60 @@ def test_module_passed_in_is_not_rolled_exact():
 def test_highway_mode_keeps_the_loop_unrolled():
     rep = _check(Gate(), torch.randn(2, 9, 6), mode="highway", iterations=9)
     assert _scans(rep) == 0 and [r.source for r in rep.regions] == ["unrolled_loop"]
+
+
+def _top_scan(x: torch.Tensor) -> torch.Tensor:
+    h = torch.zeros_like(x[:, 0])
+    hs = []
+    for t in range(x.shape[1]):
+        h = 0.5 * h + x[:, t]
+        hs.append(h)
+    return torch.stack(hs, 1).square().sum()
+
+
+@pytest.mark.parametrize("how", ["module", "module_with_hook", "function", "unrollable_module"])
+def test_a_loop_in_the_compiled_callable_itself_is_rolled_exact(how):
+    """torch.compile(model) compiles model.forward's own frame, which dynamo traces as written: the backend has it
+    compiled in a frame around it, so the loop rolls as anywhere else; other backends are left alone."""
+    torch.manual_seed(0)
+    model = Refused() if how == "unrollable_module" else Gate()
+    if how == "module_with_hook":
+        model.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    x = torch.randn(2, 9, 4 if how == "unrollable_module" else 6)
+    target = _top_scan if how == "function" else model
+    f = torch.compile(target, backend="adjoint", options={"shard_size": 4})
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = f(x1), target(x2)
+    got, want = (got, want) if how == "function" else (got.square().sum(), want.square().sum())
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-10)
+    rep = ac.report(f)
+    sources = [r.source for r in rep.regions]
+    if how == "unrollable_module":  # nothing rolls: compiled as before, its own frame traced as written
+        assert "scan" not in sources, sources
+    else:
+        assert sources == ["scan"] and [r.rewrite for r in rep.regions] == ["adjoint"], sources
+
+
+def test_no_top_frame_wrap_when_rolling_is_off():
+    from adjoint_compile.polyfills import loop_install
+    import torch._dynamo.eval_frame as ef
+    seen = []
+    real = loop_install.wrap_top_frame
+    try:
+        def spy(ctx, target):
+            got = real(ctx, target)
+            if isinstance(target, Gate):
+                seen.append(got)
+            return got
+        loop_install.wrap_top_frame = spy
+        torch.compile(Gate(), backend="adjoint", options={"roll_loops": False})
+        torch.compile(Gate(), backend="adjoint", options={"mode": "highway", "iterations": 2})
+        torch.compile(Gate(), backend="inductor")
+        torch.compile(Gate(), backend="adjoint")
+    finally:
+        loop_install.wrap_top_frame = real
+    assert ef._TorchDynamoContext.__call__._adjoint_compile
+    assert seen == [False, False, False, True], seen

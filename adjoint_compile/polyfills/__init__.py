@@ -161,7 +161,9 @@ def _compiler_chain(fn: Any) -> Iterator[Any]:
         yield fn
         # NB: under DistributedDataParallel dynamo compiles with DDPOptimizer's bound compile_fn, which hands each
         # bucket's piece of the graph to the user's backend, its backend_compile_fn
+        # NB: dynamo's frame converters keep the backend they convert for as _torchdynamo_orig_backend
         fn = (getattr(fn, "__wrapped__", None) or getattr(fn, "compiler_fn", None)
+              or getattr(fn, "_torchdynamo_orig_backend", None)
               or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None))
 
 
@@ -229,6 +231,7 @@ def polyfill_origin(node: fx.Node) -> str | None:
 
 
 _register_start_callback()
+importlib.import_module(f"{__name__}.loop_install").patch_compile_entry()
 if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _ImportHook())
 install()

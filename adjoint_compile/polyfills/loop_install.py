@@ -1,8 +1,14 @@
 """Where the loop roller (:mod:`.loops`) finds the functions to roll: when dynamo starts compiling a frame for
 ``backend="adjoint"``, the modules and functions the frame can reach, and the instances whose submodules each rolled
-step calls (:func:`.loop_calls._callee_ok`)."""
+step calls (:func:`.loop_calls._callee_ok`).
+
+The frame dynamo compiles first is the compiled callable's own (``torch.compile(model)``: the model's ``forward``);
+dynamo traces that code as it is, so a loop there would be unrolled. For such a callable, ``torch.compile(...,
+backend="adjoint")`` compiles a frame around it instead (dynamo's own ``wrap_top_frame``, for this call only), and the
+callable's code is inlined in its rolled form like any other function's (:func:`wrap_top_frame`)."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import types
@@ -16,7 +22,57 @@ from .loops import analyse
 
 log = logging.getLogger(__name__)
 
-__all__ = ["roll_reachable"]
+__all__ = ["roll_reachable", "wrap_top_frame", "patch_compile_entry"]
+
+_LIBS = ("torch", "builtins", "adjoint_compile")
+
+
+def _rolls(opts: dict[str, Any] | None) -> bool:
+    return opts is not None and opts.get("roll_loops", True) is not False and opts.get("mode") != "highway"
+
+
+def wrap_top_frame(ctx: Any, target: Any) -> bool:
+    """Whether ``torch.compile(target, backend="adjoint")`` (dynamo's context ``ctx``) should compile a frame around
+    ``target``: a module whose ``forward``, or a function whose own code, has a loop that rolls."""
+    if not _rolls(options_for(getattr(ctx, "callback", None))):
+        return False
+    fn = type(target).forward if isinstance(target, nn.Module) else getattr(target, "__func__", target)
+    if not isinstance(fn, types.FunctionType) or "range" not in fn.__code__.co_names \
+            or (fn.__module__ or "").split(".")[0] in _LIBS:
+        return False
+    return analyse(fn)[0] is not None
+
+
+def patch_compile_entry() -> None:
+    """Have ``torch.compile`` for this backend wrap a callable whose own loops roll (:func:`wrap_top_frame`); every
+    other ``torch.compile`` call is left as it is. Idempotent; without dynamo's hook points, nothing changes."""
+    try:
+        from torch._dynamo import config, eval_frame
+        ctx_cls = eval_frame._TorchDynamoContext
+        orig = ctx_cls.__call__
+        config.wrap_top_frame  # noqa: B018 - the flag this relies on
+    except (ImportError, AttributeError) as e:
+        log.debug("adjoint-compile: loops in the compiled callable itself stay unrolled (%s)", e)
+        return
+    if getattr(orig, "_adjoint_compile", False):
+        return
+
+    @functools.wraps(orig)
+    def __call__(self: Any, fn: Any) -> Any:
+        try:
+            wrap = wrap_top_frame(self, fn)
+        except Exception as e:  # noqa: BLE001 - an optimisation: torch.compile goes on as it would
+            log.debug("adjoint-compile: top frame not wrapped (%s: %s)", type(e).__name__, e)
+            wrap = False
+        if not wrap:
+            return orig(self, fn)
+        log.info("adjoint-compile: %s compiled in a frame around it, so that its own loops roll",
+                 getattr(fn, "__qualname__", type(fn).__qualname__))
+        with config.patch(wrap_top_frame=True):
+            return orig(self, fn)
+
+    __call__._adjoint_compile = True  # type: ignore[attr-defined]
+    ctx_cls.__call__ = __call__
 
 
 def _compile_frame() -> tuple[types.CodeType, dict[str, Any], dict[str, Any], tuple[Any, ...], Any] | None:
@@ -75,7 +131,7 @@ def _has(cell: Any) -> bool:
 
 def _install(fn: Any, instances: list[Any]) -> str:
     """Point dynamo at ``fn``'s rolled form when it has one and every instance passes its step's calls."""
-    if not isinstance(fn, types.FunctionType) or fn.__module__.split(".")[0] in ("torch", "adjoint_compile"):
+    if not isinstance(fn, types.FunctionType) or fn.__module__.split(".")[0] in _LIBS:
         return "skipped"
     new, _, calls = analyse(fn)
     if new is None:
@@ -106,7 +162,7 @@ def roll_reachable() -> None:
         opts = options_for(compiler_fn)
         if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as the backend would
             opts = {}
-        if opts is None or opts.get("roll_loops", True) is False or opts.get("mode") == "highway":
+        if not _rolls(opts):
             return
         mods, fns = _reachable(code, glob, loc, closure)
         by_class: dict[type, list[nn.Module]] = {}
@@ -114,7 +170,7 @@ def roll_reachable() -> None:
             by_class.setdefault(type(m), []).append(m)
         for cls, insts in by_class.items():
             for klass in cls.__mro__:
-                if klass.__module__.split(".")[0] in ("torch", "builtins", "adjoint_compile"):
+                if klass.__module__.split(".")[0] in _LIBS:
                     continue
                 for v in vars(klass).values():
                     if isinstance(v, types.FunctionType) and "range" in v.__code__.co_names:

@@ -43,8 +43,8 @@ logged at INFO and kept in :func:`rolled`):
   a module (its calls were not checked).
 
 NB: the function is found on the modules and functions reachable from the frame dynamo starts compiling (its
-locals, closure and the globals it names), in the compile-start callback. A loop written in the compiled function
-itself is not rolled: dynamo already runs that code.
+locals, closure and the globals it names), in the compile-start callback. For a loop in the compiled callable itself
+(``torch.compile(model)``'s ``forward``), ``torch.compile`` compiles a frame around it (:mod:`.loop_install`).
 """
 from __future__ import annotations
 
