@@ -207,3 +207,49 @@ def test_previous_state_carried_in_its_own_dtype_across_shards(T, shard):
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+V = 11
+
+
+class ShiftedIds(nn.Module):
+    """Token ids shifted right inside the region: decoder inputs (``pad``/``cat`` of a start id) and the loss's labels
+    (padded on the left with the ignore index). The carried previous id is an integer: it has no gradient."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.emb, self.dec, self.inp, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, V)
+
+    def forward(self, ids):
+        if self.form == "pad":
+            shifted = torch.nn.functional.pad(ids, (1, 0), value=0)[:, :-1]
+        else:
+            shifted = torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :-1]], 1)
+        h = self.emb(shifted)
+        y = self.head(h + ac.ops.linear_scan(torch.sigmoid(self.dec(h)), self.inp(h)))
+        labels = torch.nn.functional.pad(ids, (1, 0), value=-100)[:, :-1]
+        return torch.nn.functional.cross_entropy(y.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("form", ["pad", "cat"])
+@pytest.mark.parametrize("options", [{"shard_size": 1}, {"shard_size": 4}, {"shard_size": 5},
+                                     {"shard_size": 4, "mode": "truncated", "window": 13}])
+def test_integer_ids_shifted_right_inside_the_region_exact(form, options):
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = ShiftedIds(form)
+        ids = torch.randint(0, V, (2, 13))
+        want = model(ids)
+        ref = torch.autograd.grad(want, list(model.parameters()))
+        f = torch.compile(model, backend="adjoint", options={"inner": "eager", **options})
+        got = f(ids)
+        got.backward()
+        assert ac.report(f).compiled[-1].lowered
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for (name, p), r in zip(model.named_parameters(), ref):
+            torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"grad {n}: {m}")
+    finally:
+        torch.set_default_dtype(prev)

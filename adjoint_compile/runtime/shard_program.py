@@ -75,6 +75,10 @@ def _ev(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
 
 
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
 def _devices(args: Sequence[Any]) -> tuple:
     return tuple(a.device for a in args if isinstance(a, torch.Tensor))
 
@@ -476,8 +480,9 @@ class ShardProgram:
         """
         gouts = self._mean_scaled(gouts)
         first_shard = first_shard and bool(self.shift_scans)  # NB: only previous-state readouts tell it apart
-        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and isinstance(x, torch.Tensor)]
-        wrt_c = [j for j, n in enumerate(needs_c) if n]
+        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and _differentiable(x)]
+        # NB: a carry of integers (token ids shifted right: the previous shard's last id) has no gradient
+        wrt_c = [j for j, n in enumerate(needs_c) if n and _differentiable(carries[j])]
         has_g = tuple(g is not None for g in gouts)
         has_a = tuple(a is not None for a in adjs)
         has_c = tuple(c is not None for c in carries)
