@@ -442,7 +442,8 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
             roots += [f for m in compiled_model._orig_mod.modules()
                       for f in _wrapped_functions(getattr(m.forward, "__func__", m.forward))]
     elif callable(getattr(compiled_model, "_torchdynamo_orig_callable", None)):
-        roots = [inspect.unwrap(compiled_model._torchdynamo_orig_callable)]
+        # NB: the whole __wrapped__ chain: a function whose own loops roll is compiled in a frame around it
+        roots = _wrapped_functions(compiled_model._torchdynamo_orig_callable)
     else:
         raise TypeError(f"adjoint_compile.report expects the result of torch.compile(..., backend='adjoint'), got "
                         f"{type(compiled_model).__name__}")

@@ -133,7 +133,9 @@ def test_dynamic_true_with_a_python_loop_is_rerolled_per_length():
         gr = torch.autograd.grad(ref.sum(), [x, W])
         _assert_close([out, *g], [ref, *gr])
     rows = [r for c in ac.report(f).compiled for r in c.regions if r.kind == "linear_recurrence"]
-    assert {r.source for r in rows} == {"unrolled_loop"} and any(r.rewrite == "adjoint" for r in rows)
+    # NB: the loop rolls (source scan; its two peeled steps show as a short unrolled loop) and range() specializes T
+    assert {r.source for r in rows} <= {"scan", "unrolled_loop"}
+    assert {r.length for r in rows if r.rewrite == "adjoint"} == {5, 8}, [(r.length, r.rewrite) for r in rows]
 
 
 def test_bad_options_raise_every_time_and_a_good_compile_still_works():
