@@ -28,6 +28,15 @@ def test_hashed_dropout_is_bernoulli_scaled_and_off_when_asked():
     assert abs((kept[1:] & kept[:-1]).float().mean().item() - 0.49) < 0.01
 
 
+def test_streams_of_one_seed_are_independent():
+    x, seed = torch.ones(100_000), torch.tensor(7)
+    masks = [hashed_dropout(x, 0.5, True, seed, stream=k) != 0 for k in range(3)]
+    assert torch.equal(masks[0], hashed_dropout(x, 0.5, True, seed) != 0)  # stream 0 is the seed's own
+    for i in range(3):
+        for j in range(i):  # P(both kept) ~ 0.25 for independent masks, 0.5 for one shared mask
+            assert abs((masks[i] & masks[j]).float().mean().item() - 0.25) < 0.01
+
+
 @pytest.mark.parametrize("d", [0, 1, 2])
 def test_a_shard_gets_the_slice_of_the_full_mask(d):
     """The property the sharded runtime relies on: shard [t0, t0+L) of the mask = the full mask's slice."""
@@ -38,6 +47,8 @@ def test_a_shard_gets_the_slice_of_the_full_mask(d):
     for t0, L in [(0, 4), (4, 4), (8, 3), (5, 1)]:
         part = hashed_dropout(x.narrow(d, t0, L).contiguous(), 0.4, True, seed, torch.tensor(t0), d, T)
         assert torch.equal(part, full.narrow(d, t0, L))
+        part = hashed_dropout(x.narrow(d, t0, L).contiguous(), 0.4, True, seed, torch.tensor(t0), d, T, stream=3)
+        assert torch.equal(part, hashed_dropout(x, 0.4, True, seed, stream=3).narrow(d, t0, L))
 
 
 @pytest.mark.slow
@@ -63,6 +74,16 @@ class DropoutStack(nn.Module):
         return self.stack.norm_f(x)
 
 
+def _streams(seed):
+    """F.dropout as the backend runs it: the k-th dropout call of a forward draws from stream k of ``seed``."""
+    calls = []
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        calls.append(None)
+        return hashed_dropout(x, p, training, seed, stream=len(calls) - 1)
+    return dropout
+
+
 def _step(f, model, x, w):
     for p in model.parameters():
         p.grad = None
@@ -85,7 +106,7 @@ def test_dropout_inside_the_region_gives_autograds_gradients_for_the_same_masks(
     torch.manual_seed(123)
     seed = new_seed()
     with monkeypatch.context() as mp:  # the reference: eager autograd with the masks the backend will draw
-        mp.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False: hashed_dropout(x, p, training, seed))
+        mp.setattr(F, "dropout", _streams(seed))
         ref_out, ref_g = _step(model, model, x, w)
     f = torch.compile(model, backend="adjoint", options={"inner": inner, "shard_size": shard})
     out, g = _step(f, model, x, w)
@@ -107,3 +128,44 @@ def test_other_dropouts_still_end_the_region():
     res = ac.report(f).compiled[-1]
     assert len(res.lowered) == 2  # one region per layer: dropout1d (whole channels) is not rewritten
     assert not any(n.target is hashed_dropout for n in res.captured.gm.graph.nodes)
+
+
+class StepDropout(nn.Module):
+    """Dropout inside a Python loop's step, as users write it: eager draws a new mask at every step."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.la, self.lb, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.3)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.la(x)), self.lb(x)
+        h, outs = torch.zeros(x.shape[0], x.shape[2]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + self.drop(b[:, t])
+            outs.append(h)
+        return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("roll_loops", [True, False])
+def test_dropout_in_a_loop_step_draws_a_mask_per_step(monkeypatch, roll_loops):
+    """Every step's dropout its own mask (one shared seed once gave all 13 steps the same mask), and the gradients
+    those of eager autograd with the same masks."""
+    torch.manual_seed(0)
+    model = StepDropout().train()
+    x, w = torch.randn(2, 13, 8), torch.randn(2, 13, 8)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 3, "roll_loops": roll_loops})
+    out, g = _step(f, model, x, w)
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), [r.reason for r in ac.report(f).regions]
+    with torch.no_grad():  # the masks back from the outputs: drop(b_t) = h_t - a_t h_{t-1}
+        a, b = torch.sigmoid(model.la(x)), model.lb(x)
+        prev = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)
+        kept = ((out - a * prev) / b).abs() > 1e-6
+    assert (kept != kept[:, :1]).any(-1).float().mean() > 0.5  # most steps differ from the first
+    torch.manual_seed(123)
+    seed = new_seed()
+    with monkeypatch.context() as mp:
+        mp.setattr(F, "dropout", _streams(seed))
+        ref_out, ref_g = _step(model, model, x, w)
+    assert _rel(out, ref_out) <= 1e-5
+    for a, b in zip(g, ref_g):
+        assert _rel(a, b) <= 1e-5

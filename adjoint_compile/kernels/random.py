@@ -2,10 +2,11 @@
 
 A shard's recomputation in the backward must see the forward's dropout mask. Drawing it from torch's generator
 would give a new one; saving it would keep a full-length tensor. Instead each element's keep/drop decision is a
-hash of the per-call ``seed`` and the element's linear index in the *full-length* tensor, so the mask of steps
-[t0, t0 + L) is the same whether it is made for the whole sequence, for a shard, or again in the backward:
+hash of the per-call ``seed``, the dropout's ``stream`` (each dropout of a graph its own, so two dropouts never share a
+mask) and the element's linear index in the *full-length* tensor, so the mask of steps [t0, t0 + L) is the same
+whether it is made for the whole sequence, for a shard, or again in the backward:
 
-    keep[i] = hash32(seed, i) / 2^32 >= p          i = linear index of the element in the [.., T, ..] tensor
+    keep[i] = hash32(seed, stream, i) / 2^32 >= p          i = linear index of the element in the [.., T, ..] tensor
     out     = x * keep / (1 - p)
 
 The hash is a 32-bit integer mixer in int64 arithmetic (no product exceeds 2^63, so eager, inductor and Triton
@@ -60,14 +61,15 @@ def _linear_index(x: Tensor, step_dim: int | None, t0: Tensor | int, T: int | No
 
 
 def hashed_dropout(x: Tensor, p: float, training: bool, seed: Tensor, t0: Tensor | int = 0,
-                   step_dim: int | None = None, T: int | None = None) -> Tensor:
-    """``F.dropout(x, p, training)`` with the mask ``hash(seed, position) >= p`` (see the module docstring).
+                   step_dim: int | None = None, T: int | None = None, *, stream: int = 0) -> Tensor:
+    """``F.dropout(x, p, training)`` with the mask ``hash(seed, stream, position) >= p`` (module docstring).
 
     Args:
         x: the input; with ``step_dim`` None, the whole sequence.
         seed: an int64 scalar tensor (:func:`new_seed`).
         t0: the global index of ``x``'s first step (a shard's start), an int or an int64 scalar tensor.
         step_dim, T: the step dim of ``x`` and the full sequence length, for a shard; None for the whole tensor.
+        stream: which dropout of the graph this is (an int >= 0): dropouts sharing a seed draw independent masks.
     """
     if not training or p == 0:
         return x
@@ -75,6 +77,8 @@ def hashed_dropout(x: Tensor, p: float, training: bool, seed: Tensor, t0: Tensor
         return x * 0
     idx = _linear_index(x, step_dim, t0, T)
     s = seed.to(device=x.device, dtype=torch.int64)
+    if stream:
+        s = _mix(s ^ (_mix(torch.tensor(stream, dtype=torch.int64, device=x.device)) & _M32))
     h = _mix(_mix((idx & _M32) ^ s) ^ (idx >> 32))
     keep = h >= int(p * 2**32)
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

@@ -330,10 +330,11 @@ class ShardProgram:
                 new.args = (xp, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
                 new.kwargs = {}
             if n in self.random:
-                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None): place it in the sequence
+                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None, *, stream): place it in the
+                # sequence (its stream, a keyword, stays)
                 a = list(new.args) + [None] * (7 - len(new.args))
                 a[4], a[5], a[6] = t0, self.info.step_dim[n], self.T
-                new.args, new.kwargs = tuple(a), {}
+                new.args = tuple(a)
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
             if n in self.info.sums and self.info.sums[n].ratio:  # NB: the shard's sum, and its count of targets

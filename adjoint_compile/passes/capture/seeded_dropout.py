@@ -7,7 +7,7 @@ Before::
 After (one seed per graph call, drawn from torch's default generator)::
 
     dropout_seed = adjoint_compile.kernels.random.new_seed()
-    y = adjoint_compile.kernels.random.hashed_dropout(x, 0.1, True, dropout_seed)
+    y = adjoint_compile.kernels.random.hashed_dropout(x, 0.1, True, dropout_seed, stream=0)   # the k-th: stream=k
 
 ``hashed_dropout``'s mask is a hash of the seed and each element's position in the full-length tensor
 (kernels/random.py), so the time-local analysis treats it as elementwise and the sharded runtime passes each
@@ -61,9 +61,11 @@ def seed_dropouts(gm: fx.GraphModule) -> int:
     ev = found[0][0].meta.get("example_value")
     with getattr(ev, "fake_mode", None) or contextlib.nullcontext():
         seed.meta["example_value"] = torch.empty((), dtype=torch.int64)
-    for n, (x, p) in found:
+    for k, (n, (x, p)) in enumerate(found):
+        # NB: a stream each: dropouts of one seed would otherwise share a mask wherever their shapes match (every
+        # step of an unrolled loop, two layers of one width)
         with g.inserting_before(n):
-            new = g.call_function(hashed_dropout, (x, p, True, seed))
+            new = g.call_function(hashed_dropout, (x, p, True, seed), {"stream": k})
         new.meta = {**n.meta, PROVENANCE: {"pass": "seeded_dropout", "from": n.name}}
         n.replace_all_uses_with(new)
         g.erase_node(n)
