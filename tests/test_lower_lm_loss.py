@@ -280,23 +280,35 @@ def test_upcast_logits():
     assert rep.regions[0].details["sums_over_time"] == ["cross_entropy"]
 
 
-def test_every_target_ignored():
-    """A mean over no valid target is nan, as in eager; a sum is 0 with zero gradients."""
+_ALL_IGNORED = {
+    "mean": lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten()),
+    "sum": lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="sum"),
+    "label_smoothing": lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), label_smoothing=0.1),
+    "weight": lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), weight=_W),
+}
+
+
+@pytest.mark.parametrize("form", list(_ALL_IGNORED))
+def test_every_target_ignored(form):
+    """A mean over no valid target is nan, as in eager, and its gradients are eager's: zero (a fully padded
+    micro-batch must not put nan into the optimizer); a sum is 0 with zero gradients."""
     torch.manual_seed(0)
     ids, tg = _data()
     tg[:] = -100
-    for reduction in ("mean", "sum"):
-        step = Step(lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction=reduction)).double()
-        f = _compile(step, 4)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = f(ids, tg)
-        _takes_in(ac.report(f), 1)
-        if reduction == "mean":
-            assert got.isnan() and step(ids, tg).isnan()
-            continue
-        got.backward()
-        assert got.item() == 0 and all(p.grad is None or not p.grad.any() for p in step.parameters())
+    step = Step(_ALL_IGNORED[form]).double()
+    ref = copy.deepcopy(step)
+    f = _compile(step, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(ids, tg)
+    _takes_in(ac.report(f), 1)
+    want = ref(ids, tg)
+    assert got.isnan() == want.isnan() and (got.isnan() or got.item() == want.item() == 0)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(step.named_parameters(), ref.parameters()):
+        assert q.grad is not None and not q.grad.any(), name  # eager's: zeros
+        assert p.grad is None or torch.equal(p.grad, q.grad), (name, p.grad)
 
 
 class LogitsToo(nn.Module):
@@ -551,3 +563,35 @@ def test_one_recurrent_shard_with_its_loss_in_chunks_is_kept(monkeypatch):
     _step_matches(f, model, ref, ids, tg)
     details = _takes_in(ac.report(f), 1)
     assert details["shard_size"] == t and details["loss_tail"]["chunk"] < t, details
+
+
+class SelfDistill(nn.Module):
+    """Soft targets from a second head, detached (self-distillation): the teacher's parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm, self.teacher = LM(), nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lm = self.lm
+        h = lm.norm(lm.layers(lm.emb(ids)))
+        return F.cross_entropy(lm.head(h).flatten(0, 1), self.teacher(h).softmax(-1).detach().flatten(0, 1))
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_a_parameter_the_loss_reaches_only_through_detach_gets_none(shard):
+    """As from autograd: None, not zeros (AdamW's weight decay would move a zero-grad parameter, not a None one)."""
+    torch.manual_seed(0)
+    step = SelfDistill().double()
+    ref = copy.deepcopy(step)
+    f = _compile(step, shard)
+    ids, tg = _data()
+    got, want = f(ids, tg), ref(ids, tg)
+    got.backward()
+    want.backward()
+    _takes_in(ac.report(f), 1)
+    assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
+    for (name, p), q in zip(step.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert q.grad is None or _rel(p.grad, q.grad) <= 1e-10, name
+    assert step.teacher.weight.grad is None and step.teacher.bias.grad is None

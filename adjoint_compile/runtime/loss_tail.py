@@ -294,8 +294,11 @@ def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: 
                     gs = torch.autograd.grad(res[j], [xs[i] for i in wrt], torch.ones_like(res[j]),
                                              retain_graph=k < len(diff) - 1, allow_unused=True)
                     for i, g in zip(wrt, gs):
-                        pairs.append((j, i))
-                        got.append(torch.zeros_like(xs[i]) if g is None else g)
+                        # NB: an input the loss does not reach (a parameter seen only through .detach()) gets None,
+                        # as from autograd, not zeros (an optimizer would decay it as though it had a gradient)
+                        if g is not None:
+                            pairs.append((j, i))
+                            got.append(g)
         return (*(r.detach() for r in res), *got)
 
     t = time.perf_counter()

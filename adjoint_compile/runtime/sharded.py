@@ -280,13 +280,29 @@ def _device(inputs: Sequence[Any]) -> torch.device | None:
     return next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
 
 
+class _MeanOverValid(torch.autograd.Function):
+    """``total / count``, whose gradient is zero where ``count`` is 0 (every target ignored): the loss is nan, as
+    eager's cross-entropy gives, and so are its gradients, which eager's are not (0 · ∞ through the sum's)."""
+
+    @staticmethod
+    def forward(ctx: Any, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(count)
+        return total / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (count,) = ctx.saved_tensors
+        return torch.where(count != 0, g / count, torch.zeros_like(g)), None
+
+
 def _ratios(plan: ShardProgram, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A sweep's outputs with each loss's mean over valid targets made: the sum of the shards' sums over the sum of
     their counts (the counts follow the outputs and are dropped)."""
     n = len(plan.out_nodes)
     outs = list(outs)
     for k, i in enumerate(plan.ratios):
-        outs[i] = outs[i] / outs[n + k]
+        outs[i] = _MeanOverValid.apply(outs[i], outs[n + k])
     return outs[:n]
 
 
