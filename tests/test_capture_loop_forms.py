@@ -109,8 +109,10 @@ def check(fn, inputs, options, params=()):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("T,shard", [(1, 1), (5, 1), (5, 3), (16, 5)])
 def test_loop_form_matches_eager_autograd(name, T, shard):
+    """The loop unrolled by dynamo and re-rolled from the graph (roll_loops=False; also the path of loops the roller
+    refuses)."""
     fn, make = CASES[name]
-    rep = check(fn, make(T), {"inner": "eager", "shard_size": shard})
+    rep = check(fn, make(T), {"inner": "eager", "shard_size": shard, "roll_loops": False})
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     if T == 1:
         return  # NB: a loop of one step is no recurrence: compiled as is
@@ -250,13 +252,23 @@ def _saved_bytes(run, xs: dict) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_loop_form_rolled_before_dynamo_matches_eager_autograd(name):
+    """The same loops with the roller on (the default): traced once as torch's scan, or, where the roller refuses
+    the loop, unrolled and re-rolled as above; exact either way."""
+    fn, make = CASES[name]
+    rep = check(fn, make(16), {"inner": "eager", "shard_size": 5})
+    lin = [r for r in rep.regions if r.kind == "linear_recurrence" and r.rewrite == "adjoint"]
+    assert lin and {r.source for r in lin} <= {"scan", "unrolled_loop"}, [(r.source, r.reason) for r in rep.regions]
+
+
 def test_gla_readout_of_an_input_runs_inside_the_region_and_saves_less_than_aot_eager():
     """fla's naive GLA takes q as an input of its own: the readout (q_t[..., None] * S_t).sum(-2) broadcasts q
     against the states, so q is sliced per shard with them (analysis/grow.py, readout operands) and no full-length
     state is handed out of the region to be saved (before: the whole [T, B, H, K, V] state sequence was)."""
     fn, make = CASES["gla"]
     xs = {k: v.requires_grad_() for k, v in make(64).items()}
-    f = torch.compile(fn, backend="adjoint", options={"inner": "eager", "shard_size": 16})
+    f = torch.compile(fn, backend="adjoint", options={"inner": "eager", "shard_size": 16, "roll_loops": False})
     f(**xs)
     gm = ac.report(f).compiled[0].captured.gm
     (call,) = [n for n in gm.graph.nodes if n.op == "call_module"]

@@ -144,6 +144,11 @@ def without_steps(layout: tuple, step_dims: list) -> tuple:
                  for x, d in zip(layout, step_dims))
 
 
+def differentiable(x: object) -> bool:
+    """Whether ``x`` can have a gradient: a floating or complex tensor (not a carry of token ids shifted right)."""
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
 def own_bytes(v: object) -> int:
     """Bytes a value allocates: 0 for a view (movedim, expand, a slice), which shares its base's memory."""
     if not isinstance(v, torch.Tensor) or v._is_view():

@@ -59,7 +59,7 @@ from ..analysis.time_local import TimeLocalInfo, analyze, conv_args
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
-from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout,
+from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout, differentiable,
                           autocast_as, autocast_state, default_shard_size, initial_zeros, min_shard_bytes, own_bytes,
                           serial_kernels, shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
 from .graphed import replayed
@@ -73,10 +73,6 @@ __all__ = ["MIN_SHARD_BYTES", "ShardProgram", "default_shard_size", "wanted_shar
 
 def _ev(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 def _devices(args: Sequence[Any]) -> tuple:
@@ -330,8 +326,7 @@ class ShardProgram:
                 new.args = (xp, a["weight"], a["bias"], a["stride"], 0, a["dilation"], a["groups"])
                 new.kwargs = {}
             if n in self.random:
-                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None, *, stream): place it in the
-                # sequence (its stream, a keyword, stays)
+                # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None, *, stream): place it in time
                 a = list(new.args) + [None] * (7 - len(new.args))
                 a[4], a[5], a[6] = t0, self.info.step_dim[n], self.T
                 new.args = tuple(a)
@@ -481,9 +476,8 @@ class ShardProgram:
         """
         gouts = self._mean_scaled(gouts)
         first_shard = first_shard and bool(self.shift_scans)  # NB: only previous-state readouts tell it apart
-        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and _differentiable(x)]
-        # NB: a carry of integers (token ids shifted right: the previous shard's last id) has no gradient
-        wrt_c = [j for j, n in enumerate(needs_c) if n and _differentiable(carries[j])]
+        wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and differentiable(x)]
+        wrt_c = [j for j, n in enumerate(needs_c) if n and differentiable(carries[j])]
         has_g = tuple(g is not None for g in gouts)
         has_a = tuple(a is not None for a in adjs)
         has_c = tuple(c is not None for c in carries)

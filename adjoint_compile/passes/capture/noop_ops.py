@@ -75,9 +75,24 @@ def _is_noop(n: fx.Node) -> bool:
     return False
 
 
+def _scan_steps(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The step sub-graphs of ``gm``'s ``torch.ops.higher_order.scan`` calls (a loop rolled before dynamo)."""
+    out = []
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator) and t.name() == "scan" \
+                and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+            sub = gm.get_submodule(str(n.args[0].target))
+            if isinstance(sub, fx.GraphModule):
+                out.append(sub)
+    return out
+
+
 def drop_noop_ops(gm: fx.GraphModule) -> int:
-    """Replace every no-op cast/slice of ``gm`` by its input (in place); returns how many were dropped."""
-    dropped = 0
+    """Replace every no-op cast/slice of ``gm`` and of its scans' steps by its input (in place); returns how many
+    were dropped."""
+    # NB: a loop traced once as torch's scan has its step's casts in the scan's sub-graph
+    dropped = sum(drop_noop_ops(sub) for sub in _scan_steps(gm))
     for n in list(gm.graph.nodes):
         if not _is_noop(n) or any(is_inplace(u) for u in n.users):
             continue
