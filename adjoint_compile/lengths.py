@@ -41,6 +41,24 @@ def _key(args: tuple) -> tuple:
 LOWERING_FAILED = "lowering failed: "
 
 
+def _symbol_places(gm: Any) -> dict[Any, tuple[int, int | None]]:
+    """Where each plain size symbol of the symbolic graph ``gm`` is read from its call's arguments: (argument index,
+    dim), or (index, None) for a size passed as a number."""
+    out: dict[Any, tuple[int, int | None]] = {}
+    for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        v = p.meta.get("example_value", p.meta.get("val"))
+        sizes = list(enumerate(v.shape)) if isinstance(v, torch.Tensor) else [(None, v)]
+        for d, s in sizes:
+            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                out.setdefault(s.node.expr, (i, d))
+    return out
+
+
+def _size_at(args: tuple, at: tuple[int, int | None]) -> int:
+    i, d = at
+    return int(args[i]) if d is None else int(args[i].shape[d])
+
+
 class LengthDispatch:
     """See the module docstring. ``owner`` is the symbolic graph's record (``CompiledGraph``); ``pipeline(gm, args,
     opts, compile)`` runs the backend's pipeline on a specialized graph; ``fallback`` runs the symbolic graph with the
@@ -58,6 +76,8 @@ class LengthDispatch:
         self.tried_size = 0
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self.fallback_lengths: dict[str, list[tuple]] = {}
+        #: sizes other than the length that the graph for every length holds: symbol -> (where, value)
+        self.pins: dict[Any, tuple[tuple[int, int | None], int]] = {}
 
     def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "") -> Callable[..., Any]:
         """Run this call signature with ordinary autograd, said once per cause, listed in the report with every
@@ -86,7 +106,16 @@ class LengthDispatch:
             self.declined = result
             return None, "short"
         sym = copy_graph_module(self.pristine)
-        calls, why = generalize(sym, result.captured.gm, result.lowered, opts.shard_size)
+        pinned: set = set()
+        calls, why = generalize(sym, result.captured.gm, result.lowered, opts.shard_size, pinned)
+        if not why and pinned:
+            where = _symbol_places(self.gm)
+            if not pinned <= set(where):
+                why = f"the regions hold sizes ({', '.join(map(str, pinned))}) not read from the inputs"
+            else:
+                self.pins = {s: (where[s], _size_at(args, where[s])) for s in pinned}
+                log.info("adjoint-compile: the graph for every length holds %s at this call's values; other values "
+                         "are specialized", ", ".join(f"{s} = {v}" for s, (_, v) in self.pins.items()))
         if why:
             log.info("adjoint-compile: the regions cannot serve every length (%s); each length is specialized", why)
             return None, why
@@ -106,7 +135,8 @@ class LengthDispatch:
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
         why = self.generic_failed
         size = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
-        if not why or why == "short" and size > self.tried_size:
+        # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) is specialized
+        if self.generic is None and (not why or why == "short" and size > self.tried_size):
             self.tried_size = size
             try:
                 self.generic, why = self._try_generic(args)
@@ -146,12 +176,16 @@ class LengthDispatch:
         self.cache[key] = fn
         return fn
 
+    def _pins_hold(self, args: tuple) -> bool:
+        return all(_size_at(args, at) == v for at, v in self.pins.values())
+
     def __call__(self, *args: Any) -> Any:
-        if self.generic is not None:
+        if self.generic is not None and self._pins_hold(args):
             return self.generic(*args)
         key = _key(args)
         fn = self.cache.get(key)
         if fn is None:
             with COMPILE_LOCK:
-                fn = self.generic or self.cache.get(key) or self._specialize(key, args)
+                fn = self.generic if self.generic is not None and self._pins_hold(args) else None
+                fn = fn or self.cache.get(key) or self._specialize(key, args)
         return fn(*args)

@@ -232,3 +232,55 @@ def test_a_lowering_failure_is_not_called_a_short_length(monkeypatch):
     (fb,) = ac.report(step).fallbacks
     assert fb.cause == "the recognized regions could not be lowered", fb.cause
     assert "a planted failure" in fb.details["first"] and len(fb.details["signatures"]) == 2
+
+
+def _scaled(by: str):
+    def model(a, b):
+        n = a.shape[1] if by == "length" else a.shape[0]
+        return ac.ops.linear_scan(torch.sigmoid(a), b / n)  # a size read as a number inside the region
+    return model
+
+
+@pytest.mark.parametrize("by", ["length", "batch"])
+def test_a_size_read_as_a_number_inside_the_region_is_exact_at_every_size(by):
+    """The graph for every length is lowered at one call's sizes: a length read as a number (``b / T``) would keep
+    that call's T (off by 1 - 7/13 at T = 7), so such a graph is specialized per size instead; a batch size is held
+    at its value and other batch sizes are specialized."""
+    model = _scaled(by)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 3, "inner": "eager"})
+    torch.manual_seed(0)
+    sizes = [(2, 11), (2, 13), (2, 7), (2, 17)] if by == "length" else [(1, 11), (2, 11), (3, 11), (2, 11)]
+    for B, T in sizes:
+        a = torch.randn(B, T, 4, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(B, T, 4, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            got = f(a, b)
+        want = model(a, b)
+        w = torch.randn_like(want)
+        (gg,), (gw,) = torch.autograd.grad(got, a, w), torch.autograd.grad(want, a, w)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
+        torch.testing.assert_close(gg, gw, rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
+
+
+def test_a_batch_size_held_by_the_regions_keeps_one_graph_for_its_lengths():
+    """SSMStack reshapes by its batch size: with dynamic=True (every size symbolic) the graph for every length holds
+    B at its first value, serves every length at that B, and a call at another B is specialized, all exact."""
+    torch.manual_seed(0)
+    model = SSMStack(d_model=6, d_state=3, n_layers=2).double()
+    f = torch.compile(model, backend="adjoint", dynamic=True, options={"shard_size": 3, "inner": "eager"})
+    for B, T in [(2, 11), (2, 13), (3, 7), (1, 17), (2, 9), (3, 7)]:
+        x = torch.randn(B, T, 6, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            got = f(x)
+        want = model(x)
+        w = torch.randn_like(want)
+        gg = torch.autograd.grad(got, list(model.parameters()), w)
+        gw = torch.autograd.grad(want, list(model.parameters()), w)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
+    (region,) = _generic_regions(f)[:1]
+    assert {11, 13, 9} <= region.lengths and not {7, 17} & region.lengths

@@ -30,6 +30,7 @@ import torch.fx as fx
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import example_value as _ev
 from ...analysis.fx import stable_toposort
+from ...analysis.step_literals import SHAPE_ARG_METHODS
 from ...regions import PROVENANCE
 from ...runtime.length_generic import LengthGenericRegion
 from ...runtime.sharded import ShardedRegion
@@ -43,11 +44,54 @@ def _is_size(n: fx.Node) -> bool:
     return not isinstance(_ev(n), torch.Tensor)
 
 
-def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str],
-               shard_size: int | None) -> tuple[list[str], str]:
+def _length_symbols(inputs: list[fx.Node], dims: list[int | None]) -> set:
+    """The symbols of the region's length: those of its inputs' symbolic sizes along their step dims."""
+    out: set = set()
+    for x, d in zip(inputs, dims):
+        v = _ev(x)
+        if d is not None and isinstance(v, torch.Tensor) and isinstance(v.shape[d], torch.SymInt):
+            out |= v.shape[d].node.expr.free_symbols
+    return out
+
+
+def _size_read(m: fx.Node, a: fx.Node, steps: set, pinned: set) -> str:
+    """Why member ``m``'s read of the size ``a`` (a value from outside the region) would be wrong at another length
+    ("" when it is not). The region is lowered at one call's sizes, and only its length at a step position of a shape
+    argument is rewritten per call (runtime/length_generic.retarget): any other size would stay at the lowered
+    call's value. A size other than the length (a batch size in ``reshape(B, T, -1)``) is added to ``pinned``: the
+    graph serves the calls where it is the same; the length read as a number (``b / T``) cannot be served so."""
+    v = _ev(a)
+    if not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ""
+    free = v.node.expr.free_symbols
+    if isinstance(v, torch.SymInt) and free <= steps and _in_shape_argument(m, a):
+        return ""
+    if free & steps:
+        return f"member {m.name} reads the length as a number ({a.name} = {v}), which a region lowered at one length keeps"
+    pinned |= free
+    return ""
+
+
+def _in_shape_argument(m: fx.Node, a: fx.Node) -> bool:
+    """Whether ``a`` is read by ``m`` only inside the shape argument of a view/reshape/expand."""
+    if m.op == "call_method" and m.target in SHAPE_ARG_METHODS:
+        shape = m.args[1:]
+    elif m.op == "call_function" and m.target in (torch.reshape, torch.broadcast_to) and len(m.args) > 1:
+        shape = m.args[1:2]
+    else:
+        return False
+    flat = [x for s in shape for x in (s if isinstance(s, (list, tuple)) else (s,))]
+    return a in flat and a is not m.args[0] and not any(a in n.all_input_nodes for n in m.kwargs.values()
+                                                       if isinstance(n, fx.Node))
+
+
+def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], shard_size: int | None,
+               pinned: set | None = None) -> tuple[list[str], str]:
     """Put the region calls ``calls`` of ``lowered`` (specialized and lowered) into ``sym`` (in place, only on
-    success). Returns (the region call names in ``sym``, "") or ([], why not)."""
+    success). Returns (the region call names in ``sym``, "") or ([], why not); ``pinned`` gets the symbols of the
+    sizes other than the length that the regions hold at the lowered call's values (:func:`_size_read`)."""
     by_name = {n.name: n for n in sym.graph.nodes}
+    pinned = set() if pinned is None else pinned
     plans = []
     for c in calls:
         call = next((n for n in lowered.graph.nodes if n.name == c), None)
@@ -62,10 +106,13 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str],
         mset = {by_name[m] for m in members}
         inputs = [by_name[a] for a in prov["inputs"]]
         outputs = [by_name[o] for o in prov["outputs"]]
+        steps = _length_symbols(inputs, mod.in_step_dims)
         for m in mset:
             for a in m.all_input_nodes:
                 if a not in mset and a not in inputs and not _is_size(a):
                     return [], f"{c}: member {m.name} reads {a.name}, which the lowered region does not take in"
+                if a not in mset and a not in inputs and (why := _size_read(m, a, steps, pinned)):
+                    return [], f"{c}: {why}"
             if any(u not in mset for u in m.users) and m not in outputs:
                 return [], f"{c}: member {m.name} is read outside the region"
         plans.append((call.target, mod, mset, inputs, outputs))
