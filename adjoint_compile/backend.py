@@ -96,7 +96,8 @@ class CompiledGraphFn:
         self._original = original
 
     def __call__(self, *args: Any) -> Any:
-        if self._original is not None:
+        # NB: not under inference_mode, whose tensors have no autograd at all: the first call outside it verifies
+        if self._original is not None and not torch.is_inference_mode_enabled():
             original, self._original = self._original, None
             self._verify(original, args)
         return timing.call(self.result.timing, self._fn, args)  # NB: run-time compiles count to this graph

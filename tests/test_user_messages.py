@@ -52,6 +52,19 @@ def test_verify_warns_its_result_and_the_report_holds_it():
         f(torch.randn(2, 16, 4))
 
 
+def test_verify_waits_for_a_first_call_outside_inference_mode():
+    """Under inference_mode there is no autograd to compare with: the call runs, the next one verifies."""
+    f = torch.compile(ScanModel(), backend="adjoint", options={"verify": True, "inner": "eager", "shard_size": 4})
+    x = torch.randn(2, 16, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ac.AdjointVerifyReport)
+        with torch.inference_mode():
+            got = f(x)
+    torch.testing.assert_close(got, ScanModel.forward(f._orig_mod, x))
+    with pytest.warns(ac.AdjointVerifyReport, match="max relative error"):
+        f(x).sum().backward()
+
+
 def test_without_verify_there_is_no_fidelity():
     f = torch.compile(ScanModel(), backend="adjoint", options={"inner": "eager", "shard_size": 4})
     f(torch.randn(2, 16, 4)).sum().backward()

@@ -255,7 +255,7 @@ class ShardedRegion(torch.nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"region input {i} is a {type(x).__name__}, expected a tensor")
         S = self.prepare(inputs)
-        if self.verify:
+        if self.verify and not torch.is_inference_mode_enabled():  # NB: no autograd to compare with there
             self.verify = False
             fid = region_fidelity(self.region_gm, self.in_step_dims, self.out_step_dims, S,
                                   [x.detach() for x in inputs], window=self.window)
