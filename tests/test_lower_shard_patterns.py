@@ -108,8 +108,8 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("T", TS)
 def test_previous_state_readout_gradients_equal_autograd(T, first):
     torch.manual_seed(0)
-    # NB: fp64 by default: the model's zeros ``first`` is made with the default dtype (the readout casts the carried
-    # state to ``first``'s dtype, where eager autograd's cat would promote)
+    # NB: fp64 by default: the model's zeros ``first`` is made with the default dtype (a narrower one is tested in
+    # tests/test_lower_shift_readout.py)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
