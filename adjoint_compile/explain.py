@@ -467,7 +467,8 @@ def _cached_records(frames: list[tuple[Any, dict[str, Any]]]) -> dict[int, Compi
             continue
         seen.add(id(code))
         for entry in _debug_get_cache_entry_list(code):
-            for name in entry.code.co_names:
+            # NB: an entry dynamo invalidated (its frame's objects collected) has no code
+            for name in getattr(entry.code, "co_names", ()):
                 v = globs.get(name)
                 if name.startswith("__resume_at"):
                     todo.append((getattr(v, "__code__", None), getattr(v, "__globals__", {})))

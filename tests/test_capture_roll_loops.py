@@ -6,6 +6,10 @@ whatever is not rolled must still be exact.
 """
 from __future__ import annotations
 
+import gc
+import importlib.util
+import sys
+
 import torch
 import torch.nn as nn
 import pytest
@@ -375,3 +379,54 @@ def test_no_top_frame_wrap_when_rolling_is_off():
         loop_install.wrap_top_frame = real
     assert ef._TorchDynamoContext.__call__._adjoint_compile
     assert seen == [False, False, False, True], seen
+
+
+def test_each_callable_compiled_around_its_own_frame_keeps_its_own_graphs(tmp_path, monkeypatch):
+    """Ten functions whose own loop rolls: each compiles (dynamo's limit of 8 graphs per code object would stop the
+    ninth if their wrappers shared one code object) and each report lists its own graph only."""
+    src = "".join(f"""
+def f{k}(x):
+    h = torch.zeros_like(x[:, 0])
+    hs = []
+    for t in range(x.shape[1]):
+        h = {k + 1} / 10 * h + x[:, t]
+        hs.append(h)
+    return torch.stack(hs, 1)
+""" for k in range(10))
+    path = tmp_path / "ten_loops.py"  # NB: a file: the roller reads a loop's source
+    path.write_text("import torch\n" + src)
+    spec = importlib.util.spec_from_file_location("ten_loops", path)
+    space = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ten_loops", space)  # NB: dynamo imports the module of a function it inlines
+    spec.loader.exec_module(space)
+    for k in range(10):
+        T = 5 + k
+        fn = getattr(space, f"f{k}")
+        f = torch.compile(fn, backend="adjoint", options={"shard_size": 4, "inner": "eager"})
+        x = torch.randn(2, T, 3)
+        torch.testing.assert_close(f(x), fn(x), rtol=1e-10, atol=1e-10)
+        got = [(r.source, r.length) for r in ac.report(f).regions]
+        assert got == [("scan", T)], (k, got)
+
+
+def test_report_skips_a_cache_entry_dynamo_invalidated():
+    """Two classes from one factory share forward's code; once the first is collected, dynamo's entry for it has no
+    code, and report() of the second must still work."""
+    def make():
+        class R(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.la = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return ac.ops.linear_scan(torch.sigmoid(self.la(x)), x)
+        return R
+    for k in range(2):
+        f = torch.compile(make()(), backend="adjoint", options={"shard_size": 3, "inner": "eager"})
+        f(torch.randn(2, 11, 4))
+        if k == 0:
+            del f
+            gc.collect()
+            continue
+        # NB: the report of a module lists the graphs of its class's code, the first class's too while dynamo keeps it
+        assert {(r.source, r.length) for r in ac.report(f).regions} == {("linear_scan", 11)}

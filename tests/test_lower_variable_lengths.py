@@ -284,3 +284,27 @@ def test_a_batch_size_held_by_the_regions_keeps_one_graph_for_its_lengths():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
     (region,) = _generic_regions(f)[:1]
     assert {11, 13, 9} <= region.lengths and not {7, 17} & region.lengths
+
+
+class _ReshapeByBatch(torch.nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.la, self.lb = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T = x.shape[0], x.shape[1]
+        return ac.ops.linear_scan(torch.sigmoid(self.la(x)).reshape(B, T, -1), self.lb(x).reshape(B, T, -1))
+
+
+def test_a_first_call_with_as_many_sequences_as_steps_is_exact_later():
+    """dynamic=True with a first call of B == T: dynamo gives both one symbol, so the region cannot tell its batch
+    from its length; each size is specialized (a later [2, 2] call ran with B = 3 and raised)."""
+    torch.manual_seed(0)
+    model = _ReshapeByBatch().double()
+    f = torch.compile(model, backend="adjoint", dynamic=True, options={"shard_size": 2, "inner": "eager"})
+    for B, T in [(3, 3), (2, 2), (2, 5), (4, 4)]:
+        x = torch.randn(B, T, 6, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            got = f(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")

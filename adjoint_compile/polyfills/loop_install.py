@@ -4,8 +4,9 @@ step calls (:func:`.loop_calls._callee_ok`).
 
 The frame dynamo compiles first is the compiled callable's own (``torch.compile(model)``: the model's ``forward``);
 dynamo traces that code as it is, so a loop there would be unrolled. For such a callable, ``torch.compile(...,
-backend="adjoint")`` compiles a frame around it instead (dynamo's own ``wrap_top_frame``, for this call only), and the
-callable's code is inlined in its rolled form like any other function's (:func:`wrap_top_frame`)."""
+backend="adjoint")`` compiles a frame around it instead (as dynamo's ``wrap_top_frame`` does, for this call only),
+and the callable's code is inlined in its rolled form like any other function's (:func:`wrap_top_frame`). Each such
+callable gets a wrapper code object of its own, so that dynamo's caches and recompile limits stay per callable."""
 from __future__ import annotations
 
 import functools
@@ -47,10 +48,10 @@ def patch_compile_entry() -> None:
     """Have ``torch.compile`` for this backend wrap a callable whose own loops roll (:func:`wrap_top_frame`); every
     other ``torch.compile`` call is left as it is. Idempotent; without dynamo's hook points, nothing changes."""
     try:
-        from torch._dynamo import config, eval_frame
+        from torch._dynamo import eval_frame, external_utils
         ctx_cls = eval_frame._TorchDynamoContext
         orig = ctx_cls.__call__
-        config.wrap_top_frame  # noqa: B018 - the flag this relies on
+        wrap_inline = external_utils.wrap_inline
     except (ImportError, AttributeError) as e:
         log.debug("adjoint-compile: loops in the compiled callable itself stay unrolled (%s)", e)
         return
@@ -68,8 +69,15 @@ def patch_compile_entry() -> None:
             return orig(self, fn)
         log.info("adjoint-compile: %s compiled in a frame around it, so that its own loops roll",
                  getattr(fn, "__qualname__", type(fn).__qualname__))
-        with config.patch(wrap_top_frame=True):
-            return orig(self, fn)
+        inner = wrap_inline(fn)
+        # NB: a code object of its own (as dynamo's debug_force_nested_calls makes): dynamo keeps its compiled graphs
+        # and its recompile limit per code object, which wrap_inline's one `inner` would share among every target
+        inner.__code__ = inner.__code__.replace(co_varnames=inner.__code__.co_varnames)
+        if not isinstance(fn, nn.Module):
+            return orig(self, inner)
+        opt = orig(self, fn)  # NB: the OptimizedModule, whose compiled forward then enters through `inner`
+        setattr(opt, "_forward" if hasattr(opt, "_forward") else "forward", self(inner))
+        return opt
 
     __call__._adjoint_compile = True  # type: ignore[attr-defined]
     ctx_cls.__call__ = __call__

@@ -54,6 +54,21 @@ def _length_symbols(inputs: list[fx.Node], dims: list[int | None]) -> set:
     return out
 
 
+def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps: set) -> str:
+    """Why the length's symbol cannot tell the length from another size ("" when it can): dynamo gives sizes that
+    were equal at its first call one symbol (a batch of 3 sequences of 3 steps), and a region reading that symbol
+    at another dim would have it rewritten as the length, or kept, where the two sizes later differ."""
+    for x, d in zip(inputs, dims):
+        v = _ev(x)
+        if not isinstance(v, torch.Tensor):
+            continue
+        for k, size in enumerate(v.shape):
+            if k != d and isinstance(size, torch.SymInt) and size.node.expr.free_symbols & steps:
+                return (f"input {x.name}'s dim {k} has the length's symbol ({size}): sizes equal at the first call "
+                        f"share it")
+    return ""
+
+
 def _size_read(m: fx.Node, a: fx.Node, steps: set, pinned: set) -> str:
     """Why member ``m``'s read of the size ``a`` (a value from outside the region) would be wrong at another length
     ("" when it is not). The region is lowered at one call's sizes, and only its length at a step position of a shape
@@ -107,6 +122,8 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         inputs = [by_name[a] for a in prov["inputs"]]
         outputs = [by_name[o] for o in prov["outputs"]]
         steps = _length_symbols(inputs, mod.in_step_dims)
+        if (shared := _shared_with_other_dims(inputs, mod.in_step_dims, steps)):
+            return [], f"{c}: {shared}"
         for m in mset:
             for a in m.all_input_nodes:
                 if a not in mset and a not in inputs and not _is_size(a):
