@@ -54,8 +54,10 @@ def test_a_shard_gets_the_slice_of_the_full_mask(d):
 @pytest.mark.slow
 def test_inductor_computes_the_same_mask():
     x, seed, t0 = torch.randn(2, 5, 8), torch.tensor(99), torch.tensor(10)
-    f = lambda x, seed, t0: hashed_dropout(x, 0.3, True, seed, t0, 1, 37)  # noqa: E731
-    assert torch.equal(torch.compile(f, backend="inductor")(x, seed, t0), f(x, seed, t0))
+    for stream in (0, 5):
+        f = lambda x, seed, t0: hashed_dropout(x, 0.3, True, seed, t0, 1, 37, stream=stream)  # noqa: E731
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(f, backend="inductor")(x, seed, t0), f(x, seed, t0)), stream
 
 
 class DropoutStack(nn.Module):

@@ -77,8 +77,8 @@ def hashed_dropout(x: Tensor, p: float, training: bool, seed: Tensor, t0: Tensor
         return x * 0
     idx = _linear_index(x, step_dim, t0, T)
     s = seed.to(device=x.device, dtype=torch.int64)
-    if stream:
-        s = _mix(s ^ (_mix(torch.tensor(stream, dtype=torch.int64, device=x.device)) & _M32))
+    if stream:  # NB: the stream's mix is a Python int (the mixer's ops are the same on ints): no tensor per call
+        s = _mix(s ^ _mix(stream))
     h = _mix(_mix((idx & _M32) ^ s) ^ (idx >> 32))
     keep = h >= int(p * 2**32)
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

@@ -216,9 +216,13 @@ def rolling() -> bool:
     mode: the loops :mod:`.loops` rewrote take their rolled form. Evaluated at trace time.
 
     NB: highway mode rewrites gated cells from the unrolled steps (passes/match/find_cells.py), not from a scan."""
-    options = traced_options()
-    return (options is not None and options.get("roll_loops", True) is not False
-            and options.get("mode", "exact") != "highway")
+    return rolls(traced_options())
+
+
+def rolls(options: dict[str, Any] | None) -> bool:
+    """Whether loops roll for a trace with these options (None: not for this backend)."""
+    return options is not None and options.get("roll_loops", True) is not False and \
+        options.get("mode", "exact") != "highway"
 
 
 def polyfill_origin(node: fx.Node) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import _FORCE, options_for
+from . import _FORCE, options_for, rolls
 from .loop_calls import _callee_ok
 from .loops import analyse
 
@@ -28,14 +28,10 @@ __all__ = ["roll_reachable", "wrap_top_frame", "patch_compile_entry"]
 _LIBS = ("torch", "builtins", "adjoint_compile")
 
 
-def _rolls(opts: dict[str, Any] | None) -> bool:
-    return opts is not None and opts.get("roll_loops", True) is not False and opts.get("mode") != "highway"
-
-
 def wrap_top_frame(ctx: Any, target: Any) -> bool:
     """Whether ``torch.compile(target, backend="adjoint")`` (dynamo's context ``ctx``) should compile a frame around
     ``target``: a module whose ``forward``, or a function whose own code, has a loop that rolls."""
-    if not _rolls(options_for(getattr(ctx, "callback", None))):
+    if not rolls(options_for(getattr(ctx, "callback", None))):
         return False
     fn = type(target).forward if isinstance(target, nn.Module) else getattr(target, "__func__", target)
     if not isinstance(fn, types.FunctionType) or "range" not in fn.__code__.co_names \
@@ -170,7 +166,7 @@ def roll_reachable() -> None:
         opts = options_for(compiler_fn)
         if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as the backend would
             opts = {}
-        if not _rolls(opts):
+        if not rolls(opts):
             return
         mods, fns = _reachable(code, glob, loc, closure)
         by_class: dict[type, list[nn.Module]] = {}

@@ -281,8 +281,8 @@ def _device(inputs: Sequence[Any]) -> torch.device | None:
 
 
 class _MeanOverValid(torch.autograd.Function):
-    """``total / count``, whose gradient is zero where ``count`` is 0 (every target ignored): the loss is nan, as
-    eager's cross-entropy gives, and so are its gradients, which eager's are not (0 · ∞ through the sum's)."""
+    """``total / count`` (nan when ``count`` is 0, every target ignored, as eager's cross-entropy gives), whose
+    gradient is zero there, as eager's is; a plain division would make it nan (0 · ∞ through the sum's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
