@@ -40,11 +40,24 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+def graph_pool_bytes(device: torch.device | str) -> int:
+    """The bytes CUDA graphs' private memory pools hold on ``device`` (their segments, used or free for the next
+    replay): a replayed graph's memory, reserved, not allocated, between replays."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 @contextmanager
 def track_peak(device: torch.device | str, count: str = "tensors") -> Iterator[dict[str, int]]:
     """``with track_peak(dev) as m: ...`` then ``m["peak"]`` is the peak bytes allocated inside the block.
 
     ``count``: "tensors" (live tensor bytes; module docstring) or, on CPU, "rss" (resident memory growth).
+    On CUDA ``m["graph_pool"]`` is :func:`graph_pool_bytes` after the block: memory that CUDA graphs hold between
+    replays, which ``max_memory_allocated`` does not count.
     """
     device = torch.device(device)
     if count not in ("tensors", "rss"):
@@ -57,6 +70,7 @@ def track_peak(device: torch.device | str, count: str = "tensors") -> Iterator[d
         yield result
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - base
+        result["graph_pool"] = graph_pool_bytes(device)
     elif count == "tensors":
         from torch.profiler import ProfilerActivity, profile
 

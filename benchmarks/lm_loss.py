@@ -16,12 +16,14 @@ untied vocabulary head. The loss is written as training scripts write it:
 * ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
 * ``adjoint-graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": False}``;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
-  (per thread on a CPU) instead of the default (8 MiB per thread on a CPU, 64 MiB on a GPU), to see the trade
-  between peak and step time; ``adjoint@M-graphs`` both.
+  (per thread on a CPU) instead of the defaults (8 MiB per thread on a CPU; on a GPU 64 MiB per shard and 128 MiB
+  per loss chunk), to see the trade between peak and step time; ``adjoint@R/C``: R MiB per shard, C per loss chunk
+  on a GPU; ``adjoint@M-graphs`` both.
 
 Each method runs in a fresh process. For each V and T it runs one step (compiling), one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes on CPU, ``max_memory_allocated`` on CUDA, parameters and
-gradients included) and ``--repeats`` timed steps (median). A size whose logits alone would not fit (three
+gradients included; on CUDA plus the memory CUDA graphs' pools hold, which ``max_memory_allocated`` leaves out) and
+``--repeats`` timed steps (median). A size whose logits alone would not fit (three
 ``[B, T, V]`` fp32 tensors against 55% of the free memory) is skipped and recorded as such.
 
 Writes ``benchmarks/results/lm_loss_<device>.json``, ``lm_loss_<device>.png`` and prints the table and the targets.
@@ -72,8 +74,9 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
     if "@" in method:
         # NB: a sweep of the least bytes per shard (runtime/shard_parts.py): how the default was chosen
         from adjoint_compile.runtime import shard_parts
-        mib = float(method.split("@")[1].split("-")[0])
-        shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(mib * 2**20)
+        mib = [float(x) for x in method.split("@")[1].split("-")[0].split("/")]
+        shard_parts.MIN_SHARD_BYTES = shard_parts.MIN_SHARD_BYTES_GPU = int(mib[0] * 2**20)
+        shard_parts.MIN_CHUNK_BYTES_GPU = int(mib[-1] * 2**20)
     rows = []
     for V in args.vocab:
         torch.manual_seed(0)
@@ -133,6 +136,9 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
             if dev.type == "cuda":  # NB: CUDA graphs' private pools are reserved, not allocated, between replays
                 row["max_reserved_bytes"] = torch.cuda.max_memory_reserved()
                 row["first_step_peak_bytes"] = first_peak
+                row["graph_pool_bytes"] = m["graph_pool"]
+                row["peak_bytes_without_pool"] = m["peak"]
+                row["peak_bytes"] = m["peak"] + m["graph_pool"]
             if method.startswith("adjoint"):
                 rep = ac.report(fn)
                 row["fallbacks"] = [f.cause for f in rep.fallbacks]
@@ -143,8 +149,9 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                     row["shard_size"] = lowered[0].details.get("shard_size")
                     row["loss_chunk"] = lowered[0].details.get("loss_tail", {}).get("chunk")
             rows.append(row)
-            print(f"  {method} V={V} T={T}: peak {m['peak'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
-                  f"first {first:6.1f} s" + (f"  first-step peak {first_peak / 2**20:.0f} MiB  reserved "
+            print(f"  {method} V={V} T={T}: peak {row['peak_bytes'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
+                  f"first {first:6.1f} s" + (f"  graphs' pool {m['graph_pool'] / 2**20:.0f} MiB  first-step peak "
+                                             f"{first_peak / 2**20:.0f} MiB  reserved "
                                              f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB"
                                              if dev.type == "cuda" else ""), flush=True)
     return {"method": method, "rows": rows}

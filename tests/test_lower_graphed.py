@@ -4,6 +4,7 @@ calls (a carried state, an adjoint, a chunk's gradient) would give wrong gradien
 fp64, over two steps with different data (the second replays the graphs the first captured) and two more lengths."""
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import adjoint_compile as ac
-from adjoint_compile.runtime import graphed
+from adjoint_compile.runtime import graphed, loss_tail
 from test_lower_lm_loss import LM, _data, _step_matches
 
 
@@ -29,6 +30,8 @@ def stand_in(monkeypatch):
         return counted
     monkeypatch.setattr(graphed, "CPU_STAND_IN", counting)
     monkeypatch.setattr(graphed, "_GRAPHED", {})
+    monkeypatch.setattr(loss_tail, "_SEEN", collections.OrderedDict())
+    monkeypatch.setattr(loss_tail, "_LOOPS", collections.OrderedDict())
     return calls
 
 
@@ -131,3 +134,67 @@ def test_a_parameter_is_read_in_place_and_another_runs_as_compiled(stand_in):
     assert torch.equal(call(other, x)[0], x @ other) and len(stand_in) == n   # not replayed
     w.data = w.data.clone()                                                       # same object, other memory
     assert torch.equal(call(w, x)[0], x @ w) and len(stand_in) == n
+
+
+def _loops_captured(calls) -> int:
+    return sum(1 for fn in calls if fn.__name__ == "loop")
+
+
+def test_the_loss_chunk_loop_is_one_graph_from_the_second_call(stand_in):
+    """The loss's whole loop over its chunks is one graph: captured at the second call with a length (the first
+    compiles the chunks' programs) and replayed after, each replay exact against autograd; a length seen once is not
+    captured."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    _step_matches(f, model, ref, *_data(0, 13))
+    assert _loops_captured(stand_in) == 0
+    for seed in (1, 2):
+        _step_matches(f, model, ref, *_data(seed, 13))
+    # the stand-in's calls: one at the capture, one per replay (the second call's and the third's)
+    assert _loops_captured(stand_in) == 3, [fn.__name__ for fn in stand_in]
+    n = _loops_captured(stand_in)
+    _step_matches(f, model, ref, *_data(3, 11))                       # a new length: run chunk by chunk
+    assert _loops_captured(stand_in) == n
+
+
+def test_two_forwards_before_one_backward_keep_their_own_loss_gradients(stand_in):
+    """Gradient accumulation over two micro-batches of one length: the second replay of the loop overwrites its
+    results, so each forward must have copied out the gradients it keeps."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    for seed in (0, 1):                                               # the loop captured at the second call
+        _step_matches(f, model, ref, *_data(seed, 13))
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    a, b = _data(2, 13), _data(3, 13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(*a) + 3.0 * f(*b)
+    want = ref(*a) + 3.0 * ref(*b)
+    got.backward()
+    want.backward()
+    assert _loops_captured(stand_in) >= 3
+    assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), name
+
+
+def test_a_process_keeps_a_few_chunk_loops(stand_in):
+    """Each length seen twice captures a loop, holding its full-length inputs and gradients: the most recent
+    MAX_LOOPS are kept, so lengths that keep changing do not pile up graphs."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    for t in range(9, 9 + loss_tail.MAX_LOOPS + 2):
+        for seed in (0, 1):
+            _step_matches(f, model, ref, *_data(seed, t))
+    assert len(loss_tail._LOOPS) == loss_tail.MAX_LOOPS, list(loss_tail._LOOPS)
+    assert _loops_captured(stand_in) == 2 * (loss_tail.MAX_LOOPS + 2)   # each: its capture and one replay

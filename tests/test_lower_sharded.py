@@ -415,3 +415,23 @@ def test_shard_programs_compiled_by_the_inner_compiler_match_autograd(inner):
         assert rel_err(a, b) <= 1e-5
     for a, b in zip(g, ref_g):
         assert rel_err(a, b) <= 1e-5
+
+
+def test_a_loss_chunk_on_a_gpu_is_sized_by_its_own_bytes_in_whole_row_tiles():
+    """A loss chunk on a GPU holds about MIN_CHUNK_BYTES_GPU of activations, cut to a multiple of CHUNK_ROWS_GPU
+    steps (fewer steps than that: as they are); on a CPU, and for a recurrent shard anywhere, the shard bytes rule."""
+    import types
+
+    from adjoint_compile.runtime import shard_parts as sp
+
+    def prog(chunks: bool, step_bytes: int, T: int = 10**6):
+        return types.SimpleNamespace(loss_chunks=chunks, T=T, boundary_bytes=lambda: 0, step_bytes=lambda: step_bytes)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    per_step = 2 * 50257 * 4                                       # a chunk's logits and their gradient, V = 50257
+    rows = -(-sp.MIN_CHUNK_BYTES_GPU // per_step)
+    assert sp.least_shard_steps(prog(True, per_step), gpu) == rows - rows % sp.CHUNK_ROWS_GPU
+    assert sp.least_shard_steps(prog(True, per_step), gpu) % sp.CHUNK_ROWS_GPU == 0
+    assert sp.least_shard_steps(prog(True, sp.MIN_CHUNK_BYTES_GPU // 40), gpu) == 40   # under one tile: as is
+    assert sp.least_shard_steps(prog(True, per_step), cpu) == -(-sp.min_shard_bytes(cpu) // per_step)
+    assert sp.least_shard_steps(prog(False, per_step), gpu) == -(-sp.MIN_SHARD_BYTES_GPU // per_step)
+    assert sp.min_chunk_bytes(gpu) == sp.MIN_CHUNK_BYTES_GPU and sp.min_chunk_bytes(cpu) == sp.min_shard_bytes(cpu)

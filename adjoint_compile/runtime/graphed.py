@@ -36,7 +36,7 @@ from ..inner import _cause
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphedCall", "graphable", "replayed", "replay_on_cpu"]
+__all__ = ["GraphedCall", "graphable", "replayed", "captured", "replay_on_cpu"]
 
 #: the causes of failed captures already warned about
 _warned: set[str] = set()
@@ -160,10 +160,15 @@ def replayed(fn: Callable[..., Any], args: Sequence[Any], inner: str, what: str)
         return fn
     got = _GRAPHED.get(id(fn))
     if got is None:
-        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
-        if dev.type == "cuda" and dev not in _POOLS:
-            _POOLS[dev] = torch.cuda.graph_pool_handle()
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            got = (fn, capture_or_plain(fn, args, _POOLS.get(dev), what))
-        _GRAPHED[id(fn)] = got
+        got = _GRAPHED[id(fn)] = (fn, captured(fn, args, what))
     return got[1]
+
+
+def captured(fn: Callable[..., Any], args: Sequence[Any], what: str) -> Callable[..., Any]:
+    """``fn`` captured now for the layout of ``args`` on their device's shared pool (:func:`capture_or_plain`); the
+    caller checked :func:`graphable` and keeps the result."""
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if dev.type == "cuda" and dev not in _POOLS:
+        _POOLS[dev] = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        return capture_or_plain(fn, args, _POOLS.get(dev), what)

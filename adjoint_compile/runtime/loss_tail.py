@@ -21,9 +21,11 @@ scalar), or a cut through a value without the step axis is not split: the region
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,8 +38,8 @@ from .. import timing
 from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
-from .graphed import replayed
-from .shard_parts import (arg_layout, autocast_as, autocast_state, min_shard_bytes, serial_kernels,
+from .graphed import captured, graphable, replayed
+from .shard_parts import (arg_layout, autocast_as, autocast_state, min_chunk_bytes, serial_kernels,
                           wanted_shard_size)
 from .shard_program import ShardProgram, _devices, _ev
 
@@ -65,10 +67,10 @@ class TailSplit:
 
     def chunk(self, shard_size: int | None, device: torch.device | None) -> int | None:
         """The tail's steps per chunk: None (chosen by the tail from its own activations) when ``shard_size`` is
-        None, else ``shard_size`` cut to the least bytes of a shard (a long shard's logits in chunks)."""
+        None, else ``shard_size`` cut to the least bytes of a loss chunk (a long shard's logits in chunks)."""
         if shard_size is None:
             return None
-        return min(shard_size, wanted_shard_size(shard_size, 0, max(1, self.step_bytes), min_shard_bytes(device)))
+        return min(shard_size, wanted_shard_size(shard_size, 0, max(1, self.step_bytes), min_chunk_bytes(device)))
 
 
 def split_tail(plan: ShardProgram) -> TailSplit | str:
@@ -95,6 +97,7 @@ def split_tail(plan: ShardProgram) -> TailSplit | str:
     try:
         rest = ShardProgram(rest_gm, plan.in_step_dims, None, plan.inner, plan.window)
         tail_prog = ShardProgram(tail_gm, dims, None, plan.inner, None, scans_required=False)
+        tail_prog.loss_chunks = True
     except (UnsupportedRegion, ValueError) as e:
         return f"the split does not make two shard programs: {e}"
     for p in (rest, tail_prog):
@@ -204,34 +207,12 @@ class _TailFn(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         want, graphs = how
         wrt = [i for i, (x, n) in enumerate(zip(inputs, ctx.needs_input_grad[2:])) if want and n]
-        n_out = len(tail.out_nodes)
-        outs: list[torch.Tensor] | None = None
-        grads: list[list[Any]] = [[None] * len(inputs) for _ in range(n_out)]
-        for s, e in tail.bounds():
-            xs = tail.shard_inputs(inputs, s, e - s)
-            if wrt:
-                vals, got = value_and_grad(tail, e - s, xs, wrt, s, graphs)
-            else:
-                vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s, graphs=graphs)[0], {}
-            if outs is None:
-                outs = [v.new_zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)
-                                    if v.dtype.is_floating_point else v.dtype) for v in vals]
-            for o, v in zip(outs, vals):
-                o.add_(v)
-            for (j, i), g in got.items():
-                d = tail.in_step_dims[i]
-                if grads[j][i] is None:
-                    grads[j][i] = torch.zeros_like(inputs[i]) if d is not None else g.clone()
-                    if d is None:
-                        continue
-                if d is None:
-                    grads[j][i].add_(g)
-                else:
-                    grads[j][i].narrow(d, s, e - s).copy_(g)
-        assert outs is not None
-        outs = [o.to(v.dtype) for o, v in zip(outs, vals)]
-        ctx.grads = grads[:n_out]
-        ctx.mark_non_differentiable(*outs[n_out:])  # the counts of a mean over valid targets
+        if graphs and wrt and not tail.random and graphable(inputs, tail.inner):
+            outs, grads = _looped(tail, inputs, wrt)
+        else:
+            outs, grads = _chunks(tail, inputs, wrt, graphs)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(*outs[len(grads):])  # the counts of a mean over valid targets
         return tuple(outs)
 
     @staticmethod
@@ -248,6 +229,81 @@ class _TailFn(torch.autograd.Function):
                     res[i] = v if res[i] is None else res[i] + v
         return (None, None, *res)
 
+
+def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int],
+            graphs: bool) -> tuple[list[torch.Tensor], list[list[Any]]]:
+    """The tail's outputs, summed over its chunks, and per differentiable output j and input i the gradient
+    ∂out_j/∂x_i (None where the loss does not reach x_i), chunk by chunk; ``graphs``: each chunk's program replayed
+    from a CUDA graph where it can be."""
+    n_out = len(tail.out_nodes)
+    outs: list[torch.Tensor] | None = None
+    grads: list[list[Any]] = [[None] * len(inputs) for _ in range(n_out)]
+    for s, e in tail.bounds():
+        xs = tail.shard_inputs(inputs, s, e - s)
+        if wrt:
+            vals, got = value_and_grad(tail, e - s, xs, wrt, s, graphs)
+        else:
+            vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s, graphs=graphs)[0], {}
+        if outs is None:
+            outs = [v.new_zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)
+                                if v.dtype.is_floating_point else v.dtype) for v in vals]
+        for o, v in zip(outs, vals):
+            o.add_(v)
+        for (j, i), g in got.items():
+            d = tail.in_step_dims[i]
+            if grads[j][i] is None:
+                grads[j][i] = torch.zeros_like(inputs[i]) if d is not None else g.clone()
+                if d is None:
+                    continue
+            if d is None:
+                grads[j][i].add_(g)
+            else:
+                grads[j][i].narrow(d, s, e - s).copy_(g)
+    assert outs is not None
+    return [o.to(v.dtype) for o, v in zip(outs, vals)], grads[:n_out]
+
+
+#: chunk loops seen once, by tail and key (lengths, layout), the most recent last: the (j, i) pairs of the gradients
+#: they make; and those seen again, captured as one graph each with their pairs (:func:`_looped`)
+_SEEN: collections.OrderedDict = collections.OrderedDict()
+_LOOPS: collections.OrderedDict = collections.OrderedDict()
+
+#: the most captured chunk loops kept in a process: each holds its full-length inputs and gradients in the graphs'
+#: pool, so lengths that keep changing do not pile up graphs (a length seen once runs its chunks' own graphs)
+MAX_LOOPS = 4
+
+
+def _looped(tail: ShardProgram, inputs: Sequence[torch.Tensor],
+            wrt: list[int]) -> tuple[list[torch.Tensor], list[list[Any]]]:
+    """:func:`_chunks` on CUDA graphs: the first call with some lengths and layout replays each chunk's program from
+    its own graph; the second captures the whole loop over the chunks as one graph, replayed from then on (one launch
+    per step instead of one per chunk). The loop's results are copied out, as the next replay overwrites them."""
+    ref = weakref.ref(tail)  # NB: weak: a region dropped for its length lets its tail and graph go
+    key = (ref, tail.T, tail.shard_size, _devices(inputs), autocast_state(), tuple(wrt), arg_layout(inputs))
+    entry = _LOOPS.pop(key, None)
+    if entry is None:
+        pairs = _SEEN.pop(key, None)
+        if pairs is None:
+            outs, grads = _chunks(tail, inputs, wrt, True)
+            _SEEN[key] = [(j, i) for j, row in enumerate(grads) for i, g in enumerate(row) if g is not None]
+            while len(_SEEN) > 64:
+                _SEEN.popitem(last=False)
+            return outs, grads
+
+        def loop(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            outs, grads = _chunks(ref(), xs, wrt, False)
+            return (*outs, *(grads[j][i] for j, i in pairs))
+        entry = (captured(loop, inputs, "loss's chunk loop"), pairs)
+    _LOOPS[key] = entry
+    while len(_LOOPS) > MAX_LOOPS:
+        _LOOPS.popitem(last=False)
+    call, pairs = entry
+    res = [r.clone() for r in call(*inputs)]
+    n = len(res) - len(pairs)
+    grads = [[None] * len(inputs) for _ in range(len(tail.out_nodes))]
+    for (j, i), g in zip(pairs, res[n:]):
+        grads[j][i] = g
+    return res[:n], grads
 
 def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int], t0: int,
                    graphs: bool = False) -> tuple[list[torch.Tensor], dict[tuple[int, int], torch.Tensor]]:

@@ -60,7 +60,7 @@ from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout, differentiable,
-                          autocast_as, autocast_state, default_shard_size, initial_zeros, min_shard_bytes, own_bytes,
+                          autocast_as, autocast_state, default_shard_size, initial_zeros, least_shard_steps, own_bytes,
                           serial_kernels, shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
 from .graphed import replayed
 from .shard_vjp import build_vjp
@@ -104,6 +104,7 @@ class ShardProgram:
     slices the inputs, :meth:`initial_carries` gives the first shard's carries, :meth:`run` is the forward and
     :meth:`vjp` one recompute + VJP.  ``h0_input[k]`` is the region input holding scan k's h0 (None: zeros).
     """
+    loss_chunks = False  # a loss tail's chunks (loss_tail.py): sized as such on a GPU (shard_parts.least_shard_steps)
 
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, inner: str = "eager",
@@ -242,10 +243,9 @@ class ShardProgram:
             self.carry_dtypes.append(_ev(cc.input).dtype)
         #: scan states, then conv halos: the carries a sweep hands from shard to shard
         self.n_carries = len(self.carry_shapes)
-        #: the shard size asked for (``shard_size``, or :func:`wanted_shard_size`), before it is cut to T
+        #: the shard size asked for (``shard_size``, or :func:`least_shard_steps`), before it is cut to T
         dev = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
-        self.wanted_shard_size = shard_size or wanted_shard_size(self.T, self.boundary_bytes(), self.step_bytes(),
-                                                                 min_shard_bytes(dev))
+        self.wanted_shard_size = shard_size or least_shard_steps(self, dev)
         self.shard_size = min(self.wanted_shard_size, self.T) if shard_size is None else shard_size
         if self.length_free and shard_size is None:  # NB: a power of two: few shard lengths over all T
             self.shard_size = 1 << (self.wanted_shard_size.bit_length() - 1)
