@@ -431,7 +431,7 @@ def test_a_loss_chunk_on_a_gpu_is_sized_by_its_own_bytes_in_whole_row_tiles():
     rows = -(-sp.MIN_CHUNK_BYTES_GPU // per_step)
     assert sp.least_shard_steps(prog(True, per_step), gpu) == rows - rows % sp.CHUNK_ROWS_GPU
     assert sp.least_shard_steps(prog(True, per_step), gpu) % sp.CHUNK_ROWS_GPU == 0
-    assert sp.least_shard_steps(prog(True, sp.MIN_CHUNK_BYTES_GPU // 40), gpu) == 40   # under one tile: as is
+    assert sp.least_shard_steps(prog(True, sp.MIN_CHUNK_BYTES_GPU // 32), gpu) == 32   # under one tile: as is
     assert sp.least_shard_steps(prog(True, per_step), cpu) == -(-sp.min_shard_bytes(cpu) // per_step)
     assert sp.least_shard_steps(prog(False, per_step), gpu) == -(-sp.MIN_SHARD_BYTES_GPU // per_step)
     assert sp.min_chunk_bytes(gpu) == sp.MIN_CHUNK_BYTES_GPU and sp.min_chunk_bytes(cpu) == sp.min_shard_bytes(cpu)
