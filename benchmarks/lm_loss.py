@@ -127,6 +127,8 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
                 first_peak = torch.cuda.max_memory_allocated() - base
             first = time.perf_counter() - t0
+            if dev.type == "cuda":  # NB: a second call captures CUDA graphs (the loss's chunk loop): not yet steady
+                one()
             for p in params:
                 p.grad = None
             with measure.track_peak(dev) as m:
