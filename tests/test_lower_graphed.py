@@ -198,3 +198,68 @@ def test_a_process_keeps_a_few_chunk_loops(stand_in):
             _step_matches(f, model, ref, *_data(seed, t))
     assert len(loss_tail._LOOPS) == loss_tail.MAX_LOOPS, list(loss_tail._LOOPS)
     assert _loops_captured(stand_in) == 2 * (loss_tail.MAX_LOOPS + 2)   # each: its capture and one replay
+
+
+def test_every_loss_form_through_the_replayed_chunk_loop(stand_in):
+    """All the loss forms of one forward (several losses, means over valid targets with their counts, a z-loss, label
+    smoothing, shifts) through the captured chunk loop: three calls at one length (the loop captured at the second,
+    replayed at the third), each loss and the gradients of a random combination against autograd in fp64."""
+    from test_lower_lm_loss import FORMS, AllForms
+    torch.manual_seed(0)
+    model = AllForms().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 5, "inner": "inductor", "cuda_graphs": True})
+    for seed in range(3):
+        c = torch.rand(len(FORMS), generator=torch.Generator().manual_seed(seed)).add(0.5).tolist()
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        data = _data(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = f(*data)
+        want = ref(*data)
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert abs(g.item() - w.item()) <= 1e-10 * abs(w.item()), (seed, k)
+        sum(ci * g for ci, g in zip(c, got)).backward()
+        sum(ci * w for ci, w in zip(c, want)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), (seed, name)
+    assert _loops_captured(stand_in) == 3, [fn.__name__ for fn in stand_in]   # captured, replayed twice
+
+
+def test_eval_calls_and_a_frozen_head_between_replays(stand_in):
+    """At one length: training steps (the loop captured, replayed), an evaluation under no_grad, steps with the head
+    frozen (another set of gradients: a loop of its own) and training again, each against autograd in fp64."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    for seed in (0, 1):
+        _step_matches(f, model, ref, *_data(seed, 13))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = _data(2, 13)
+        assert abs(f(*data).item() - ref(*data).item()) <= 1e-10 * abs(ref(*data).item())
+    for m in (model, ref):
+        m.lm.head.weight.requires_grad_(False)
+    for seed in (3, 4, 5):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        data = _data(seed, 13)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = f(*data)
+        want = ref(*data)
+        got.backward()
+        want.backward()
+        assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), (seed, name)
+        assert model.lm.head.weight.grad is None
+    for m in (model, ref):
+        m.lm.head.weight.requires_grad_(True)
+    _step_matches(f, model, ref, *_data(6, 13))
+    assert _loops_captured(stand_in) >= 5
