@@ -2,7 +2,10 @@
 graphs at the first call, the loss's chunk loop captured at the second), and the bytes of the graphs' own inputs
 and outputs (the rest of the pool is their intermediates).
 
-    python benchmarks/graph_pool.py [V] [T]
+    python benchmarks/graph_pool.py [V] [T] [--first-plain]
+
+``--first-plain``: a length's first call runs the loss chunks' programs without graphs of their own
+(``loss_tail.FIRST_CALL_GRAPHS = False``), so the only graph of the loss is its chunk loop.
 """
 import sys
 from pathlib import Path
@@ -16,8 +19,10 @@ from adjoint_compile.measure import graph_pool_bytes
 from adjoint_compile.models.selective_ssm import SSMStack
 from adjoint_compile.runtime import graphed, loss_tail
 
-V = int(sys.argv[1]) if len(sys.argv) > 1 else 32000
-T = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+V = int(ARGS[0]) if ARGS else 32000
+T = int(ARGS[1]) if len(ARGS) > 1 else 16384
+loss_tail.FIRST_CALL_GRAPHS = "--first-plain" not in sys.argv[1:]
 dev = torch.device("cuda")
 torch.manual_seed(0)
 emb, stack, head = nn.Embedding(V, 64).to(dev), SSMStack(64, 8, 2).to(dev), nn.Linear(64, V, bias=False).to(dev)

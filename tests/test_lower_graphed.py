@@ -263,3 +263,25 @@ def test_eval_calls_and_a_frozen_head_between_replays(stand_in):
         m.lm.head.weight.requires_grad_(True)
     _step_matches(f, model, ref, *_data(6, 13))
     assert _loops_captured(stand_in) >= 5
+
+
+def test_a_first_call_without_the_chunks_own_graphs(stand_in, monkeypatch):
+    """With FIRST_CALL_GRAPHS off, a length's first call runs the loss chunks' programs as compiled (the sweep's own
+    programs still replayed), and the loop is captured at the second as before: exact throughout."""
+    monkeypatch.setattr(loss_tail, "FIRST_CALL_GRAPHS", False)
+    whats = []
+
+    def replayed(fn, args, inner, what):
+        whats.append(what)
+        return graphed.replayed(fn, args, inner, what)
+    monkeypatch.setattr(loss_tail, "replayed", replayed)
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    _step_matches(f, model, ref, *_data(0, 13))
+    assert "loss chunk" not in whats and _loops_captured(stand_in) == 0
+    for seed in (1, 2):
+        _step_matches(f, model, ref, *_data(seed, 13))
+    assert _loops_captured(stand_in) == 3

@@ -268,6 +268,10 @@ def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int],
 _SEEN: collections.OrderedDict = collections.OrderedDict()
 _LOOPS: collections.OrderedDict = collections.OrderedDict()
 
+#: whether the first call of a length replays each chunk's program from a graph of its own (fast for a length seen
+#: once; those graphs keep a chunk's working set in the pool, which the loop's capture did not reuse on an H200)
+FIRST_CALL_GRAPHS = True
+
 #: the most captured chunk loops kept in a process: each holds its full-length inputs and gradients in the graphs'
 #: pool, so lengths that keep changing do not pile up graphs (a length seen once runs its chunks' own graphs)
 MAX_LOOPS = 4
@@ -284,7 +288,7 @@ def _looped(tail: ShardProgram, inputs: Sequence[torch.Tensor],
     if entry is None:
         pairs = _SEEN.pop(key, None)
         if pairs is None:
-            outs, grads = _chunks(tail, inputs, wrt, True)
+            outs, grads = _chunks(tail, inputs, wrt, FIRST_CALL_GRAPHS)
             _SEEN[key] = [(j, i) for j, row in enumerate(grads) for i, g in enumerate(row) if g is not None]
             while len(_SEEN) > 64:
                 _SEEN.popitem(last=False)
