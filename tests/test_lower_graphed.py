@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.runtime import graphed, loss_tail
-from test_lower_lm_loss import LM, _data, _step_matches
+from test_lower_lm_loss import LM, V, _data, _step_matches
 
 
 @pytest.fixture
@@ -79,23 +79,48 @@ def test_only_inductor_programs_on_cuda_are_graphed():
     assert not graphed.graphable([None, 1], "inductor")
 
 
-def test_an_unchanged_argument_is_not_copied_again(stand_in):
-    """The same tensor, unchanged, is not copied into the graph's input again; written in place (directly or through
-    a view) or replaced, it is."""
+def test_an_argument_written_without_a_version_bump_is_copied_again(stand_in):
+    """Every call copies its (non-parameter) arguments into the graph's inputs, also the very tensor of the last call
+    with the same version counter: writes through ``.data`` or numpy do not bump it (a buffer updated by hand, a batch
+    refilled in place by a loader), and a replay that skipped the copy used the old values."""
     def fn(w, x):
         return (x @ w,)
     w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     call = graphed.GraphedCall(fn, [w, x])
     assert torch.equal(call(w, x)[0], x @ w)
-    call.static_in[0].zero_()                       # had w been copied again, this would not show
-    assert torch.equal(call(w, x)[0], torch.zeros(4, 2, dtype=torch.float64))
-    w.add_(1.0)                                     # written in place: copied again
+    v = w._version
+    w.data.copy_(torch.randn(3, 2, dtype=torch.float64))         # no version bump
+    assert w._version == v and torch.equal(call(w, x)[0], x @ w)
+    x.numpy()[:] = 7.0                                            # nor through numpy
     assert torch.equal(call(w, x)[0], x @ w)
-    w[0].mul_(2.0)                                  # through a view: copied again
+    w.add_(1.0)                                                   # in place, bumped
     assert torch.equal(call(w, x)[0], x @ w)
-    w2 = w.clone()                                  # another tensor with the same values: copied
-    call.static_in[0].zero_()
-    assert torch.equal(call(w2, x)[0], x @ w)
+
+
+def test_a_buffer_updated_through_data_between_replays(stand_in):
+    """A model's class-weight buffer re-estimated through ``.data`` between steps, with the loss's chunk loop captured
+    and replayed: each step's loss and gradients are autograd's with the buffer's values of that step."""
+    class Weighted(Step):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("class_w", torch.ones(V))
+
+        def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.lm(ids).flatten(0, 1), targets.flatten(), weight=self.class_w)
+    torch.manual_seed(0)
+    model = Weighted().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    ids, tg = _data(0, 13)
+    for k in range(4):
+        if k >= 2:
+            w = torch.rand(V, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) + 0.5
+            model.class_w.data.copy_(w)
+            ref.class_w.data.copy_(w)
+            tg.numpy()[:] = _data(k, 13)[1].numpy()               # the batch refilled in place too
+        _step_matches(f, model, ref, ids, tg)
+    assert _loops_captured(stand_in) >= 3
 
 
 def test_training_steps_with_weights_updated_in_place(stand_in):

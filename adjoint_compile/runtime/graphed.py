@@ -8,8 +8,10 @@ argument layout and replays it:
     call k:  static_in[i].copy_(args[i])  ─►  graph.replay()  ─►  static_out   (the same tensors every call)
 
 A parameter is read in place by the graph (a call with another parameter there, or the same one moved to other
-memory, runs as compiled); an argument that is the very tensor of the previous call, unchanged since (its version
-counter, which in-place writes through any view bump and each replay bumps on its outputs), is not copied again.
+memory, runs as compiled); every other tensor argument is copied in at every call. NB: even the very tensor of the
+previous call with the same version counter: writes through ``.data``, numpy or DLPack change a buffer or a batch
+without bumping it, and a replay that skipped the copy used the old values. A replay bumps its outputs' version
+counters, so autograd sees them overwritten.
 
 so a result is valid until the next call of the same program: the sweeps that use it (runtime/sharded.py,
 runtime/loss_tail.py) copy what they keep (the outputs into the full-length buffers, the states they carry, the
@@ -25,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,15 +42,15 @@ __all__ = ["GraphedCall", "graphable", "replayed", "captured", "replay_on_cpu"]
 #: the causes of failed captures already warned about
 _warned: set[str] = set()
 
-#: whether an unchanged argument is not copied again (needs ``increment_version`` to mark replayed outputs changed)
-_SKIP = hasattr(torch.autograd.graph, "increment_version")
+#: whether replayed outputs can be marked changed for autograd (``increment_version``, torch >= 2.5)
+_BUMP = hasattr(torch.autograd.graph, "increment_version")
 
 #: tests set this to :func:`replay_on_cpu` to run the graphed discipline without a GPU
 CPU_STAND_IN: Callable[..., Any] | None = None
 
 
 def _bump(t: torch.Tensor) -> None:
-    if _SKIP:
+    if _BUMP:
         torch.autograd.graph.increment_version(t)
 
 
@@ -76,8 +77,6 @@ class GraphedCall:
                           for a, al in zip(example, self.aliased)]
         # NB: and its memory: FSDP2 frees and re-allocates an unsharded parameter's storage under the same object
         self._ptrs = [a.data_ptr() if al else 0 for a, al in zip(example, self.aliased)]
-        #: per argument, the tensor copied last and its version then (module docstring)
-        self._last: list[tuple[Any, int] | None] = [None] * len(self.static_in)
         self.graph: Any = None
         self.replay_cpu: Callable[..., Any] | None = None
         if CPU_STAND_IN is not None and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in example):
@@ -99,20 +98,16 @@ class GraphedCall:
         if any(al and (a is not s or a.data_ptr() != p) for al, s, a, p in zip(self.aliased, self.static_in, args,
                                                                                  self._ptrs)):
             return self.fn(*args)  # NB: other parameters (another instance of the module): run as compiled
-        for i, (s, a) in enumerate(zip(self.static_in, args)):
-            if isinstance(s, torch.Tensor) and not self.aliased[i]:
-                last = self._last[i]
-                if _SKIP and last is not None and last[0]() is a and last[1] == a._version:
-                    continue
+        for s, a, al in zip(self.static_in, args, self.aliased):
+            if isinstance(s, torch.Tensor) and not al:
                 s.copy_(a)
-                self._last[i] = (weakref.ref(a), a._version)  # NB: weak: a kept view would keep its base alive
         if self.replay_cpu is not None:
             out = self.replay_cpu()
         else:
             self.graph.replay()
             out = self.static_out
-        # NB: a replay writes its outputs behind autograd's back: their version counters are bumped by hand, or an
-        # output passed back in (a carried state, an adjoint) would look unchanged and not be copied in again
+        # NB: a replay writes its outputs behind autograd's back: their version counters are bumped by hand, so a
+        # result saved for a backward and overwritten by the next replay fails autograd's check instead of being used
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 _bump(t)
