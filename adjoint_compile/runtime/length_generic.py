@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LengthGenericRegion", "retarget", "KEEP"]
 
-#: prepared lengths kept per region
+#: prepared lengths (and input shapes) kept per region
 KEEP = 64
 
 
@@ -43,6 +43,9 @@ def retarget(region: ShardedRegion, T: int) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     for n in region.region_gm.graph.nodes:
         new = g.node_copy(n, env.__getitem__)
+        # NB: dynamo's example values are of the call the graph was lowered at: its batch too, which a loss that
+        # folds it into rows (logits.flatten(0, 1)) keeps in a shape; the region's analysis reads fresh ones
+        new.meta.pop("example_value", None)
         env[n] = new
         if n.op in ("call_method", "call_function") and T != plan.T:
             plan._rewrite_lengths(n, new, T)
@@ -64,26 +67,29 @@ class LengthGenericRegion(torch.nn.Module):
         self.T0 = template._plan.T
         #: the compiled shard programs of every length, by layout without the step dims (ShardProgram.shared)
         self.shared: dict[tuple, tuple[dict, dict]] = {}
-        #: the prepared region of each recent length (the least recently used beyond :data:`KEEP` are dropped: they
-        #: hold shape analyses only, the compiled programs stay in ``shared``)
-        self.regions: OrderedDict[int, ShardedRegion] = OrderedDict()
+        #: the prepared region of each recent length and input shapes, by (T, shapes...) (the least recently used
+        #: beyond :data:`KEEP` are dropped: they hold shape analyses only, the compiled programs stay in ``shared``)
+        self.regions: OrderedDict[tuple, ShardedRegion] = OrderedDict()
         #: distinct lengths seen (report)
         self.lengths: set[int] = set()
 
     def _length(self, inputs: Sequence[Any]) -> int:
         return next(x.shape[d] for x, d in zip(inputs, self.template.in_step_dims) if d is not None)
 
-    def _region(self, T: int) -> ShardedRegion:
-        r = self.regions.get(T)
+    def _region(self, T: int, inputs: Sequence[Any]) -> ShardedRegion:
+        # NB: one region per set of input shapes, not per length: a region is prepared for its inputs' shapes, and
+        # a forward's backward runs on that preparation (micro-batches of two batch sizes at one length, one backward)
+        key = (T, *(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)))
+        r = self.regions.get(key)
         if r is not None:
-            self.regions.move_to_end(T)
+            self.regions.move_to_end(key)
             return r
         t = self.template
         r = ShardedRegion(retarget(t, T), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
                           window=t.window, cuda_graphs=t.cuda_graphs)
         r.label = t.label
         r._plan.length_free, r._plan.shared = True, self.shared
-        self.regions[T] = r
+        self.regions[key] = r
         while len(self.regions) > KEEP:
             self.regions.popitem(last=False)
         return r
@@ -93,4 +99,4 @@ class LengthGenericRegion(torch.nn.Module):
         if T < 1:
             raise ValueError(f"{self.label}: T={T} steps; a sharded region needs at least one")
         self.lengths.add(T)
-        return self._region(T)(*inputs)
+        return self._region(T, inputs)(*inputs)
