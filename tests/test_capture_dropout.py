@@ -1,5 +1,6 @@
 """Dropout inside a sharded region: masks that are a hash of (seed, position), so a shard's recomputation sees the
 forward's mask (kernels/random.py, passes/capture/seeded_dropout.py)."""
+import copy
 import sys
 from pathlib import Path
 
@@ -50,6 +51,17 @@ def test_a_shard_gets_the_slice_of_the_full_mask(d):
         part = hashed_dropout(x.narrow(d, t0, L).contiguous(), 0.4, True, seed, torch.tensor(t0), d, T, stream=3)
         assert torch.equal(part, hashed_dropout(x, 0.4, True, seed, stream=3).narrow(d, t0, L))
 
+
+
+def test_a_shard_of_folded_rows_gets_its_rows_of_the_full_mask():
+    """Rows ``[B·L, D]`` of shard [t0, t0+L) of a ``[B·T, D]`` tensor: row b·L + t has row b·T + t0 + t's mask."""
+    B, T, D = 3, 11, 4
+    x, seed = torch.randn(B * T, D), torch.tensor(777)
+    full = hashed_dropout(x, 0.4, True, seed, stream=2)
+    for t0, L in [(0, 4), (4, 4), (8, 3), (5, 1)]:
+        rows = torch.cat([torch.arange(b * T + t0, b * T + t0 + L) for b in range(B)])
+        part = hashed_dropout(x[rows], 0.4, True, seed, torch.tensor(t0), 0, T, stream=2, fold=B)
+        assert torch.equal(part, full[rows]), (t0, L)
 
 @pytest.mark.slow
 def test_inductor_computes_the_same_mask():
@@ -171,3 +183,50 @@ def test_dropout_in_a_loop_step_draws_a_mask_per_step(monkeypatch, roll_loops):
     assert _rel(out, ref_out) <= 1e-5
     for a, b in zip(g, ref_g):
         assert _rel(a, b) <= 1e-5
+
+
+class FoldedDropoutLM(nn.Module):
+    """Dropout on the batch folded into rows (``[B·T, D]``, as ``rearrange('b l d -> (b l) d')`` code writes it)
+    inside the region; ``seed`` set: the reference, the mask of the whole ``[B·T, D]`` tensor."""
+
+    def __init__(self, V: int = 11, D: int = 8) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.a, self.b, self.o = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.seed = None
+
+    def forward(self, ids, tg):
+        x = self.emb(ids)
+        b, t, d = x.shape
+        rows = self.o(ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x), dim=1)).reshape(b * t, d)
+        rows = F.dropout(rows, 0.5, self.training) if self.seed is None else hashed_dropout(rows, 0.5, True, self.seed)
+        return F.cross_entropy(self.head(x + rows.view(b, t, d)).flatten(0, 1), tg.flatten())
+
+
+@pytest.mark.parametrize("shard", [1, 4, 5])
+def test_dropout_on_rows_with_the_batch_folded_in_draws_the_full_masks(shard):
+    """Each row of a shard of ``[B·L, D]`` rows gets the mask of its row b·T + t in the whole ``[B·T, D]`` tensor:
+    the same whatever the shard size and over several lengths (a shard once hashed its rows as steps s + b·L + t:
+    masks that changed with the shard size and repeated across the batch)."""
+    torch.manual_seed(0)
+    model = FoldedDropoutLM().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager", "shard_size": shard})
+    for k, t in enumerate((13, 9, 17)):
+        g = torch.Generator().manual_seed(k)
+        ids, tg = torch.randint(0, 11, (2, t), generator=g), torch.randint(0, 11, (2, t), generator=g)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(5 + k)
+        got = f(ids, tg)
+        torch.manual_seed(5 + k)
+        ref.seed = new_seed()                        # the seed the compiled graph draws first
+        want = ref(ids, tg)
+        got.backward()
+        want.backward()
+        assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item()), (t, got.item(), want.item())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-9, (t, name)
+    rep = ac.report(f)
+    assert any(r.rewrite == "adjoint" for r in rep.regions), str(rep)

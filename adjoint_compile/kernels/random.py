@@ -38,12 +38,14 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
-def _linear_index(x: Tensor, step_dim: int | None, t0: Tensor | int, T: int | None) -> Tensor:
-    """Each element's linear index in the full-length tensor (``x`` itself when ``step_dim`` is None)."""
+def _linear_index(x: Tensor, step_dim: int | None, t0: Tensor | int, T: int | None, fold: int = 1) -> Tensor:
+    """Each element's linear index in the full-length tensor (``x`` itself when ``step_dim`` is None); ``fold``: the
+    step dim holds ``fold`` sequences one after another (a batch folded into rows, ``[B·L, D]``), row b·L + t of the
+    shard being row b·T + t0 + t of the full tensor."""
     shape = list(x.shape)
     full = list(shape)
     if step_dim is not None:
-        full[step_dim] = T
+        full[step_dim] = T * fold
     stride, strides = 1, []
     for s in reversed(full):
         strides.append(stride)
@@ -53,7 +55,8 @@ def _linear_index(x: Tensor, step_dim: int | None, t0: Tensor | int, T: int | No
     for j, (n, st) in enumerate(zip(shape, strides)):
         ar = torch.arange(n, dtype=torch.int64, device=x.device)
         if j == step_dim:
-            ar = ar + t0
+            L = n // fold
+            ar = (ar // L) * T + ar % L + t0 if fold > 1 else ar + t0
         view = [1] * len(shape)
         view[j] = n
         idx = idx + (ar * st).view(view)
@@ -61,7 +64,7 @@ def _linear_index(x: Tensor, step_dim: int | None, t0: Tensor | int, T: int | No
 
 
 def hashed_dropout(x: Tensor, p: float, training: bool, seed: Tensor, t0: Tensor | int = 0,
-                   step_dim: int | None = None, T: int | None = None, *, stream: int = 0) -> Tensor:
+                   step_dim: int | None = None, T: int | None = None, *, stream: int = 0, fold: int = 1) -> Tensor:
     """``F.dropout(x, p, training)`` with the mask ``hash(seed, stream, position) >= p`` (module docstring).
 
     Args:
@@ -70,12 +73,14 @@ def hashed_dropout(x: Tensor, p: float, training: bool, seed: Tensor, t0: Tensor
         t0: the global index of ``x``'s first step (a shard's start), an int or an int64 scalar tensor.
         step_dim, T: the step dim of ``x`` and the full sequence length, for a shard; None for the whole tensor.
         stream: which dropout of the graph this is (an int >= 0): dropouts sharing a seed draw independent masks.
+        fold: for a shard whose step dim holds ``fold`` sequences' steps one after another (``[B·L, D]`` rows), the
+            number of them: the mask is that of the full ``[B·T, D]`` tensor's rows.
     """
     if not training or p == 0:
         return x
     if p >= 1:
         return x * 0
-    idx = _linear_index(x, step_dim, t0, T)
+    idx = _linear_index(x, step_dim, t0, T, fold)
     s = seed.to(device=x.device, dtype=torch.int64)
     if stream:  # NB: the stream's mix is a Python int (the mixer's ops are the same on ints): no tensor per call
         s = _mix(s ^ _mix(stream))

@@ -329,7 +329,7 @@ class ShardProgram:
                 # hashed_dropout(x, p, training, seed, t0=0, step_dim=None, T=None, *, stream): place it in time
                 a = list(new.args) + [None] * (7 - len(new.args))
                 a[4], a[5], a[6] = t0, self.info.step_dim[n], self.T
-                new.args = tuple(a)
+                new.args, new.kwargs = tuple(a), {**new.kwargs, "fold": self.info.folds.get(n, 1)}
             if n.op in ("call_method", "call_function") and L != self.T:
                 self._rewrite_lengths(n, new, L)
             if n in self.info.sums and self.info.sums[n].ratio:  # NB: the shard's sum, and its count of targets
