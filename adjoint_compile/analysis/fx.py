@@ -15,7 +15,7 @@ import torch.fx as fx
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -309,3 +309,31 @@ def source_at(node: fx.Node) -> str:
         return f"node {node.name} (no source line recorded)"
     where, fn, code = frame
     return where + (f" in {fn}" if fn else "") + (f": {code}" if code else "")
+
+
+def changed_modes(graph: fx.Graph) -> dict[fx.Node, str]:
+    """The nodes that run under a grad mode or an autocast the graph itself sets (``with torch.no_grad():``,
+    ``torch.autocast(..., enabled=False)``, ``torch.inference_mode()`` inside the compiled code), each with why.
+
+    Dynamo writes such a block as calls around its ops (``torch._C._set_grad_enabled(False)`` ... ``(True)``,
+    ``_enter_autocast`` ... ``_exit_autocast``). NB: the grad mode the graph is entered with is the value of its last
+    ``_set_grad_enabled``: dynamo restores it at the end of every block."""
+    toggles = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    entry = toggles[-1].args[0] if toggles and toggles[-1].args else True
+    grad, blocks, out = entry, [], {}
+    enters = {torch.amp.autocast_mode._enter_autocast: "a torch.autocast",
+              torch.autograd.grad_mode._enter_inference_mode: "torch.inference_mode"}
+    exits = {torch.amp.autocast_mode._exit_autocast, torch.autograd.grad_mode._exit_inference_mode}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad = n.args[0] if n.args else grad
+        elif n.op == "call_function" and n.target in enters:
+            blocks.append(enters[n.target])
+        elif n.op == "call_function" and n.target in exits:
+            blocks = blocks[:-1]
+        elif n.op in ("call_function", "call_method", "call_module"):
+            if grad != entry:
+                out[n] = f"runs under torch.set_grad_enabled({grad}) set inside the compiled code (left to autograd)"
+            elif blocks:
+                out[n] = f"runs under {blocks[-1]} entered inside the compiled code (left to autograd)"
+    return out

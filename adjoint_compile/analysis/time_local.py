@@ -39,7 +39,7 @@ from . import layout_rules as lr
 from . import optable as ops
 from .losses import loss_sum, row_loss
 from . import rules as r
-from .fx import example_value, is_linear_scan, nodes_in
+from .fx import changed_modes, example_value, is_linear_scan, nodes_in
 from ..kernels.shift import shift_steps
 from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_arg, norm_dim, op_label, step_shape
 
@@ -504,5 +504,11 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
         info.step_dim[node] = d
         if why is not None:
             info.mixing[node] = why
+    # NB: a region's shard programs run under the grad mode and autocast of the call: what runs under others the
+    # code sets itself (a no_grad target, an fp32 block) would be differentiated or cast there, so it bounds regions
+    for node, why in changed_modes(gm.graph).items():
+        if info.step_dim.get(node) is not None or node in info.sums:
+            info.mixing.setdefault(node, why)
+            info.sums.pop(node, None)
     log.debug("time-local analysis: %d nodes, %d mixing", len(info.step_dim), len(info.mixing))
     return info
