@@ -430,3 +430,38 @@ def test_report_skips_a_cache_entry_dynamo_invalidated():
             continue
         # NB: the report of a module lists the graphs of its class's code, the first class's too while dynamo keeps it
         assert {(r.source, r.length) for r in ac.report(f).regions} == {("linear_scan", 11)}
+
+
+class InPlace(nn.Module):
+    """A step that updates its carry in place (``acc += ...``): every appended entry is then one tensor, the last."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b(x)
+        acc = torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(x.shape[1]):
+            acc += b[:, t]
+            outs.append(acc)
+        return torch.stack(outs, 1)
+
+
+def test_an_in_place_update_in_the_step_keeps_the_loop_as_written():
+    """Rolled, the step's ``+=`` failed inside torch's scan (a crash where eager runs); the loop now stays as written,
+    with eager's values (every step's entry the final sum) and gradients."""
+    torch.manual_seed(0)
+    model = InPlace()
+    x = torch.randn(2, 13, 6)
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    got = f(x)
+    want = model(x)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got[:, 0], want[:, -1], rtol=1e-12, atol=1e-12)   # aliasing as in eager
+    g = torch.autograd.grad(got.square().sum(), model.b.weight)[0]
+    w = torch.autograd.grad(want.square().sum(), model.b.weight)[0]
+    assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
+    (r,) = loops.rolled()["InPlace.forward"]
+    assert not r.rolled and "in-place update (acc += b[:, t])" in r.reason, r

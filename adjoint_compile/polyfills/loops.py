@@ -163,7 +163,10 @@ def _append_target(s: ast.stmt) -> str | None:
 def _stmt_stores(s: ast.stmt) -> set[str]:
     if isinstance(s, ast.Assign):
         targets = s.targets
-    elif isinstance(s, (ast.AugAssign, ast.AnnAssign)) and s.value is not None:
+    elif isinstance(s, ast.AugAssign):
+        # NB: on a tensor ``h += x`` writes in place (every step's appended h is one tensor); scan refuses it
+        raise _Reject(f"an in-place update ({ast.unparse(s).strip()}) in the step")
+    elif isinstance(s, ast.AnnAssign) and s.value is not None:
         targets = [s.target]
     else:
         raise _Reject(f"a {type(s).__name__} statement in the step")
@@ -267,7 +270,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
             _check_calls(s.value.args[0], f)
         else:
             stores = _stmt_stores(s)
-            loads = _names(s, ast.Load) | (stores if isinstance(s, ast.AugAssign) else set())
+            loads = _names(s, ast.Load)
             _check_calls(s, f)
         read_first += [n for n in sorted(loads) if n not in assigned and n not in read_first]
         assigned |= stores
