@@ -7,6 +7,7 @@ whatever is not rolled must still be exact.
 from __future__ import annotations
 
 import gc
+import warnings
 import importlib.util
 import sys
 
@@ -465,3 +466,23 @@ def test_an_in_place_update_in_the_step_keeps_the_loop_as_written():
     assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
     (r,) = loops.rolled()["InPlace.forward"]
     assert not r.rolled and "in-place update (acc += b[:, t])" in r.reason, r
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_declined_rolled_loop_serves_a_new_batch_size(dynamic):
+    """A rolled loop too short to shard stays torch's scan; once dynamo makes the batch size symbolic (a smaller last
+    batch, or dynamic=True) the scan holds that size as an operand, which dynamo refused when tracing the graph again
+    (a crash where eager runs): that graph now runs eagerly, with a warning, exact."""
+    torch.manual_seed(0)
+    model = Gate()
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"}, dynamic=dynamic)
+    for b in (2, 3, 2):
+        x = torch.randn(b, 16, 6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = f(x)
+        want = model(x)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), b
+        g = torch.autograd.grad(got.square().sum(), model.a.weight)[0]
+        w = torch.autograd.grad(want.square().sum(), model.a.weight)[0]
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-12), b

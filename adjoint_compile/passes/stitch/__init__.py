@@ -17,6 +17,7 @@ replace its backward with the traced one, undoing the rewrite.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from ...inner import COMPILE_LOCK, compile_inner, inductor_or_aot_eager
+from ...errors import AdjointCompileWarning
+from ...inner import COMPILE_LOCK, _cause, compile_inner, inductor_or_aot_eager
 from ...options import Options
 from ...timing import timed
 from ..capture import Captured
@@ -64,7 +66,20 @@ class _LazyInner(torch.nn.Module):
                     self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
                 elif self._compiled is None:
                     self._compiled = compile_inner(self.gm, list(args), self.inner)
-        out = self._compiled(*args)
+        try:
+            out = self._compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if not self.dynamic or self._compiled is self.gm:
+                raise
+            # NB: dynamo cannot always trace its own graph again: a torch scan whose step reads a symbolic size
+            # (a rolled loop whose region was declined, a batch size that changed) holds that size as an operand,
+            # which scan refuses when traced again; such a partition runs as captured, eagerly (same results)
+            warnings.warn(AdjointCompileWarning(
+                f"adjoint-compile: a graph with symbolic sizes could not be compiled again ({_cause(e)}); it runs "
+                "eagerly as captured (same results, slower)"), stacklevel=2)
+            log.debug("adjoint-compile: symbolic partition runs eagerly", exc_info=True)
+            self._compiled = self.gm
+            out = self.gm(*args)
         return out[0] if self._unwrap else out
 
 
