@@ -486,3 +486,32 @@ def test_a_declined_rolled_loop_serves_a_new_batch_size(dynamic):
         g = torch.autograd.grad(got.square().sum(), model.a.weight)[0]
         w = torch.autograd.grad(want.square().sum(), model.a.weight)[0]
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-12), b
+
+
+def test_a_loop_inside_activation_checkpointing_runs_as_written():
+    """A layer with a loop under ``torch.utils.checkpoint`` (non-reentrant): rolled there, checkpoint's dispatch mode
+    had no rule for torch's scan (a crash where eager runs); loops inside another higher-order op's body are not
+    rolled. Outputs and gradients as eager's."""
+    import torch.utils.checkpoint as cp
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = Gate(), Gate()
+
+        def forward(self, x):
+            x = x + cp.checkpoint(self.l1, x, use_reentrant=False)
+            return cp.checkpoint(self.l2, x, use_reentrant=False)
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 17, 6)
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(x)
+    want = model(x)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    w = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    for a, b in zip(g, w):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)

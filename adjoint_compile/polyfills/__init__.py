@@ -215,8 +215,19 @@ def rolling() -> bool:
     """True while dynamo traces for ``backend="adjoint"`` with ``roll_loops`` on (the default), outside highway
     mode: the loops :mod:`.loops` rewrote take their rolled form. Evaluated at trace time.
 
-    NB: highway mode rewrites gated cells from the unrolled steps (passes/match/find_cells.py), not from a scan."""
-    return rolls(traced_options())
+    NB: highway mode rewrites gated cells from the unrolled steps (passes/match/find_cells.py), not from a scan. Nor
+    inside another higher-order op's body (``torch.utils.checkpoint``, ``cond``): their tracers and dispatch modes
+    refuse a scan inside (checkpoint's has no rule for it), where the loop as written traces."""
+    return rolls(traced_options()) and not _in_subgraph()
+
+
+def _in_subgraph() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tracer = InstructionTranslator.current_tx().output.current_tracer
+    except Exception:  # noqa: BLE001 - not tracing
+        return False
+    return getattr(tracer, "parent", None) is not None
 
 
 def rolls(options: dict[str, Any] | None) -> bool:
