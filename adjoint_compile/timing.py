@@ -182,6 +182,8 @@ def summary(timings: list[dict[str, float]]) -> str | None:
     if "check_forward_skipped_bytes" in tot:
         line += (f"; first-call check skipped (the graph as captured would hold "
                  f"{tot['check_forward_skipped_bytes'] / 2**20:.0f} MiB at once)")
+    if "check_forward_unrunnable" in tot:
+        line += "; first-call check skipped (the graph as captured does not run without autograd)"
     return line
 
 
