@@ -80,6 +80,9 @@ class _ShardedFn(torch.autograd.Function):
             carries = [f.clone() for f in finals]
         assert outs is not None
         outs = [o.to(y.dtype) if d is None else o for o, y, d in zip(outs, ys, prog.out_step_dims)]
+        # NB: an output the region computes from detached values only (``logits.detach()`` returned for metrics)
+        # requires no grad, as in eager: backward through it would give zeros where eager gives None
+        ctx.mark_non_differentiable(*(o for o, keep in zip(outs, _differentiable(prog)) if not keep))
         ctx.prog, ctx.bounds = prog, bounds
         ps: PerSampleRegion | None = getattr(prog, "per_sample", None)
         # NB: the parameters themselves (not their saved copies): their .grad is written at the end of the backward
@@ -274,6 +277,19 @@ class ShardedRegion(torch.nn.Module):
             for i, o in [*zip(split.rest_pos, rest), *zip(split.tail_pos, got)]:
                 outs[i] = o
         return outs[0] if self._plan.single_output else tuple(outs)
+
+
+_DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default}
+
+
+def _differentiable(prog: ShardProgram) -> list[bool]:
+    """Per output of ``prog``'s region graph, whether a path from an input reaches it without a ``detach``."""
+    live: set[fx.Node] = set()
+    for n in prog.region_gm.graph.nodes:
+        if n.op == "placeholder" or (n.op != "output" and not (n.target in _DETACH or n.target == "detach")
+                                     and any(a in live for a in n.all_input_nodes)):
+            live.add(n)
+    return [isinstance(o, fx.Node) and o in live for o in prog.out_nodes]
 
 
 def _device(inputs: Sequence[Any]) -> torch.device | None:
