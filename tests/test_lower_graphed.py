@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.runtime import graphed, loss_tail
-from test_lower_lm_loss import LM, V, _data, _step_matches
+from test_lower_lm_loss import LM, V, _accumulated_matches, _data, _step_matches
 
 
 @pytest.fixture
@@ -125,11 +125,7 @@ def test_a_buffer_updated_through_data_between_replays(stand_in):
 
 def test_training_steps_with_weights_updated_in_place(stand_in):
     """Three optimizer steps (weights updated in place between the replays) against eager training in fp64."""
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     for seed in range(3):
         _step_matches(f, model, ref, *_data(seed, 13))
@@ -161,6 +157,16 @@ def test_a_parameter_is_read_in_place_and_another_runs_as_compiled(stand_in):
     assert torch.equal(call(w, x)[0], x @ w) and len(stand_in) == n
 
 
+def _graphed_step():
+    """A Step in fp64, its eager copy, and it compiled with CUDA graphs (the CPU stand-in) and shards of 4."""
+    torch.manual_seed(0)
+    model = Step().double()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    return model, ref, f
+
+
 def _loops_captured(calls) -> int:
     return sum(1 for fn in calls if fn.__name__ == "loop")
 
@@ -169,11 +175,7 @@ def test_the_loss_chunk_loop_is_one_graph_from_the_second_call(stand_in):
     """The loss's whole loop over its chunks is one graph: captured at the second call with a length (the first
     compiles the chunks' programs) and replayed after, each replay exact against autograd; a length seen once is not
     captured."""
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     _step_matches(f, model, ref, *_data(0, 13))
     assert _loops_captured(stand_in) == 0
     for seed in (1, 2):
@@ -188,36 +190,17 @@ def test_the_loss_chunk_loop_is_one_graph_from_the_second_call(stand_in):
 def test_two_forwards_before_one_backward_keep_their_own_loss_gradients(stand_in):
     """Gradient accumulation over two micro-batches of one length: the second replay of the loop overwrites its
     results, so each forward must have copied out the gradients it keeps."""
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     for seed in (0, 1):                                               # the loop captured at the second call
         _step_matches(f, model, ref, *_data(seed, 13))
-    model.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    a, b = _data(2, 13), _data(3, 13)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = f(*a) + 3.0 * f(*b)
-    want = ref(*a) + 3.0 * ref(*b)
-    got.backward()
-    want.backward()
+    _accumulated_matches(f, model, ref, [(1.0, _data(2, 13)), (3.0, _data(3, 13))])
     assert _loops_captured(stand_in) >= 3
-    assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), name
 
 
 def test_a_process_keeps_a_few_chunk_loops(stand_in):
     """Each length seen twice captures a loop, holding its full-length inputs and gradients: the most recent
     MAX_LOOPS are kept, so lengths that keep changing do not pile up graphs."""
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     for t in range(9, 9 + loss_tail.MAX_LOOPS + 2):
         for seed in (0, 1):
             _step_matches(f, model, ref, *_data(seed, t))
@@ -256,11 +239,7 @@ def test_every_loss_form_through_the_replayed_chunk_loop(stand_in):
 def test_eval_calls_and_a_frozen_head_between_replays(stand_in):
     """At one length: training steps (the loop captured, replayed), an evaluation under no_grad, steps with the head
     frozen (another set of gradients: a loop of its own) and training again, each against autograd in fp64."""
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     for seed in (0, 1):
         _step_matches(f, model, ref, *_data(seed, 13))
     with torch.no_grad(), warnings.catch_warnings():
@@ -270,19 +249,7 @@ def test_eval_calls_and_a_frozen_head_between_replays(stand_in):
     for m in (model, ref):
         m.lm.head.weight.requires_grad_(False)
     for seed in (3, 4, 5):
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        data = _data(seed, 13)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = f(*data)
-        want = ref(*data)
-        got.backward()
-        want.backward()
-        assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            assert p.grad is None or (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), (seed, name)
+        _step_matches(f, model, ref, *_data(seed, 13))
         assert model.lm.head.weight.grad is None
     for m in (model, ref):
         m.lm.head.weight.requires_grad_(True)
@@ -300,11 +267,7 @@ def test_a_first_call_without_the_chunks_own_graphs(stand_in, monkeypatch):
         whats.append(what)
         return graphed.replayed(fn, args, inner, what)
     monkeypatch.setattr(loss_tail, "replayed", replayed)
-    torch.manual_seed(0)
-    model = Step().double()
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "inductor", "cuda_graphs": True})
+    model, ref, f = _graphed_step()
     _step_matches(f, model, ref, *_data(0, 13))
     assert "loss chunk" not in whats and _loops_captured(stand_in) == 0
     for seed in (1, 2):
