@@ -370,3 +370,48 @@ def test_backend_verify_reports_the_graphs_fidelity_on_the_first_call():
     with warnings.catch_warnings():
         warnings.simplefilter("error", AdjointVerifyReport)
         f(x)  # once only
+
+
+class LoopLayer(nn.Module):
+    """The recurrence as a Python loop (rolled into torch's scan, then re-rolled into a linear scan); ``scan`` set:
+    the same with that scan function (the oracle)."""
+
+    def __init__(self, scan=None, d: int = 8) -> None:
+        super().__init__()
+        self.scan, self.l, self.o = scan, nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = self.l(x).chunk(2, -1)
+        a = torch.sigmoid(a)
+        if self.scan is not None:
+            h = self.scan(a, b)
+        else:
+            h, out = x.new_zeros(x.shape[0], x.shape[2]), []
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + b[:, t]
+                out.append(h)
+            h = torch.stack(out, 1)
+        return self.o(torch.tanh(h))
+
+
+@pytest.mark.parametrize("W", [1, 3, 5])
+def test_a_rolled_loop_is_truncated_to_its_window(W):
+    """A loop over time rolled by the loop roller: the step's appended output is the new state itself, read from the
+    re-rolled scan (it was recomputed as one more step outside it, so every window was W + 1)."""
+    from adjoint_compile.polyfills import loops
+    torch.manual_seed(0)
+    m = LoopLayer().double()
+    oracle = LoopLayer(lambda a, b: oracle_scan(a, b, None, 1, W)).double()
+    oracle.load_state_dict(m.state_dict())
+    x, g = torch.randn(2, 13, 8, dtype=torch.float64), torch.randn(2, 13, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    f = torch.compile(m, backend="adjoint", options={"mode": "truncated", "window": W, "shard_size": 4,
+                                                     "inner": "aot_eager"})
+    y = f(x)
+    assert any(r.rolled for r in loops.rolled()["LoopLayer.forward"])
+    assert [r.rewrite for r in ac.report(f).regions if r.kind == "linear_recurrence"] == ["truncated"]
+    got = torch.autograd.grad(y, list(m.parameters()), g)
+    want = torch.autograd.grad(oracle(x), list(oracle.parameters()), g)
+    assert rel(y, oracle(x)) <= 1e-12
+    for a, b in zip(got, want):
+        assert rel(a, b) <= 1e-10

@@ -307,6 +307,14 @@ def _replace_uses(repl: dict[fx.Node, fx.Node]) -> None:
         u.replace_all_uses_with(n)
 
 
+def _is_copy(n: fx.Node) -> bool:
+    """A copy of its one tensor operand (clone, contiguous, alias) in a scan's step."""
+    if n.op == "call_method":
+        return n.target in ("clone", "contiguous") and len(n.args) == 1
+    return n.op == "call_function" and n.target in (torch.clone, torch.ops.aten.clone.default,
+                                                    torch.ops.aten.alias.default) and len(n.args) == 1
+
+
 def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov: dict[str, Any]) -> list[fx.Node]:
     """Rewrite one ``scan`` op whose every carry is a linear recurrence; returns one linear_scan node per carry."""
     sub = _sub(gm, node.args[0])
@@ -350,6 +358,14 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
             Hs.append(emit_scan(em, A_full, B_full, init[i], T, state, example_value(init[i]).dtype))
         # the step's outputs, now with the states known for all steps: new state i -> H_i, carry i -> [h0, H_i[:-1]]
         b.memo.update({news[i]: Value(Hs[i], True) for i in range(n_c)})
+        # NB: and the value a new state copies (the loop roller returns clones of one h as the carry and as the
+        # appended output): read from H_i too, not recomputed from [h0, H_i[:-1]] as one more step outside the
+        # scan, which under the truncated adjoint would widen every window by that step
+        for i in range(n_c):
+            src = news[i]
+            while _is_copy(src) and isinstance(src.args[0], fx.Node) and src.args[0] not in b.memo:
+                src = src.args[0]
+                b.memo[src] = Value(Hs[i], True)
         for i in range(n_c):
             if carries[i] not in b.memo and any(k - n_c >= 0 for k in items):
                 prev = em(torch.cat, ([em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0)),
