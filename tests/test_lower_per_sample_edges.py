@@ -204,3 +204,23 @@ def test_clipping_over_50_lengths_equals_the_torch_func_oracle(make, sharded_fro
     rewritten = {r.length for r in rep.regions if r.kind == "linear_recurrence" and r.rewrite == "adjoint"}
     assert rewritten >= set(range(sharded_from, 51)), sorted(rewritten)
     print(f"50 lengths: {time.perf_counter() - start:.1f} s")
+
+
+def test_an_rnn_module_left_out_of_the_graph_is_refused_under_clipping():
+    """An nn.GRU / nn.LSTM that dynamo leaves out of the graph runs natively: its parameters' gradients (and, when
+    the frame then runs eagerly, every parameter's) would be the plain summed ones. Under per_sample_clip that is
+    refused loudly (it was silent: the whole step's gradients came back unclipped)."""
+    class WithRNN(torch.nn.Module):
+        def __init__(self, rnn: type) -> None:
+            super().__init__()
+            self.i, self.r, self.o = torch.nn.Linear(8, 8), rnn(8, 8, batch_first=True), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.o(self.r(torch.tanh(self.i(x)))[0])
+    for rnn in (torch.nn.GRU, torch.nn.LSTM):
+        torch._dynamo.reset()
+        m = WithRNN(rnn)
+        f = torch.compile(m, backend="adjoint", options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+        with pytest.raises(Exception, match=f"per_sample_clip=1.0 cannot clip the gradients of nn.{rnn.__name__}"):
+            f(torch.randn(3, 12, 8)).square().sum().backward()
+        assert all(p.grad is None for p in m.parameters())     # nothing unclipped was written

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import _FORCE, traced_mode
+from . import _FORCE, traced_mode, traced_options
 from .common import output_error, refuse_if_different
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,16 @@ def _wrap_module(original: Callable[..., Any]) -> Callable[..., Any]:
                 with config.patch(allow_rnn=True):
                     return original(self, value)
             if mode is not None:
+                clip = (traced_options() or {}).get("per_sample_clip")
+                if clip is not None and not getattr(_FORCE, "on", False):
+                    # NB: left out of the graph, its parameters' gradients (and those of everything dynamo then runs
+                    # eagerly around it) would be summed unclipped, in silence
+                    from ..errors import PerSampleError
+                    raise PerSampleError(
+                        f"adjoint-compile: per_sample_clip={clip} cannot clip the gradients of nn."
+                        f"{type(value).__name__}: dynamo leaves it out of the graph (allow_rnn=False), so it runs "
+                        f"natively and its parameters would get the plain summed gradient; write the recurrence in the compiled "
+                        f"code with its own layers (a loop over time)")
                 _note(_left_native(type(value).__name__, mode))
         return original(self, value)
     wrap_module._adjoint_compile_hook = True  # type: ignore[attr-defined]
