@@ -232,8 +232,8 @@ def _wrap_module(original: Callable[..., Any]) -> Callable[..., Any]:
                     raise PerSampleError(
                         f"adjoint-compile: per_sample_clip={clip} cannot clip the gradients of nn."
                         f"{type(value).__name__}: dynamo leaves it out of the graph (allow_rnn=False), so it runs "
-                        f"natively and its parameters would get the plain summed gradient; write the recurrence in the compiled "
-                        f"code with its own layers (a loop over time)")
+                        f"natively and its parameters would get the plain summed gradient; write the recurrence "
+                        f"in the compiled code with its own layers (a loop over time)")
                 _note(_left_native(type(value).__name__, mode))
         return original(self, value)
     wrap_module._adjoint_compile_hook = True  # type: ignore[attr-defined]
