@@ -15,7 +15,7 @@ import torch.fx as fx
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes", "is_copy",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -337,3 +337,11 @@ def changed_modes(graph: fx.Graph) -> dict[fx.Node, str]:
             elif blocks:
                 out[n] = f"runs under {blocks[-1]} entered inside the compiled code (left to autograd)"
     return out
+
+
+def is_copy(n: fx.Node) -> bool:
+    """Whether ``n`` copies its one tensor operand (clone, contiguous, alias): the same values."""
+    if n.op == "call_method":
+        return n.target in ("clone", "contiguous") and len(n.args) == 1
+    return n.op == "call_function" and n.target in (torch.clone, torch.ops.aten.clone.default,
+                                                    torch.ops.aten.alias.default) and len(n.args) == 1

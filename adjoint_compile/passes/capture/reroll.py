@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.affine import classify_update
-from ...analysis.fx import example_value, hinted_shape
+from ...analysis.fx import example_value, hinted_shape, is_copy
 from ...analysis.fx import reachable as forward_reach
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import stable_toposort as _toposort
@@ -307,14 +307,6 @@ def _replace_uses(repl: dict[fx.Node, fx.Node]) -> None:
         u.replace_all_uses_with(n)
 
 
-def _is_copy(n: fx.Node) -> bool:
-    """A copy of its one tensor operand (clone, contiguous, alias) in a scan's step."""
-    if n.op == "call_method":
-        return n.target in ("clone", "contiguous") and len(n.args) == 1
-    return n.op == "call_function" and n.target in (torch.clone, torch.ops.aten.clone.default,
-                                                    torch.ops.aten.alias.default) and len(n.args) == 1
-
-
 def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov: dict[str, Any]) -> list[fx.Node]:
     """Rewrite one ``scan`` op whose every carry is a linear recurrence; returns one linear_scan node per carry."""
     sub = _sub(gm, node.args[0])
@@ -363,7 +355,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
         # scan, which under the truncated adjoint would widen every window by that step
         for i in range(n_c):
             src = news[i]
-            while _is_copy(src) and isinstance(src.args[0], fx.Node) and src.args[0] not in b.memo:
+            while is_copy(src) and isinstance(src.args[0], fx.Node) and src.args[0] not in b.memo:
                 src = src.args[0]
                 b.memo[src] = Value(Hs[i], True)
         for i in range(n_c):
