@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -282,14 +283,21 @@ class ShardedRegion(torch.nn.Module):
 _DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default}
 
 
+#: per region program, :func:`_differentiable` (read at every forward: walked once)
+_DIFFERENTIABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _differentiable(prog: ShardProgram) -> list[bool]:
     """Per output of ``prog``'s region graph, whether a path from an input reaches it without a ``detach``."""
-    live: set[fx.Node] = set()
-    for n in prog.region_gm.graph.nodes:
-        if n.op == "placeholder" or (n.op != "output" and not (n.target in _DETACH or n.target == "detach")
-                                     and any(a in live for a in n.all_input_nodes)):
-            live.add(n)
-    return [isinstance(o, fx.Node) and o in live for o in prog.out_nodes]
+    got = _DIFFERENTIABLE.get(prog)
+    if got is None:
+        live: set[fx.Node] = set()
+        for n in prog.region_gm.graph.nodes:
+            if n.op == "placeholder" or (n.op != "output" and not (n.target in _DETACH or n.target == "detach")
+                                         and any(a in live for a in n.all_input_nodes)):
+                live.add(n)
+        got = _DIFFERENTIABLE[prog] = [isinstance(o, fx.Node) and o in live for o in prog.out_nodes]
+    return got
 
 
 def _device(inputs: Sequence[Any]) -> torch.device | None:
