@@ -38,6 +38,7 @@ from .. import timing
 from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
+from .first_order import first_order
 from .graphed import captured, graphable, replayed
 from .shard_parts import (arg_layout, autocast_as, autocast_state, min_chunk_bytes, serial_kernels,
                           wanted_shard_size)
@@ -216,7 +217,7 @@ class _TailFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx: Any, *gouts: torch.Tensor) -> tuple[Any, ...]:
         n = len(ctx.grads[0]) if ctx.grads else 0
         res: list[Any] = [None] * n

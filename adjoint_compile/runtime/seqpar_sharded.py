@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..analysis.fx import is_linear_scan, scan_args
+from .first_order import first_order
 from .seqpar import SeqParState, SeqScan, _gather
 from .sharded import ShardedRegion
 from .shard_program import ShardProgram, autocast_state
@@ -88,7 +89,7 @@ class _SeqShardedFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx: Any, *gouts: Tensor) -> tuple[Any, ...]:
         prog: ShardProgram = ctx.prog
         st: SeqParState = ctx.st

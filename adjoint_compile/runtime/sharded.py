@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AdjointVerifyReport, UnsupportedRegion
+from .first_order import first_order
 from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
 from .shard_parts import zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
@@ -96,7 +97,7 @@ class _ShardedFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx: Any, *gouts: torch.Tensor) -> tuple[Any, ...]:
         prog: ShardProgram = ctx.prog
         saved = ctx.saved_tensors
@@ -314,10 +315,11 @@ class _MeanOverValid(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         (count,) = ctx.saved_tensors
-        return torch.where(count != 0, g / count, torch.zeros_like(g)), None
+        # NB: divided by 1 where count is 0, so a second derivative (through g) is 0 there too, not 0 · ∞
+        nz = count != 0
+        return torch.where(nz, g / torch.where(nz, count, torch.ones_like(count)), torch.zeros_like(g)), None
 
 
 def _ratios(plan: ShardProgram, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,40 @@
+"""The backward of a rewritten region is first order: asked for a graph of its gradients, it raises.
+
+A gradient penalty, MAML or a Hessian-vector product differentiates a gradient (``create_graph=True``, then a second
+backward). The sweeps compute their gradients outside autograd, so the gradients they return have no graph behind
+them. PyTorch's ``once_differentiable`` then hands back gradients that are constants (a loss's cotangent does not
+require grad), and a penalty built on them adds nothing to the parameters' gradients, silently; its error node, where
+there is one, hangs off fresh leaves, so ``autograd.grad`` with respect to the parameters never reaches it. So a
+backward with ``create_graph=True`` through a region raises here, with the reason. Under ``torch.func`` transforms
+(wrapped cotangents) the ``once_differentiable`` behaviour is kept: there a second derivative raises when taken.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["first_order", "SECOND_ORDER_MESSAGE"]
+
+SECOND_ORDER_MESSAGE = (
+    "adjoint-compile: a backward with create_graph=True (for a second derivative: a gradient penalty, MAML, a "
+    "Hessian-vector product) reached a region with the adjoint backward, whose gradients are computed shard by shard "
+    "outside autograd and cannot be differentiated again. Compute that loss with the uncompiled model or another "
+    "backend, or leave create_graph off")
+
+
+def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward`` (an ``autograd.Function``'s) run without grad, refusing ``create_graph=True`` (module
+    docstring)."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled() and not any(isinstance(g, torch.Tensor) and
+                                               torch._C._functorch.is_functorch_wrapped_tensor(g) for g in grads):
+            raise RuntimeError(SECOND_ORDER_MESSAGE)
+        return once(ctx, *grads)
+
+    return wrapper
