@@ -131,7 +131,8 @@ def test_the_report_names_logits_returned_with_the_loss():
 
 def test_without_labels_or_training_the_output_is_unchanged():
     """Eager: no labels, eval mode, or no grad (the default when="training") leave every output field as the unpatched
-    model's; when="always" drops the logits under no_grad too; return_dict=False gives (loss, *rest) without them."""
+    model's; when="always" drops the logits under no_grad too; return_dict=False gives the unpatched tuple with None
+    where the logits were, every other entry in its place."""
     ref = _mamba().double()
     model = ac.loss_only(copy.deepcopy(ref))
     ids, labels = _data()
@@ -149,9 +150,15 @@ def test_without_labels_or_training_the_output_is_unchanged():
         ac.loss_only(model, when="always")
         assert model(input_ids=ids, labels=labels).logits is None
     ref.train()
-    got = model(input_ids=ids, labels=labels, return_dict=False)
-    want = ref(input_ids=ids, labels=labels, return_dict=False)
-    assert len(got) == len(want) - 1 and torch.equal(got[0], want[0]), (len(got), len(want))
+    for kw in ({}, {"output_hidden_states": True}):
+        got = model(input_ids=ids, labels=labels, return_dict=False, **kw)
+        want = ref(input_ids=ids, labels=labels, return_dict=False, **kw)
+        assert len(got) == len(want) and got[1] is None and want[1] is not None, (len(got), len(want))
+        assert torch.equal(got[0], want[0])
+        for g, w in zip(got[2:], want[2:]):
+            assert type(g) is type(w), (type(g), type(w))
+            if isinstance(w, tuple):
+                assert all(torch.equal(a, b) for a, b in zip(g, w)), kw
 
 
 def test_any_causal_lm_with_the_usual_forward():

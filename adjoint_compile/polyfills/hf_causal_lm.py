@@ -15,7 +15,8 @@ rule for its fused loss, ``self.training and labels is not None``, plus grad mod
 shards them. Everything else (``logits_to_keep``, ``num_items_in_batch`` and other loss kwargs, ``return_dict``, the
 cache, hidden states) passes through, so the loss and gradients are the library's own. Eager, or under another
 backend, the logits are still computed whole (only not returned). ``when="always"`` drops them whenever labels are
-given; ``loss_only(model, False)`` restores the forward.
+given; ``loss_only(model, False)`` restores the forward. With ``return_dict=False`` the tuple is the unpatched
+model's with None where the logits were.
 """
 from __future__ import annotations
 
@@ -127,8 +128,14 @@ def _patched(model: torch.nn.Module, original: Any, *, own: bool, when: str) -> 
             raise TypeError(f"adjoint_compile.loss_only: {cls}.forward with labels returned {type(out).__name__} "
                             f"without a loss and a `logits` field: not a transformers ...ForCausalLM output; "
                             f"loss_only(model, False) restores the forward")
+        # NB: the fields the unpatched model's tuple holds (a ModelOutput's tuple skips None fields), in order
+        kept = [k for k in names if getattr(out, k) is not None]
         out = type(out)(**{k: None if k == "logits" else getattr(out, k) for k in names})
-        return out if as_dict is None or as_dict else out.to_tuple()  # NB: a tuple without the logits
+        if as_dict is None or as_dict:
+            return out
+        # NB: None where the logits were, as Liger-Kernel's patched forwards do: `loss, logits, *rest = out` and
+        # out[2] still name what they name on the unpatched model
+        return tuple(None if k == "logits" else getattr(out, k) for k in kept)
 
     func = getattr(original, "__func__", None)
     if func is None:
