@@ -244,7 +244,8 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
         # NB: the fallback compiles on first use, by dynamo with symbolic sizes (stitch_partitions' dynamic mode):
         # compiled now, inside the outer frame's tracing context, inductor's guards on T (e.g. T <= 128) would
         # become the frame's and recompile it at longer lengths
-        fallback = stitch_partitions(pristine if pristine is not None else gm, [], opts.inner, dynamic=True)
+        fallback = stitch_partitions(pristine if pristine is not None else gm, [], opts.inner, dynamic=True,
+                                     fallbacks=result.fallbacks)
         result.fn = LengthDispatch(result, opts, run_pipeline, fallback)
     elif compile:
         # NB: loops capture re-rolled but nothing rewritten: the re-rolled graph (one linear_scan per loop) compiles

@@ -124,7 +124,7 @@ class LengthDispatch:
         result.lengths = set()
         for c in calls:  # NB: one set for the report: every region of the graph runs at each call's length
             sym.get_submodule(next(n.target for n in sym.graph.nodes if n.name == c)).lengths = result.lengths
-        fn = stitch_partitions(sym, calls, opts.inner, dynamic=True)
+        fn = stitch_partitions(sym, calls, opts.inner, dynamic=True, fallbacks=self.owner.fallbacks)
         if opts.check_forward and not check_skipped(self.owner.timing, concrete, result.regions):
             names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")
             fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names,

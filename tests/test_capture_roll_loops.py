@@ -472,7 +472,7 @@ def test_an_in_place_update_in_the_step_keeps_the_loop_as_written():
 def test_a_declined_rolled_loop_serves_a_new_batch_size(dynamic):
     """A rolled loop too short to shard stays torch's scan; once dynamo makes the batch size symbolic (a smaller last
     batch, or dynamic=True) the scan holds that size as an operand, which dynamo refused when tracing the graph again
-    (a crash where eager runs): that graph now runs eagerly, with a warning, exact."""
+    (a crash where eager runs): that graph now runs eagerly, with a warning and listed by report(), exact."""
     torch.manual_seed(0)
     model = Gate()
     f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"}, dynamic=dynamic)
@@ -486,6 +486,9 @@ def test_a_declined_rolled_loop_serves_a_new_batch_size(dynamic):
         g = torch.autograd.grad(got.square().sum(), model.a.weight)[0]
         w = torch.autograd.grad(want.square().sum(), model.a.weight)[0]
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-12), b
+    # NB: not silent: the report lists the graph that runs eagerly, with its cause
+    fell = ac.report(f).fallbacks
+    assert any("could not be compiled again" in fb.cause and "eagerly" in fb.remedy for fb in fell), fell
 
 
 def test_a_loop_inside_activation_checkpointing_runs_as_written():

@@ -28,6 +28,7 @@ from torch.fx.passes.split_module import split_module
 from ...errors import AdjointCompileWarning
 from ...inner import COMPILE_LOCK, _cause, compile_inner, inductor_or_aot_eager
 from ...options import Options
+from ...regions import Fallback
 from ...timing import timed
 from ..capture import Captured
 
@@ -41,9 +42,11 @@ class _LazyInner(torch.nn.Module):
     cost is the inner compiler's time on the first call, which torch.compile users already expect.
     """
 
-    def __init__(self, gm: fx.GraphModule, inner: str, dynamic: bool = False) -> None:
+    def __init__(self, gm: fx.GraphModule, inner: str, dynamic: bool = False,
+                 fallbacks: list[Fallback] | None = None) -> None:
         super().__init__()
         self.dynamic = dynamic
+        self.fallbacks = fallbacks
         # NB: split_module returns a lone output bare; aot_autograd wants a tuple, so wrap it and unwrap on call.
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self._unwrap = not isinstance(out.args[0], (tuple, list))
@@ -74,21 +77,24 @@ class _LazyInner(torch.nn.Module):
             # NB: dynamo cannot always trace its own graph again: a torch scan whose step reads a symbolic size
             # (a rolled loop whose region was declined, a batch size that changed) holds that size as an operand,
             # which scan refuses when traced again; such a partition runs as captured, eagerly (same results)
-            warnings.warn(AdjointCompileWarning(
-                f"adjoint-compile: a graph with symbolic sizes could not be compiled again ({_cause(e)}); it runs "
-                "eagerly as captured (same results, slower)"), stacklevel=2)
+            cause = f"a graph with symbolic sizes could not be compiled again ({_cause(e)})"
+            remedy = "it runs eagerly as captured (same results, slower); compiling without dynamic=True avoids it"
+            warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}; {remedy}"), stacklevel=2)
+            if self.fallbacks is not None:
+                self.fallbacks.append(Fallback(cause, remedy, {"nodes": len(self.gm.graph.nodes)}))
             log.debug("adjoint-compile: symbolic partition runs eagerly", exc_info=True)
             self._compiled = self.gm
             out = self.gm(*args)
         return out[0] if self._unwrap else out
 
 
-def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str,
-                      dynamic: bool = False) -> Callable[..., Any]:
+def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str, dynamic: bool = False,
+                      fallbacks: list[Fallback] | None = None) -> Callable[..., Any]:
     """Split ``gm`` at the nodes named in ``region_nodes`` and compile the rest with ``inner``.
 
     ``region_nodes`` are call nodes made by a lowering pass; each becomes its own partition and is run as is.
-    ``dynamic``: ``gm`` has symbolic sizes, and each partition is compiled once for all of them.
+    ``dynamic``: ``gm`` has symbolic sizes, and each partition is compiled once for all of them; a partition that
+    then runs eagerly is added to ``fallbacks`` (the graph's record, listed by ``report()``).
     """
     region_set = set(region_nodes)
     part_of: dict[str, int] = {}
@@ -111,7 +117,7 @@ def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: st
         if idx in region_parts:
             continue
         assert isinstance(child, fx.GraphModule)
-        setattr(split, name, _LazyInner(child, inner, dynamic))
+        setattr(split, name, _LazyInner(child, inner, dynamic, fallbacks))
     log.debug("stitched %d partitions (%d region calls)", len(list(split.children())), len(region_parts))
     return split
 
