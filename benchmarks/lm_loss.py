@@ -147,9 +147,13 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 row["loss_in_region"] = any("cross-entropy" in (r.reason or "") or "sum(s) over time" in
                                             (r.reason or "") for r in rep.regions if r.rewrite == "adjoint")
                 lowered = [r for r in rep.regions if r.rewrite == "adjoint"]
-                if lowered:  # NB: as lowered at the first length the graph was compiled for
-                    row["shard_size"] = lowered[0].details.get("shard_size")
-                    row["loss_chunk"] = lowered[0].details.get("loss_tail", {}).get("chunk")
+                # NB: the step's code object is shared by every V: its report lists the graphs of earlier
+                # vocabularies and lengths too; the latest one lowered at this length is this row's (none: the
+                # region was not rewritten at this length)
+                here = [r for r in lowered if r.length == T]
+                if here:
+                    row["shard_size"] = here[-1].details.get("shard_size")
+                    row["loss_chunk"] = here[-1].details.get("loss_tail", {}).get("chunk")
             rows.append(row)
             print(f"  {method} V={V} T={T}: peak {row['peak_bytes'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
                   f"first {first:6.1f} s" + (f"  graphs' pool {m['graph_pool'] / 2**20:.0f} MiB  first-step peak "
