@@ -270,7 +270,15 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None, *, dim: int = 1,
                              f"got {tuple(h0.shape)}")
         if h0.device != a.device:
             raise ValueError(f"linear_scan: h0 must be on a's device {a.device}, got {h0.device}")
-    # under torch.func the op's own autograd is refused (note above); dynamo must see the op itself (one node)
+    return scan_op(a, b, h0, d, reverse, window, impl)
+
+
+def scan_op(a: Tensor, b: Tensor, h0: Tensor | None, dim: int, reverse: bool, window: int | None,
+            impl: str | None) -> Tensor:
+    """The op ``torch.ops.adjoint_compile.linear_scan`` (arguments unchecked), through :class:`_ScanFn` under
+    torch.func transforms, which refuse the op's own autograd (note above); a graph that calls the op and is run
+    under torch.func calls this in its place."""
+    # NB: dynamo must see the op itself (one node)
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-        return _ScanFn.apply(a, b, h0, d, reverse, window, impl)
-    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, d, reverse, window, impl)
+        return _ScanFn.apply(a, b, h0, dim, reverse, window, impl)
+    return torch.ops.adjoint_compile.linear_scan.default(a, b, h0, dim, reverse, window, impl)

@@ -224,3 +224,36 @@ def test_an_rnn_module_left_out_of_the_graph_is_refused_under_clipping():
         with pytest.raises(Exception, match=f"per_sample_clip=1.0 cannot clip the gradients of nn.{rnn.__name__}"):
             f(torch.randn(3, 12, 8)).square().sum().backward()
         assert all(p.grad is None for p in m.parameters())     # nothing unclipped was written
+
+
+class _LearnedH0(nn.Module):
+    """A scan whose initial state is a parameter broadcast over the batch, as RNNs with a learned h0 write it."""
+
+    def __init__(self, form: str, d: int = 4) -> None:
+        super().__init__()
+        self.gate, self.inp, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.h0, self.form = nn.Parameter(torch.randn(d)), form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        h0 = self.h0.expand(B, -1) if self.form == "expand" else self.h0[None].repeat(B, 1)
+        return self.out(ac.ops.linear_scan(torch.sigmoid(self.gate(x)), self.inp(x), h0=h0))
+
+
+@pytest.mark.parametrize("form", ["expand", "repeat"])
+def test_a_learned_h0_broadcast_over_the_batch_is_clipped_per_example(form):
+    """The h0 parameter expanded to the batch feeds the scan: per example its gradient is that example's (the
+    broadcast's batch size is read per example, not held at B), and the scan op runs under torch.func; it crashed.
+    Norms against vmap(grad), the clipped sum against a loop over the examples, fp64."""
+    torch.manual_seed(3)
+    model = _LearnedH0(form).double()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "shard_size": 4, **OPTS})
+    x = torch.randn(3, 13, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=1e-9, atol=0)
+    want, _ = loop_clipped(model, (x,), 1.0)
+    assert float(want["h0"].abs().max()) > 1e-3
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")

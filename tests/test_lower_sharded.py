@@ -1,6 +1,7 @@
 """Sharded exact adjoint (runtime/sharded.py, passes/lower/sharded.py): gradients equal plain autograd."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import adjoint_compile as ac
 import adjoint_compile.ops as ac_ops
 from adjoint_compile.errors import AdjointVerifyReport, UnsupportedRegion
 from adjoint_compile.passes import decide
@@ -435,3 +437,30 @@ def test_a_loss_chunk_on_a_gpu_is_sized_by_its_own_bytes_in_whole_row_tiles():
     assert sp.least_shard_steps(prog(True, per_step), cpu) == -(-sp.min_shard_bytes(cpu) // per_step)
     assert sp.least_shard_steps(prog(False, per_step), gpu) == -(-sp.MIN_SHARD_BYTES_GPU // per_step)
     assert sp.min_chunk_bytes(gpu) == sp.MIN_CHUNK_BYTES_GPU and sp.min_chunk_bytes(cpu) == sp.min_shard_bytes(cpu)
+
+
+class _LearnedH0(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+        self.h0 = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = self.h0.expand(x.shape[0], -1)  # NB: a stride-0 view: the first shard's carry is not laid out as others'
+        return self.o(scan(torch.sigmoid(self.a(x)), self.b(x), h0)).pow(2).sum()
+
+
+def test_a_learned_h0_expanded_over_the_batch_with_inductor():
+    """The first shard's h0 is a stride-0 view and the other shards' carries are contiguous states of the same shape:
+    inductor's programs are specialized to strides, and the first shard ran the others' program (an assertion on
+    the input's stride). Exact against eager, fp64, T = 13, shard 4."""
+    torch.manual_seed(0)
+    m = _LearnedH0().double()
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 13, 6, dtype=torch.float64)
+    f = torch.compile(m, backend="adjoint", options={"shard_size": 4})
+    f(x).backward()
+    ref(x).backward()
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)

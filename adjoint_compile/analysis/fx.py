@@ -345,3 +345,30 @@ def is_copy(n: fx.Node) -> bool:
         return n.target in ("clone", "contiguous") and len(n.args) == 1
     return n.op == "call_function" and n.target in (torch.clone, torch.ops.aten.clone.default,
                                                     torch.ops.aten.alias.default) and len(n.args) == 1
+
+
+#: parameter-only ops whose size arguments can broadcast a parameter to the batch
+_BROADCASTS = {"expand", "broadcast_to", "repeat", torch.Tensor.expand, torch.broadcast_to, torch.Tensor.repeat}
+
+
+def batch_size_arg(m: fx.Node, bd: int, batch: int) -> tuple[int | None, int] | None:
+    """Where ``m`` (a node of a parameter alone) gives the batch size ``batch`` of its result along ``bd``, when it
+    broadcasts to the batch: (None, k) for its k-th size argument, (i, k) for entry k of the list in argument i;
+    else None."""
+    key = m.target if m.op in ("call_function", "call_method") else None
+    val = example_value(m)
+    if key not in _BROADCASTS or not isinstance(val, torch.Tensor) or not 0 <= bd < val.dim() or \
+            val.shape[bd] != batch or m.kwargs:
+        return None
+    if len(m.args) == 2 and isinstance(m.args[1], (list, tuple)):
+        sizes, at = m.args[1], 1
+    else:
+        sizes, at = m.args[1:], None
+    k = bd - (val.dim() - len(sizes))  # NB: sizes align with the result's last dims
+    if not 0 <= k < len(sizes):
+        return None
+    v = sizes[k]
+    v = example_value(v) if isinstance(v, fx.Node) else v
+    if not isinstance(v, (int, torch.SymInt)) or v != batch or batch == 1:
+        return None
+    return (at, k)

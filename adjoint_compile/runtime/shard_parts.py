@@ -135,9 +135,10 @@ def shard_bounds(T: int, S: int, pow2_tail: bool = False) -> list[tuple[int, int
 
 
 def arg_layout(args: Sequence[Any]) -> tuple:
-    """Per argument of a shard program, (shape, dtype) or None: part of the compiled programs' keys, as the programs
-    are specialized to their examples' shapes (an h0 broadcast against the state is not a carry's shape)."""
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
+    """Per argument of a shard program, (shape, dtype, strides) or None: part of the compiled programs' keys, as the
+    programs are specialized to their examples' shapes and strides (an h0 broadcast against the state is not a
+    carry's shape; a learned h0 expanded over the batch, stride 0, is not a carry's layout)."""
+    return tuple((tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else None for a in args)
 
 
 def zeros_exact(autocast: tuple) -> bool:
@@ -154,7 +155,9 @@ def initial_zeros(prog: Any, inputs: Sequence[Any]) -> list[Any]:
     transient."""
     dev = next(x.device for x, d in zip(inputs, prog.in_step_dims) if d is not None)
     K = len(prog.scans)
-    out: list[Any] = [torch.zeros(shp, dtype=dt, device=dev) if i is None else inputs[i]
+    # NB: an h0 contiguous like the carries the other shards get (a learned h0 expanded over the batch is a stride-0
+    # view), so the first shard runs their program
+    out: list[Any] = [torch.zeros(shp, dtype=dt, device=dev) if i is None else inputs[i].contiguous()
                       for i, shp, dt in zip(prog.h0_input, prog.carry_shapes, prog.carry_dtypes)]
     for cc, shp, dt in zip(prog.convs, prog.carry_shapes[K:], prog.carry_dtypes[K:]):
         out.append(torch.full(shp, cc.fill if cc.kind == "shift" else 0.0, dtype=dt, device=dev))

@@ -33,12 +33,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...analysis.fx import source_at
+from ...analysis.fx import batch_size_arg, source_at
 from ...errors import AdjointCompileWarning, PerSampleError
+from ...ops import scan_op
 from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
+
+SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +435,21 @@ class _Lowerer:
                 if a not in env and (a.op in ("placeholder", "get_attr") or a not in p_nodes):
                     inp(a)
             env[m] = sub.node_copy(m, lambda a: env[a])
+            if m.target is SCAN_OP:
+                env[m].target = scan_op  # NB: the op's own autograd is refused under torch.func (ops.py)
+        held = next((env[a] for a, d in zip(inputs, dims) if d is not None), None)
+        for m in p_nodes:
+            if held is not None and (at := batch_size_arg(m, self.bd, self.batch)) is not None:
+                # NB: a parameter broadcast to the batch (a learned h0's `expand(B, -1)`): per example its batch is
+                # 1, so the size is read from a batched input of the function, not held at B
+                with sub.inserting_before(env[m]):
+                    size = sub.call_function(torch.ops.aten.sym_size.int, (held, self.bd))
+                args = list(env[m].args)
+                if at[0] is None:
+                    args[1 + at[1]] = size
+                else:
+                    args[at[0]] = [*args[at[0]][:at[1]], size, *args[at[0]][at[1] + 1:]]
+                env[m].args = tuple(args)
         if not isinstance(_val(n), torch.Tensor):
             raise _refuse(n, f"uses a parameter and returns {type(_val(n)).__name__}, not one tensor: the generic "
                              "per-example fallback takes single-tensor ops only")
