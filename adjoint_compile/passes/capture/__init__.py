@@ -47,6 +47,7 @@ from .buffer_writes import stack_buffer_writes
 from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
 from ..match.find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
+from .mode_blocks import detach_no_grad_outputs
 from .noop_ops import drop_noop_ops
 from ..match import prefilter
 from ..match.prefilter import Candidates, candidates, run_or_skip
@@ -103,6 +104,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured
+    # NB: first: the passes below replace and reorder ops, which may carry a no_grad block's op out of it
+    detached = timed("no_grad_blocks", detach_no_grad_outputs, gm)
     known = timed("known_scans", replace_known_scans, gm)
     noops, buffers = timed("noop_ops", drop_noop_ops, gm), timed("buffer_writes", stack_buffer_writes, gm)
     captured.writes = timed("written_inputs", written_inputs, gm.graph)[1]
@@ -133,6 +136,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.normalized["readouts"] = readouts
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
+    if detached:
+        captured.normalized["no_grad_detached"] = detached
     # NB: the matchers ran after the no-op, buffer-write and closed-form passes: only what changed the graph since
     # (or a reroll that failed and said why on its nodes) makes recognition match again
     if not (made or shifts or token_shifts or dropouts or any(r.not_rerolled for r in todo)):

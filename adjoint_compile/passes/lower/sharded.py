@@ -24,7 +24,7 @@ import torch.fx as fx
 from ...analysis.fx import example_value as _ev
 from ...analysis.fx import fresh_name, is_convex, is_linear_scan
 from ...analysis.fx import eliminate_dead_code
-from ...analysis.fx import stable_toposort as _toposort
+from ...analysis.fx import moved_across_modes, stable_toposort as _toposort
 from ...analysis.grow import infer_seeds, region_around
 from ...analysis.resets import find_resets
 from ...analysis.shifted_losses import unshift_losses
@@ -107,6 +107,9 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         ps_kinds = (kind_of, batch)
     if not is_convex(nodes):
         raise UnsupportedRegion("the region is not convex (a path leaves it and comes back)")
+    if (moved := moved_across_modes(gm.graph, nodes)) is not None:
+        raise UnsupportedRegion(f"{moved.name} runs under another grad mode or autocast than the region's end (a "
+                                f"torch.no_grad() block between its ops reads it): the region's one call would move it")
     sub, inputs, outputs = outline(gm, nodes)
     for a in inputs:
         if not isinstance(_ev(a), torch.Tensor):
