@@ -48,7 +48,7 @@ from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
 from ..match.find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
 from .mode_blocks import detach_no_grad_outputs
-from .noop_ops import drop_noop_ops
+from .noop_ops import drop_noop_ops, drop_unused_float_args
 from ..match import prefilter
 from ..match.prefilter import Candidates, candidates, run_or_skip
 from .reroll import needs_reroll
@@ -101,6 +101,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     ``normalize=False`` leaves the graph as dynamo gave it; ``seed_dropout=False`` leaves dropouts alone (modes
     that recompute nothing need no reproducible masks).
     """
+    if normalize:  # NB: before the symbolic check: a symbolic graph is lowered from this one too
+        drop_unused_float_args(gm)
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...analysis.fx import example_value, is_inplace
+from ...analysis.fx import eliminate_dead_code, example_value, is_inplace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["drop_noop_ops", "rewritten"]
+__all__ = ["drop_noop_ops", "drop_unused_float_args", "rewritten"]
 
 _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -115,3 +115,27 @@ def rewritten(gm: fx.GraphModule, count: int, logger: logging.Logger, message: s
         gm.recompile()
         logger.debug(message, count)
     return count
+
+
+def drop_unused_float_args(gm: fx.GraphModule) -> int:
+    """Put the literal default back for a float argument an op ignores: ``F.embedding``'s ``norm_type`` without a
+    ``max_norm``. NB: under ``dynamic=True`` dynamo passes a module's float attribute (``nn.Embedding.norm_type``)
+    as a 0-dim tensor read by ``.item()``: a value the sharded region would have to take as an input that is not a
+    tensor, so a language model's region starting at its token lookup was never lowered. Returns how many."""
+    done = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.nn.functional.embedding:
+            continue
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type")
+        args = dict(zip(names, n.args)) | {k: v for k, v in n.kwargs.items() if k in names}
+        if args.get("max_norm") is None and isinstance(args.get("norm_type"), fx.Node):
+            if len(n.args) > 4:
+                n.args = (*n.args[:4], 2.0, *n.args[5:])
+            else:
+                n.kwargs = {**n.kwargs, "norm_type": 2.0}
+            done += 1
+    if done:
+        eliminate_dead_code(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+    return done

@@ -111,11 +111,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         raise UnsupportedRegion(f"{moved.name} runs under another grad mode or autocast than the region's end (a "
                                 f"torch.no_grad() block between its ops reads it): the region's one call would move it")
     sub, inputs, outputs = outline(gm, nodes)
-    for a in inputs:
-        if not isinstance(_ev(a), torch.Tensor):
-            hint = (" (dynamic shapes: the sharded runtime needs static sizes; use torch.compile(..., "
-                    "dynamic=False))" if isinstance(_ev(a), torch.SymInt) else "")
-            raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(_ev(a)).__name__}){hint}")
+    _tensor_inputs(inputs)
     if not outputs:
         raise UnsupportedRegion("the region has no outputs")
     for n in [*inputs, *outputs]:
@@ -215,12 +211,30 @@ def _folds_refused(gm: fx.GraphModule, scans: list[fx.Node], info: TimeLocalInfo
             continue
         try:
             sub, inputs, outputs = outline(gm, nodes)
+            _tensor_inputs(inputs)
             mod = ShardedRegion(sub, [info.step_dim.get(a) for a in inputs], [info.step_dim.get(o) for o in outputs],
                                 opts.shard_size, inner=opts.inner, window=_rewrite(opts)[1])
             mod.prepare([_ev(a) for a in inputs])
         except (UnsupportedRegion, ValueError) as e:
             return f"region around {s.name}: {e}"
     return ""
+
+
+def _tensor_inputs(inputs: list[fx.Node]) -> None:
+    """Raise :class:`UnsupportedRegion` for a region input that is not a tensor: a symbolic size, or a Python float
+    that changed between calls (dynamo then passes it unspecialized, a ``SymFloat``)."""
+    for a in inputs:
+        v = _ev(a)
+        if isinstance(v, torch.Tensor):
+            continue
+        if isinstance(v, torch.SymInt):
+            hint = " (dynamic shapes: the sharded runtime needs static sizes; use torch.compile(..., dynamic=False))"
+        elif isinstance(v, torch.SymFloat):
+            hint = (" (a Python float argument that changed between calls, e.g. a label smoothing or temperature "
+                    "schedule: pass it as a 0-dim tensor where the op takes one, or keep it constant)")
+        else:
+            hint = ""
+        raise UnsupportedRegion(f"input {a.name} is not a tensor ({type(v).__name__}){hint}")
 
 
 def _rewrite(opts: Options) -> tuple[str, int | None]:

@@ -67,6 +67,12 @@ class _LazyInner(torch.nn.Module):
                     # aot_eager, as a graph with concrete sizes does
                     backend = inductor_or_aot_eager if self.inner == "inductor" else self.inner
                     self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
+                elif self._compiled is None and self.inner != "eager" and _reads_values(self.gm):
+                    # NB: a Python float argument that changed between calls reaches the graph as a 0-dim tensor
+                    # and its .item(): only dynamo traces that (the inner compiler alone has no shape environment
+                    # for the value), so the partition is compiled by dynamo, which keeps the float unspecialized
+                    backend = inductor_or_aot_eager if self.inner == "inductor" else self.inner
+                    self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
                 elif self._compiled is None:
                     self._compiled = compile_inner(self.gm, list(args), self.inner)
         try:
@@ -86,6 +92,13 @@ class _LazyInner(torch.nn.Module):
             self._compiled = self.gm
             out = self.gm(*args)
         return out[0] if self._unwrap else out
+
+
+def _reads_values(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` reads a tensor's value as a Python number (``.item()``: an unspecialized float argument)."""
+    return any(n.op == "call_method" and n.target == "item" or n.op == "call_function" and
+               n.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+               for n in gm.graph.nodes)
 
 
 def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: str, dynamic: bool = False,
