@@ -518,3 +518,34 @@ def test_a_loop_inside_activation_checkpointing_runs_as_written():
     w = torch.autograd.grad(want.square().sum(), list(model.parameters()))
     for a, b in zip(g, w):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class DetachInStep(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t].detach() * h + b[:, t]
+            hs.append(h)
+        return torch.stack(hs, 1)
+
+
+def test_a_detach_in_the_step_keeps_the_loop_as_written():
+    """Rolled, torch's scan gave the parameters reached only through the detached decay zero gradients where eager
+    gives None (AdamW then decayed them); the loop stays as written, with eager's None."""
+    torch.manual_seed(0)
+    model = DetachInStep().double()
+    x = torch.randn(2, 13, 6, dtype=torch.float64)
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager"})
+    f(x).square().sum().backward()
+    assert model.a.weight.grad is None and model.a.bias.grad is None
+    got = model.b.weight.grad.clone()
+    model.b.weight.grad = None
+    model(x).square().sum().backward()
+    torch.testing.assert_close(got, model.b.weight.grad, rtol=1e-10, atol=1e-12)
+    (r,) = loops.rolled()["DetachInStep.forward"]
+    assert not r.rolled and "calls detach" in r.reason, r

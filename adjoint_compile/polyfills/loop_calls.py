@@ -92,6 +92,10 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
         name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
         if name is None:
             raise _Reject("a call of a computed callable")
+        if name == "detach":
+            # NB: torch's scan gives a parameter reached only through the detached value a zero gradient where eager
+            # gives None (an optimizer then decays it)
+            raise _Reject("calls detach (a rolled loop's gradient would be zeros where eager's is None)")
         if name in _DENY or (name.endswith("_") and not name.endswith("__")):
             raise _Reject(f"calls {name} (in place, random, or leaves the graph)")
         path = _attr_path(fn)
