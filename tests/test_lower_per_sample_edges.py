@@ -257,3 +257,62 @@ def test_a_learned_h0_broadcast_over_the_batch_is_clipped_per_example(form):
     assert float(want["h0"].abs().max()) > 1e-3
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+
+class _StepLinear(nn.Module):
+    """A loop-written RNN with Linears inside the step: rolled, they apply to the time-first [T, B, D] input."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            xt = x[:, t]
+            h = torch.sigmoid(self.a(xt)) * h + self.b(xt)
+            hs.append(h)
+        return self.o(torch.stack(hs, 1))
+
+
+class _TimeFirst(nn.Module):
+    """The model's own time-first block: the examples on axis 1 between the transposes."""
+
+    def __init__(self, d: int = 4, reshape: bool = False) -> None:
+        super().__init__()
+        self.a, self.o, self.reshape = nn.Linear(d, d), nn.Linear(d, d), reshape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x.transpose(0, 1)))  # [T, B, D]
+        if self.reshape:  # NB: the same shape when T == B, other examples in each row
+            y = y.reshape(x.shape[0], x.shape[1], -1)
+        return self.o(y).transpose(0, 1) if not self.reshape else self.o(y)
+
+
+@pytest.mark.parametrize("make", [_StepLinear, _TimeFirst], ids=["step_linear", "time_first"])
+@pytest.mark.parametrize("T", [3, 5])
+def test_examples_moved_off_the_batch_axis_are_followed(make, T):
+    """With the examples on axis 1 ([T, B, D]) their axis was told by size: refused where T != B, and where T == B
+    each step's gradient was taken for an example's (clipped sums off by up to 0.02 against 0.05). Followed through
+    the permutation now: norms against vmap(grad), the clipped sum against a loop over the examples, fp64, B = 3."""
+    torch.manual_seed(4)
+    model = make().double()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.05, **OPTS})
+    x = torch.randn(3, T, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loss(f(x)).backward()
+    want_norms = vmap_norms(model, (x,))
+    assert bool((want_norms > 0.05).all())
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=1e-9, atol=0)
+    want, _ = loop_clipped(model, (x,), 0.05)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_reshape_after_moving_the_examples_is_refused():
+    """[T, B, D] reshaped to [B, T, D] has the right shape where T == B but other examples in each row: refused."""
+    model = _TimeFirst(reshape=True).double()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(Exception, match="examples' axis of its input .* is not known"):
+        _loss(f(torch.randn(3, 3, 4, dtype=torch.float64))).backward()

@@ -39,6 +39,8 @@ from ...ops import scan_op
 from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
+from .per_sample_axes import check_batched as _check_batched
+from .per_sample_axes import moved_batch_axes, refuse as _refuse, use_name as _name
 from .per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
@@ -74,15 +76,6 @@ class PerSampleLowering:
     batch_size: int
     calls: list[str] = dataclasses.field(default_factory=list)
     uses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-
-def _name(n: fx.Node) -> str:
-    t = n.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
-def _refuse(n: fx.Node, why: str) -> PerSampleError:
-    return PerSampleError(f"adjoint-compile per_sample_clip: {_name(n)} ({n.name}) {why}; at {source_at(n)}")
 
 
 def _val(n: Any) -> Any:
@@ -210,14 +203,6 @@ def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
     return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
 
 
-def _check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = True) -> None:
-    for what, v in (("its input " + a.name, _val(a)), ("its output", _val(n)))[:2 if output else 1]:
-        if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
-            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise _refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
-                             f"batch_dim={bd}: its gradient cannot be attributed to examples")
-
-
 def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
@@ -225,6 +210,7 @@ def _nbytes(v: Any) -> int:
 class _Lowerer:
     def __init__(self, gm: fx.GraphModule, kind_of: dict[fx.Node, str], opts: Options, batch: int) -> None:
         self.gm, self.kind_of, self.bd, self.batch = gm, kind_of, opts.batch_dim, batch
+        self.moved = moved_batch_axes(gm, {n for n, k in kind_of.items() if k in ("A", "M")}, self.bd, batch)
         self.out = PerSampleLowering(Clipper(float(opts.per_sample_clip or float("inf")), opts.batch_dim), batch)
         self.uses_of: dict[fx.Node, int] = {}
 
@@ -256,9 +242,22 @@ class _Lowerer:
                               "params": [p.name for p in params], "tied": mod.site.tied, "at": source_at(n), **info})
         return call
 
-    def _site(self, n: fx.Node, kind: str, params: list[fx.Node]) -> Site:
+    def _site(self, n: fx.Node, kind: str, params: list[fx.Node], axis: int | None = None) -> Site:
         return Site(self.out.clipper, n.name, kind, tuple(p.name for p in params),
-                    tied=any(self.uses_of.get(p, 0) > 1 for p in params))
+                    tied=any(self.uses_of.get(p, 0) > 1 for p in params),
+                    batch_dim=None if axis is None or axis == self.bd else axis)
+
+    def _batched(self, n: fx.Node, a: fx.Node, output: bool = True, moved_ok: bool = False) -> int:
+        """The axis of ``a`` (an input of the use ``n``) that carries the examples, checked on ``a`` and, with
+        ``output``, on n's output (per_sample_axes.py: a permutation may have moved it off batch_dim)."""
+        k = self.moved.get(a, self.bd)
+        if k is None or (k != self.bd and not moved_ok):
+            where = "is not known" if k is None else f"was moved to axis {k}"
+            raise _refuse(n, f"uses a parameter, but the examples' axis of its input {a.name} {where} (a permutation "
+                             f"of the examples' axis, then an op this use cannot follow): its gradient cannot be "
+                             f"attributed to examples")
+        _check_batched(n, a, k, self.batch, output)
+        return k
 
     def lower(self, n: fx.Node) -> None:
         k, name, args = self.kind_of, _name(n), n.args
@@ -271,7 +270,7 @@ class _Lowerer:
             return
         if n.target is F.multi_head_attention_forward:
             new = self._attention(n)
-        elif (flat := flat_rows(n, k, self.bd, self.batch)) is not None:
+        elif act not in self.moved and (flat := flat_rows(n, k, self.bd, self.batch)) is not None:
             new = self._flat(n, *flat)
         elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
                 _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
@@ -282,7 +281,7 @@ class _Lowerer:
         elif n.target is F.embedding and args[0] is act and _direct_param(args[1], k) and \
                 _arg(n, 3, "max_norm") is None and not _arg(n, 5, "scale_grad_by_freq", False) and \
                 not _arg(n, 6, "sparse", False):
-            _check_batched(n, act, self.bd, self.batch)
+            self._batched(n, act)
             site = self._site(n, "embedding", [args[1]])
             new = self._call(n, PerSampleCall(site, "embedding", padding_idx=_arg(n, 2, "padding_idx")),
                              (act, args[1]), "embedding", [args[1]], form="distinct rows per example")
@@ -297,6 +296,8 @@ class _Lowerer:
             new = self._elementwise(n, act, p, op)
         if new is None:
             new = self._generic(n)
+        if n in self.moved:
+            self.moved[new] = self.moved.pop(n)
         n.replace_all_uses_with(new)
         self.gm.graph.erase_node(n)
 
@@ -363,24 +364,26 @@ class _Lowerer:
         """Element-wise with a parameter that stays off the batch axis (it is shared by every example)."""
         p = next(a for a in args if _direct_param(a, self.kind_of))
         out = _val(n)
-        return isinstance(out, torch.Tensor) and out.dim() - _val(p).dim() > self.bd
+        act = next((a for a in args if isinstance(a, fx.Node) and self.kind_of.get(a) in ("A", "M")), None)
+        axis = self.moved.get(act, self.bd)
+        return isinstance(out, torch.Tensor) and axis is not None and out.dim() - _val(p).dim() > axis
 
     def _linear(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, flat: bool = False) -> fx.Node:
         """``flat``: n's output is the linear's with the leading axes flattened (``_addmm``)."""
-        _check_batched(n, x, self.bd, self.batch, output=not flat)
+        axis = self._batched(n, x, output=not flat, moved_ok=not flat)
         xv, wv = _val(x), _val(w)
         steps = max(1, xv.numel() // max(1, self.batch * xv.shape[-1]))
         d_in, d_out = (wv.shape[0], wv.shape[1]) if transposed else (wv.shape[1], wv.shape[0])
         params = [w] + ([b] if b is not None else [])
-        site = self._site(n, "linear", params)
+        site = self._site(n, "linear", params, axis)
         form = "direct (tied)" if site.tied else "gram" if gram_is_cheaper(steps, d_in, d_out) else "direct"
         return self._call(n, PerSampleCall(site, "linear", transposed=transposed),
                           (x, w) + ((b,) if b is not None else ()), "matmul" if transposed else "linear", params,
                           form=form, steps=steps, d_in=int(d_in), d_out=int(d_out))
 
     def _elementwise(self, n: fx.Node, x: fx.Node, p: fx.Node, op: str) -> fx.Node:
-        _check_batched(n, x, self.bd, self.batch)
-        site = self._site(n, "elementwise", [p])
+        axis = self._batched(n, x, moved_ok=True)
+        site = self._site(n, "elementwise", [p], axis)
         return self._call(n, PerSampleCall(site, "elementwise", op=op), (x, p), "elementwise", [p],
                           form="direct", extra_bytes=self.batch * _nbytes(_val(p)))
 
@@ -425,9 +428,7 @@ class _Lowerer:
                 env[a] = sub.placeholder(f"in_{len(inputs)}")
                 inputs.append(a)
                 batched = k.get(a) in ("A", "M") and isinstance(_val(a), torch.Tensor)
-                if batched:
-                    _check_batched(n, a, self.bd, self.batch)
-                dims.append(self.bd if batched else None)
+                dims.append(self._batched(n, a, moved_ok=True) if batched else None)
                 is_param.append(k.get(a) == "P")
             return env[a]
         for m in [*p_nodes, n]:
@@ -437,13 +438,13 @@ class _Lowerer:
             env[m] = sub.node_copy(m, lambda a: env[a])
             if m.target is SCAN_OP:
                 env[m].target = scan_op  # NB: the op's own autograd is refused under torch.func (ops.py)
-        held = next((env[a] for a, d in zip(inputs, dims) if d is not None), None)
+        held, held_dim = next(((env[a], d) for a, d in zip(inputs, dims) if d is not None), (None, None))
         for m in p_nodes:
             if held is not None and (at := batch_size_arg(m, self.bd, self.batch)) is not None:
                 # NB: a parameter broadcast to the batch (a learned h0's `expand(B, -1)`): per example its batch is
                 # 1, so the size is read from a batched input of the function, not held at B
                 with sub.inserting_before(env[m]):
-                    size = sub.call_function(torch.ops.aten.sym_size.int, (held, self.bd))
+                    size = sub.call_function(torch.ops.aten.sym_size.int, (held, held_dim))
                 args = list(env[m].args)
                 if at[0] is None:
                     args[1 + at[1]] = size
@@ -456,7 +457,9 @@ class _Lowerer:
         sub.output(env[n])
         fn = fx.GraphModule(self.gm, sub)
         params = [a for a, p in zip(inputs, is_param) if p]
-        site = self._site(n, "generic", params)
+        if (out_axis := self.moved.get(n, self.bd)) is None:
+            raise _refuse(n, "uses a parameter, but the examples' axis of its output is not known")
+        site = self._site(n, "generic", params, out_axis)
         extra = self.batch * sum(_nbytes(_val(p)) for p in params)
         call = self._call(n, PerSampleCall(site, "generic", fn=fn, dims=tuple(dims), is_param=tuple(is_param)),
                           tuple(inputs), "generic", params, form="per-example gradients (vmap)", extra_bytes=extra)
