@@ -316,3 +316,26 @@ def test_a_reshape_after_moving_the_examples_is_refused():
     f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(Exception, match="examples' axis of its input .* is not known"):
         _loss(f(torch.randn(3, 3, 4, dtype=torch.float64))).backward()
+
+
+class _ClsToken(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.cls, self.lin = nn.Parameter(torch.randn(1, 1, d)), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1))
+
+
+def test_a_class_token_expanded_to_the_batch_is_clipped_per_example():
+    torch.manual_seed(5)
+    model = _ClsToken().double()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.05, **OPTS})
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=1e-9, atol=0)
+    want, _ = loop_clipped(model, (x,), 0.05)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
