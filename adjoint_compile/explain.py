@@ -451,6 +451,8 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
                              for f in (getattr(r, "__func__", r) for r in roots)])
     notes = notes_of(compiled_model)
     if notes is not None:  # NB: only this compile's graphs: other compiles may share the frames' code
+        if len(notes.graphs):  # NB: two instances of one class compiled apart share their forward's code
+            found = {k: c for k, c in found.items() if notes.graphs.get(c.seq) is c}
         found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})
     return list(found.values())
 

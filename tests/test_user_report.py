@@ -133,3 +133,24 @@ def test_report_before_the_first_call_states_the_options_given(how):
         f.compile(backend="adjoint", options=opts)
     head = str(ac.report(f)).splitlines()[0]
     assert head.endswith("mode=truncated window=3, inner=aot_eager"), head
+
+
+class _Scan(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+
+
+def test_two_instances_of_one_class_report_their_own_graphs():
+    """Both instances' graphs hang off the class's forward code: each report listed both."""
+    x = torch.randn(2, 40, 6)
+    fa = torch.compile(_Scan(), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    fb = torch.compile(_Scan(), backend="adjoint", options={"shard_size": 8, "inner": "aot_eager"})
+    fa(x).sum().backward()
+    fb(x).sum().backward()
+    for f, s in ((fa, 4), (fb, 8)):
+        sizes = [r.details.get("shard_size") for r in ac.report(f).regions]
+        assert sizes == [s], (s, str(ac.report(f)))
