@@ -10,10 +10,12 @@ value is refused.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
 from ...errors import PerSampleError
@@ -79,8 +81,20 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
     """Per activation whose examples are no longer on axis ``bd``: the axis they are on, or None where unknown
     (module docstring). Activations not in the result keep them on ``bd``."""
     moved: dict[fx.Node, int | None] = {}
+    #: per tuple-valued activation reading a moved one, its elements' axes
+    elems: dict[fx.Node, list[int | None]] = {}
     for n in gm.graph.nodes:
         if n not in activations or n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if n.target is operator.getitem and n.args[0] in elems:
+            k = elems[n.args[0]][n.args[1]] if isinstance(n.args[1], int) else None
+            if k != bd:
+                moved[n] = k
+            continue
+        if n.target is F.multi_head_attention_forward:
+            # NB: it works on [T, B, E] whatever the model's layout (its lowering says so on its site); its output
+            # is [T, B, E], its weights [B, ...]
+            elems[n] = [1, 0]
             continue
         perm = permutation(n)
         if perm is not None and n.args[0] in activations:
@@ -102,6 +116,9 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
             continue
         axes = {moved.get(a, bd) for a in ins}
         v = example_value(n)
+        if isinstance(v, (tuple, list)):
+            elems[n] = [None] * len(v)
+            continue
         k = axes.pop() if len(axes) == 1 else None
         same = isinstance(v, torch.Tensor) and all(example_value(a).dim() == v.dim() for a in ins)
         moved[n] = k if k is not None and same and v.dim() > k and int(v.shape[k]) == batch else None
