@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,9 @@ class CompiledGraph:
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
     #: for the specialization whose regions serve every length: the lengths they have run (filled as they run)
     lengths: set[int] | None = None
+    #: the module whose forward dynamo was compiling (weak; None for a function): the report of one compiled
+    #: instance lists its own graphs, not its class's
+    frame_module: Any = None
 
 
 class CompiledGraphFn:
@@ -280,6 +284,8 @@ def adjoint_backend(
     original = copy_graph_module(gm) if opts.verify else None
     ddp = _ddp_split_of(gm, opts)
     result = run_pipeline(gm, example_inputs, opts)
+    own = dict(_frame_modules()).get("self")
+    result.frame_module = weakref.ref(own) if own is not None else None
     if ddp is not None:
         _check_ddp_split(ddp, result)
     # NB: graphs with symbolic sizes are verified per specialization by their regions only

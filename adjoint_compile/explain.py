@@ -449,10 +449,13 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
                         f"{type(compiled_model).__name__}")
     found = _cached_records([(getattr(f, "__code__", None), getattr(f, "__globals__", {}))
                              for f in (getattr(r, "__func__", r) for r in roots)])
+    if isinstance(compiled_model, OptimizedModule):
+        # NB: every instance of a class compiles the same forward code: only this instance's frames' graphs
+        mine = {id(m) for m in compiled_model._orig_mod.modules()}
+        found = {k: c for k, c in found.items() if c.frame_module is None or c.frame_module() is None
+                 or id(c.frame_module()) in mine}
     notes = notes_of(compiled_model)
     if notes is not None:  # NB: only this compile's graphs: other compiles may share the frames' code
-        if len(notes.graphs):  # NB: two instances of one class compiled apart share their forward's code
-            found = {k: c for k, c in found.items() if notes.graphs.get(c.seq) is c}
         found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})
     return list(found.values())
 
