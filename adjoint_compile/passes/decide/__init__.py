@@ -36,14 +36,14 @@ class Plan:
 #: (mode, region kind) -> the rewrite to try, or the reason there is none (``{mode!r}`` is filled in).
 TABLE: dict[tuple[str, str], Plan] = {
     ("exact", "linear_recurrence"): Plan("adjoint"),
-    ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
-                                                "adjoint-sharded rewrite; it keeps ordinary autograd "
+    ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its update is not a*h + b with a and b "
+                                                "free of the carried states) has no adjoint-sharded rewrite; it keeps ordinary autograd "
                                                 "(mode='highway' rewrites it)"),
     ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
                                               "is Highway-BP (mode='highway')"),
     ("truncated", "linear_recurrence"): Plan("truncated"),
-    ("truncated", "gated_recurrence"): Plan("none", "a gated recurrence (its coefficient depends on h) has no "
-                                                    "truncated-adjoint rewrite: the windowed adjoint needs a_t "
+    ("truncated", "gated_recurrence"): Plan("none", "a gated recurrence (its update is not a*h + b with a and "
+                                                    "b free of the carried states) has no truncated-adjoint rewrite: the windowed adjoint needs a_t "
                                                     "independent of h; it keeps ordinary autograd (exact gradients; "
                                                     "mode='highway' rewrites it)"),
     ("truncated", "residual_chain"): Plan("none", "mode='truncated' truncates recurrences along time; a residual "
