@@ -226,6 +226,21 @@ def test_an_rnn_module_left_out_of_the_graph_is_refused_under_clipping():
         assert all(p.grad is None for p in m.parameters())     # nothing unclipped was written
 
 
+def _clipped_matches(model: nn.Module, clip: float, x: torch.Tensor, **opts) -> dict:
+    """One clipped backward of ``model`` compiled with per_sample_clip=clip on x: its norms against vmap(grad) and
+    every p.grad against the loop over the examples (fp64, 1e-9); returns the loop's clipped sums."""
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, **OPTS, **opts})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loss(f(x)).backward()
+    want_norms = vmap_norms(model, (x,))
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=1e-9, atol=0)
+    want, _ = loop_clipped(model, (x,), clip)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+    return {"norms": want_norms, **want}
+
+
 class _LearnedH0(nn.Module):
     """A scan whose initial state is a parameter broadcast over the batch, as RNNs with a learned h0 write it."""
 
@@ -246,17 +261,9 @@ def test_a_learned_h0_broadcast_over_the_batch_is_clipped_per_example(form):
     broadcast's batch size is read per example, not held at B), and the scan op runs under torch.func; it crashed.
     Norms against vmap(grad), the clipped sum against a loop over the examples, fp64."""
     torch.manual_seed(3)
-    model = _LearnedH0(form).double()
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "shard_size": 4, **OPTS})
-    x = torch.randn(3, 13, 4, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _loss(f(x)).backward()
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=1e-9, atol=0)
-    want, _ = loop_clipped(model, (x,), 1.0)
+    want = _clipped_matches(_LearnedH0(form).double(), 1.0, torch.randn(3, 13, 4, dtype=torch.float64),
+                            shard_size=4)
     assert float(want["h0"].abs().max()) > 1e-3
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
 
 
 class _StepLinear(nn.Module):
@@ -296,18 +303,8 @@ def test_examples_moved_off_the_batch_axis_are_followed(make, T):
     each step's gradient was taken for an example's (clipped sums off by up to 0.02 against 0.05). Followed through
     the permutation now: norms against vmap(grad), the clipped sum against a loop over the examples, fp64, B = 3."""
     torch.manual_seed(4)
-    model = make().double()
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.05, **OPTS})
-    x = torch.randn(3, T, 4, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _loss(f(x)).backward()
-    want_norms = vmap_norms(model, (x,))
-    assert bool((want_norms > 0.05).all())
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), want_norms, rtol=1e-9, atol=0)
-    want, _ = loop_clipped(model, (x,), 0.05)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+    want = _clipped_matches(make().double(), 0.05, torch.randn(3, T, 4, dtype=torch.float64))
+    assert bool((want["norms"] > 0.05).all())
 
 
 def test_a_reshape_after_moving_the_examples_is_refused():
@@ -329,13 +326,5 @@ class _ClsToken(nn.Module):
 
 def test_a_class_token_expanded_to_the_batch_is_clipped_per_example():
     torch.manual_seed(5)
-    model = _ClsToken().double()
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.05, **OPTS})
-    x = torch.randn(3, 5, 4, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _loss(f(x)).backward()
-    torch.testing.assert_close(ac.per_sample_grad_norms(f), vmap_norms(model, (x,)), rtol=1e-9, atol=0)
-    want, _ = loop_clipped(model, (x,), 0.05)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+    want = _clipped_matches(_ClsToken().double(), 0.05, torch.randn(3, 5, 4, dtype=torch.float64))
+    assert bool((want["norms"] > 0.05).all())
