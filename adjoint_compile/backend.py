@@ -391,12 +391,14 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
     declined = [r for r in result.regions if _declined(r, opts)]
     # NB: with recurrences in the graph, a residual chain left alone by a mode without its rewrite (Highway-BP) is
     # informational: the recurrences' rows say what was kept; it is listed, not counted
-    info = [r for r in declined if r.kind == "residual_chain" and opts.mode != "highway"
-            and any(x.kind != "residual_chain" for x in result.regions)]
+    quiet = opts.mode != "highway" and any(x.kind != "residual_chain" for x in result.regions)
+    info = [r for r in declined if r.kind == "residual_chain" and quiet]
     declined = [r for r in declined if r not in info]
     lines = [f"{r.kind} {r.name} ({r.source}, length {r.length}) not rewritten{at(r.name)}: {r.reason}"
              for r in declined]
-    groups = group_rejections(result.rejections, nodes)
+    # NB: so is a rejected residual-chain candidate: no rewrite for it in this mode had it been recognized
+    rejections = [j for j in result.rejections if not (quiet and j.candidate == "residual_chain")]
+    groups = group_rejections(rejections, nodes)
     lines += [f"rejected {line}{at(where[0])}" for line, (_, _, where) in zip(rejection_lines(groups), groups)]
     if lines:
         lines += [f"(informational, not counted) {r.kind} {r.name} ({r.source}, length {r.length}){at(r.name)}: "
@@ -410,7 +412,7 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
         return None
     tail = (f"; for rejected candidates: {REMEDY_UNRECOGNIZED}" if groups else
             "; adjoint_compile.explain(model, *inputs) shows every decision")
-    head = (f"adjoint-compile: {len(declined)} recognized region(s) kept ordinary autograd and {len(result.rejections)} "
+    head = (f"adjoint-compile: {len(declined)} recognized region(s) kept ordinary autograd and {len(rejections)} "
             f"candidate(s) were rejected in a graph of {len(nodes)} nodes (mode={opts.mode}); each reason names its "
             f"remedy{tail}")
     return "\n  ".join([head, *lines])

@@ -164,3 +164,28 @@ def test_one_shard_message_fits_whether_shard_size_was_set():
     one = [r.reason for r in ac.explain(make_ssm(), torch.randn(2, 1, 16), options={"shard_size": 1}).regions
            if r.kind == "linear_recurrence"]
     assert one and all(r == "one shard: T=1 ≤ shard 1; a single step has nothing to shard" for r in one), one
+
+
+class _ShiftMix(nn.Module):
+    """A token-shift layer (RWKV's mix): the shifted input is read beside the layer, a skip across layers."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.mu, self.k, self.out = nn.Parameter(torch.rand(d)), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xx = torch.nn.functional.pad(x, (0, 0, 1, -1))
+        k = self.k(x * self.mu + xx * (1 - self.mu))
+        a = torch.sigmoid(k + xx)
+        return x + self.out(ac.ops.linear_scan(a, (1 - a) * k))
+
+
+def test_rejected_residual_chains_beside_rewritten_recurrences_do_not_warn():
+    """Every scan rewritten, only residual-chain candidates rejected (exact mode has no rewrite for them anyway):
+    the warning said '0 recognized region(s) kept ordinary autograd and 4 candidate(s) were rejected' and told to
+    write the recurrence with linear_scan."""
+    torch.manual_seed(0)
+    rep = ac.explain(nn.Sequential(_ShiftMix(), _ShiftMix()), torch.randn(2, 17, 6), options={"shard_size": 4})
+    assert all(r.rewrite == "adjoint" for r in rep.regions if r.kind == "linear_recurrence"), str(rep)
+    assert any(j.candidate == "residual_chain" for j in rep.rejections), "the case should reject a residual chain"
+    assert unsaved_message(rep.compiled[0], rep.options) is None
