@@ -24,7 +24,7 @@ from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK
 from .passes.lower.length_generic import generalize
 from .passes.stitch import stitch_partitions
-from .passes.capture.specialize import specialize
+from .passes.capture.specialize import attribute_floats, specialize
 from .regions import Fallback
 from .runtime.verify import ForwardCheck, check_skipped, copy_graph_module
 
@@ -78,6 +78,10 @@ class LengthDispatch:
         self.fallback_lengths: dict[str, list[tuple]] = {}
         #: sizes other than the length that the graph for every length holds: symbol -> (where, value)
         self.pins: dict[Any, tuple[tuple[int, int | None], int]] = {}
+        #: module float attributes passed as 0-dim tensors (a dropout's p): folded per specialization, keyed by
+        #: their values; those the graph for every length holds
+        self.values = attribute_floats(self.gm)
+        self.value_pins: dict[int, float] = {}
 
     def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "") -> Callable[..., Any]:
         """Run this call signature with ordinary autograd, said once per cause, listed in the report with every
@@ -96,7 +100,7 @@ class LengthDispatch:
         opts = self.opts
         if opts.per_sample_clip is not None or opts.sequence_parallel is not None or opts.mode == "highway":
             return None, "per-example clipping, sequence parallelism and Highway-BP are specialized per size"
-        sgm = specialize(copy_graph_module(self.gm), args)
+        sgm = specialize(copy_graph_module(self.gm), args, self.values)
         concrete = copy_graph_module(sgm) if opts.check_forward else None  # NB: the pipeline rewrites sgm
         result = self.pipeline(sgm, list(args), opts, compile=False)
         if not result.lowered:
@@ -119,6 +123,7 @@ class LengthDispatch:
         if why:
             log.info("adjoint-compile: the regions cannot serve every length (%s); each length is specialized", why)
             return None, why
+        self.value_pins = {i: float(args[i]) for i in self.values}
         self.owner.specializations.append(result)
         self.owner.lowered = list(calls)
         result.lengths = set()
@@ -162,7 +167,7 @@ class LengthDispatch:
             self.cache[key] = fn
             return fn
         try:
-            sgm = specialize(copy_graph_module(self.gm), args)
+            sgm = specialize(copy_graph_module(self.gm), args, self.values)
         except Exception as e:  # noqa: BLE001 - fail soft: the symbolic graph still runs
             if self.opts.per_sample_clip is not None:
                 raise
@@ -177,12 +182,13 @@ class LengthDispatch:
         return fn
 
     def _pins_hold(self, args: tuple) -> bool:
-        return all(_size_at(args, at) == v for at, v in self.pins.values())
+        return all(_size_at(args, at) == v for at, v in self.pins.values()) and \
+            all(float(args[i]) == v for i, v in self.value_pins.items())
 
     def __call__(self, *args: Any) -> Any:
         if self.generic is not None and self._pins_hold(args):
             return self.generic(*args)
-        key = _key(args)
+        key = (*_key(args), *(float(args[i]) for i in self.values))
         fn = self.cache.get(key)
         if fn is None:
             with COMPILE_LOCK:

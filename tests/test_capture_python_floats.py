@@ -69,3 +69,37 @@ def test_dynamic_true_with_an_embedding_is_sharded():
     f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"}, dynamic=True)
     _check(model, f, [(torch.randint(0, V, (2, T)), torch.randint(0, V, (2, T))) for T in (13, 21, 9)])
     assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), str(ac.report(f))
+
+
+class _Dropped(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(D, D), nn.Linear(D, D), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x)))
+
+
+def test_dynamic_true_with_a_dropout_is_sharded_and_follows_its_p():
+    """dynamo passes nn.Dropout's p as a 0-dim tensor read by .item() under dynamic=True: specializing the graph
+    guarded on the unknown number and nothing was rewritten. p is folded per specialization, keyed by its value: a
+    changed p is never served by a graph holding the old one."""
+    torch.manual_seed(0)
+    model = _Dropped(0.0).double()
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"}, dynamic=True)
+    for T in (13, 21, 9):
+        x = torch.randn(2, T, D, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = f(x)
+        torch.testing.assert_close(got, ref(x), rtol=1e-12, atol=0)
+        g = torch.autograd.grad(got.square().sum(), model.a.weight)[0]
+        w = torch.autograd.grad(ref(x).square().sum(), ref.a.weight)[0]
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), str(ac.report(f))
+    model.drop.p = 0.999
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(torch.randn(2, 13, D, dtype=torch.float64))
+    assert float((out == 0).double().mean()) > 0.9

@@ -40,7 +40,7 @@ from ...analysis.fx import eliminate_dead_code
 
 log = logging.getLogger(__name__)
 
-__all__ = ["has_symbolic_sizes", "no_guards", "specialize"]
+__all__ = ["has_symbolic_sizes", "no_guards", "specialize", "attribute_floats"]
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -78,6 +78,23 @@ def no_guards(gm: fx.GraphModule) -> Any:
             if isinstance(s, torch.SymInt):
                 return s.node.shape_env.suppress_guards()
     return contextlib.nullcontext()
+
+
+def attribute_floats(gm: fx.GraphModule) -> list[int]:
+    """The placeholders (by position) that are a module's float attribute passed unspecialized (``dynamic=True``
+    makes ``nn.Dropout.p`` a 0-dim tensor input read by ``.item()``). A dropout's probability read so cannot be
+    traced with fake values (its range check is a guard on the unknown number); such numbers are constants in
+    practice, so a specialization folds them and is keyed by them."""
+    out = []
+    for i, n in enumerate(p for p in gm.graph.nodes if p.op == "placeholder"):
+        v = n.meta.get("example_value", n.meta.get("val"))
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point() and \
+                type(src).__name__ == "AttrSource" and n.users and \
+                all(u.op == "call_method" and u.target == "item" for u in n.users) and \
+                not all(_arith_with_tensor(w, u) for u in n.users for w in u.users):
+            out.append(i)  # NB: one only ever added to tensors (an eps) stays a run-time value, fed as a tensor
+    return out
 
 
 def _literal(v: Any) -> bool:
@@ -119,7 +136,7 @@ def _arith_with_tensor(u: fx.Node, item: fx.Node) -> bool:
     if u.target not in _ARITH or u.kwargs or len(u.args) != 2:
         return False
     other = u.args[1] if u.args[0] is item else u.args[0]
-    ov = other.meta.get("val") if isinstance(other, fx.Node) else None
+    ov = other.meta.get("val", other.meta.get("example_value")) if isinstance(other, fx.Node) else None
     return isinstance(ov, torch.Tensor) and ov.ndim >= 1 and ov.is_floating_point()
 
 
@@ -136,8 +153,9 @@ class _Propagate(FakeTensorProp):
         return result
 
 
-def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
-    """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers).
+def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = ()) -> fx.GraphModule:
+    """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers), and
+    the numbers read from the 0-dim tensors ``args[i]`` for i in ``values`` (:func:`attribute_floats`).
 
     Raises whatever fake propagation raises when the graph does not run on these arguments.
     """
@@ -150,6 +168,13 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     # NB: a shape environment, so that a value read from tensor data (``.item()`` of a float attribute that
     # dynamic=True turned into a 0-dim tensor input) is an unbacked symbol that stays a run-time node, not an error
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    holders = [n for n in new.graph.nodes if n.op == "placeholder"]
+    for i in values:  # NB: the number itself in place of its .item(), before propagation guards on it
+        for item in list(holders[i].users):
+            for user in list(item.users):
+                user.args = fx.node.map_arg(user.args, lambda x: float(args[i]) if x is item else x)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda x: float(args[i]) if x is item else x)
+            new.graph.erase_node(item)
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
     for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
