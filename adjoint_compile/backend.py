@@ -36,6 +36,7 @@ from .lengths import LengthDispatch
 from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
+from .passes.capture.known_scans import has_known_scans
 from .passes.lower import lower, lower_sequence_parallel, lowered_calls
 from .passes.lower.per_sample import PerSampleLowering, lower_per_sample
 from .passes.stitch import stitch, stitch_partitions
@@ -227,7 +228,9 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
     plans = timed("decide", decide.plan, regions, opts)
     # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized
     # per call signature like one with regions to shard
-    symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None)
+    # NB: and one calling a library's scan, which only a specialization's capture replaces (mambapy's PScan)
+    symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None
+                                      or has_known_scans(gm))
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, symbolic=True)
     outcomes = (timed("lower", lower, captured, regions, plans, opts) if regions and not captured.symbolic

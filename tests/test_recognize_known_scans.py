@@ -58,6 +58,29 @@ def test_mambapy_pscan_is_recognized_sharded_and_exact(inner, shard_size):
     assert "registered_scan" in str(rep) and not rep.rejections
 
 
+def test_mambapy_pscan_with_symbolic_lengths_is_sharded_and_exact():
+    """A new length (or dynamic=True) makes the graph symbolic: its PScan was not looked at before specializing, so
+    nothing was rewritten and no reason given; its call then has the sizes among its operands. And dead-code
+    elimination ran into the Function's bodies, dropping their in-place scan (1e-4 off in fp64). Three lengths in
+    fp64, every gradient against eager; each specialization rewrites both scans."""
+    model = _mamba(pscan=True).double()
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend="adjoint", dynamic=True, options={"inner": "aot_eager", "shard_size": 4})
+    for T in (16, 13, 22):
+        x = torch.randn(2, T, 8, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            # NB: the scan's order of sums is not PScan's: A_log's small, cancelling gradient is ~1e-7 off in fp64
+            assert _rel(p.grad, q.grad) <= 1e-6, (T, name, _rel(p.grad, q.grad))
+        model.zero_grad()
+        ref.zero_grad()
+    lengths = {r.length for r in ac.report(f).regions if r.source == "registered_scan" and r.rewrite == "adjoint"}
+    assert lengths == {16, 13, 22}, str(ac.report(f))
+
+
 @pytest.mark.parametrize("shard_size", [1, 5])
 def test_mambapy_sequential_loop_is_one_scan_sharded_and_exact(shard_size):
     """``pscan=False``: the polyfill (polyfills/mambapy_seq.py) replaces the per-step loop of
@@ -222,3 +245,37 @@ def test_an_unknown_function_keeps_ordinary_autograd_and_explain_says_why(fn):
 def test_register_scan_validates_its_adapter():
     with pytest.raises(TypeError, match="ScanAdapter"):
         ac.register_scan("x.Y", {"a": 0, "b": 1})
+
+
+class _InPlaceCumsum(torch.autograd.Function):
+    """An unknown Function whose forward writes in place into a clone (as library scans do)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        for t in range(1, y.shape[1]):
+            y[:, t].add_(y[:, t - 1])
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(1).cumsum(1).flip(1)
+
+
+class _WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        return _InPlaceCumsum.apply(h)
+
+
+def test_an_unknown_functions_in_place_body_survives_the_rewrite():
+    """Dead-code elimination after a region's lowering ran into the Function's forward body with FX's rule and
+    dropped its in-place writes (the Function then returned its input). Exact against eager, fp64."""
+    torch.manual_seed(0)
+    rep = _check_grads(_WithFunction().double(), torch.randn(2, 13, 6, dtype=torch.float64),
+                       {"inner": "aot_eager", "shard_size": 4})
+    assert any(r.rewrite == "adjoint" for r in rep.regions), str(rep)

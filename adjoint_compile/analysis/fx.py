@@ -73,12 +73,21 @@ def is_inplace(n: fx.Node) -> bool:
 
 
 def eliminate_dead_code(graph: fx.Graph) -> bool:
-    """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`is_inplace`).
+    """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`is_inplace`), on this graph only.
 
     NB: FX's own rule keeps only impure *functions*; on dynamo's torch-level graph a ``buf[j].copy_(h)`` is a
-    ``call_method`` node without users, which FX would drop, and with it the write into ``buf``.
+    ``call_method`` node without users, which FX would drop, and with it the write into ``buf``. And FX's pass
+    recurses into the sub-graphs of higher-order ops (a custom ``autograd.Function``'s bodies) with its own rule,
+    dropping their in-place writes: mambapy's PScan body lost its whole scan, in a module every copy of the graph
+    shares. Sub-graphs are left as dynamo made them.
     """
-    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
+    graph.lint()
+    changed = False
+    for n in reversed(graph.nodes):
+        if not n.users and n.op not in ("placeholder", "output") and not (n.is_impure() or is_inplace(n)):
+            graph.erase_node(n)
+            changed = True
+    return changed
 
 
 #: ops whose result may share storage with their first argument (a write into it reaches the argument)

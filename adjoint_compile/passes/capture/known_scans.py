@@ -325,17 +325,20 @@ def _bind(gm: fx.GraphModule, node: fx.Node, entry: _Entry, evs: list[Any]) -> l
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError, AttributeError):
         raise Unproven(f"the signature of {entry.name}.forward is not readable") from None
-    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) or len(params) != len(evs):
+    # NB: the tensors only: with symbolic sizes dynamo lifts the sizes the forward reads into the call's operands
+    # (numbers once the graph is specialized); the Function's own apply does not take them
+    tix = [i for i, ev in enumerate(evs) if isinstance(ev, torch.Tensor)]
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) or len(params) != len(tix):
         raise Unproven(f"{entry.name}.forward takes {len(params)} argument(s) after ctx, dynamo's call has "
-                       f"{len(evs)} tensor operand(s)")
-    if len(evs) > 5:
-        raise Unproven(f"{len(evs)} operands: too many to bind to {entry.name}.forward's arguments")
+                       f"{len(tix)} tensor operand(s)")
+    if len(tix) > 5:
+        raise Unproven(f"{len(tix)} operands: too many to bind to {entry.name}.forward's arguments")
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ins = _random(evs, torch.Generator().manual_seed(1), set(range(len(evs))))
     with unset_fake_temporarily(), torch.no_grad():
         want = _run_original(gm, node, ins, entry.adapter.output)
-        for perm in itertools.permutations(range(len(evs))):
+        for perm in itertools.permutations(tix):
             try:
                 got = cls.apply(*[ins[i] for i in perm])
                 got = got[entry.adapter.output] if isinstance(got, (tuple, list)) else got
@@ -423,6 +426,14 @@ def _replace(gm: fx.GraphModule, node: fx.Node, entry: _Entry) -> fx.Node:
         if isinstance(s, fx.Node) and not s.users:
             gm.graph.erase_node(s)
     return H
+
+
+def has_known_scans(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls a registered scan implementation (looked up, not checked). NB: a graph with symbolic
+    sizes is not normalized, so its recognition cannot see these; a specialization's capture replaces them."""
+    return any(is_autograd_function(n) or n.op == "call_function" and _REGISTRY
+               for n in gm.graph.nodes) and any(_match(gm, n)[0] is not None for n in gm.graph.nodes
+                                                if n.op == "call_function")
 
 
 def replace_known_scans(gm: fx.GraphModule) -> list[str]:
