@@ -407,9 +407,16 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
         lines += [f"(informational, not counted) {r.kind} {r.name} ({r.source}, length {r.length}){at(r.name)}: "
                   f"{r.reason}" for r in info]
     if not result.regions and not (result.per_sample is not None and result.per_sample.uses):
+        remedy = REMEDY_UNRECOGNIZED
+        if any(isinstance(n.target, torch._ops.HigherOrderOperator) and "checkpoint" in n.target.name()
+               for n in gm.graph.nodes):
+            # NB: the layers are inside torch.utils.checkpoint's regions, which the recognizers do not enter
+            remedy = ("the model runs its layers under activation checkpointing (torch.utils.checkpoint, "
+                      "gradient_checkpointing_enable()), which hides them from the backend: turn it off (e.g. "
+                      "model.gradient_checkpointing_disable()); the adjoint backward keeps little memory without it")
         head = (f"adjoint-compile: nothing recognized in a graph of {len(nodes)} nodes (mode={opts.mode}): no linear "
                 f"recurrence, scan or residual chain, so it compiles with the inner compiler ({opts.inner}) as is "
-                f"and saves no memory; {REMEDY_UNRECOGNIZED}")
+                f"and saves no memory; {remedy}")
         return "\n  ".join([head, *lines])
     if not lines:
         return None

@@ -189,3 +189,24 @@ def test_rejected_residual_chains_beside_rewritten_recurrences_do_not_warn():
     assert all(r.rewrite == "adjoint" for r in rep.regions if r.kind == "linear_recurrence"), str(rep)
     assert any(j.candidate == "residual_chain" for j in rep.rejections), "the case should reject a residual chain"
     assert unsaved_message(rep.compiled[0], rep.options) is None
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
+        return ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def test_activation_checkpointing_is_named_as_the_cause():
+    """A model under gradient checkpointing hides its scans inside checkpoint regions: the warning told to write
+    the recurrence with linear_scan (which it was); it names checkpointing and how to turn it off."""
+    rep = ac.explain(_Checkpointed(), torch.randn(2, 17, 6), options={"shard_size": 4})
+    msg = unsaved_message(rep.compiled[0], rep.options)
+    assert "nothing recognized" in msg and "activation checkpointing" in msg and "gradient_checkpointing_disable" \
+        in msg, msg
