@@ -275,7 +275,7 @@ def test_explain_shows_the_truncated_rewrite_window_and_shard_size():
 def test_gated_recurrences_and_residual_chains_say_why_in_truncated_mode():
     from adjoint_compile.passes.decide import TABLE
     gated, chain = TABLE["truncated", "gated_recurrence"], TABLE["truncated", "residual_chain"]
-    assert gated.rewrite == "none" and "depends on h" in gated.reason and "truncated" in gated.reason
+    assert gated.rewrite == "none" and "not a*h + b" in gated.reason and "truncated" in gated.reason
     assert chain.rewrite == "none" and "along layers" in chain.reason
 
     def gru(x, w):
@@ -288,7 +288,7 @@ def test_gated_recurrences_and_residual_chains_say_why_in_truncated_mode():
 
     rep = ac.explain(gru, torch.randn(2, 5, 3), torch.randn(3), options={"mode": "truncated", "window": 2})
     gated_regions = [r for r in rep.regions if r.kind == "gated_recurrence"]
-    assert gated_regions and all(r.rewrite == "none" and "depends on h" in r.reason for r in gated_regions)
+    assert gated_regions and all(r.rewrite == "none" and "not a*h + b" in r.reason for r in gated_regions)
 
 
 def test_verify_reports_fidelity_in_truncated_mode():
