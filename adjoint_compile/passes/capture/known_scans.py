@@ -431,9 +431,8 @@ def _replace(gm: fx.GraphModule, node: fx.Node, entry: _Entry) -> fx.Node:
 def has_known_scans(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` calls a registered scan implementation (looked up, not checked). NB: a graph with symbolic
     sizes is not normalized, so its recognition cannot see these; a specialization's capture replaces them."""
-    return any(is_autograd_function(n) or n.op == "call_function" and _REGISTRY
-               for n in gm.graph.nodes) and any(_match(gm, n)[0] is not None for n in gm.graph.nodes
-                                                if n.op == "call_function")
+    return any(_match(gm, n)[0] is not None for n in gm.graph.nodes
+               if is_autograd_function(n) or n.op == "call_function" and _REGISTRY)
 
 
 def replace_known_scans(gm: fx.GraphModule) -> list[str]:

@@ -25,7 +25,6 @@ on the graph module names the symbolic graph's sizes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import operator
 import logging
 from collections.abc import Sequence
@@ -177,15 +176,7 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = 
                 user.kwargs = fx.node.map_arg(user.kwargs, lambda x: float(args[i]) if x is item else x)
             new.graph.erase_node(item)
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    # NB: propagated with copies of the sub-graphs (a custom autograd.Function's bodies): running the higher-order
-    # op on fake values rewrites its bodies in place (their in-place writes dropped as dead code), and the symbolic
-    # graph and every specialization share them; corrupted, mambapy's PScan computed 1e-5 off in fp64
-    subs = {k: m for k, m in new.named_children() if isinstance(m, fx.GraphModule)}
-    for k, m in subs.items():
-        setattr(new, k, copy.deepcopy(m))
     _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
-    for k, m in subs.items():
-        setattr(new, k, m)
     for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
         v = n.meta.get("val")
         if isinstance(a, torch.nn.Parameter) and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):

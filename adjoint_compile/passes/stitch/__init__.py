@@ -60,17 +60,13 @@ class _LazyInner(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self._compiled is None:
             with COMPILE_LOCK:  # two threads' first calls: one compiles, the other waits and reuses it
-                if self._compiled is None and self.dynamic and self.inner != "eager":
+                if self._compiled is None and self.inner != "eager" and (self.dynamic or _reads_values(self.gm)):
                     # NB: a partition of a graph with symbolic sizes: dynamo traces it once with those sizes
-                    # symbolic, so one compile serves every length
-                    # what inductor cannot compile with those sizes (a torch scan of symbolic length) runs with
-                    # aot_eager, as a graph with concrete sizes does
-                    backend = inductor_or_aot_eager if self.inner == "inductor" else self.inner
-                    self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
-                elif self._compiled is None and self.inner != "eager" and _reads_values(self.gm):
-                    # NB: a Python float argument that changed between calls reaches the graph as a 0-dim tensor
-                    # and its .item(): only dynamo traces that (the inner compiler alone has no shape environment
-                    # for the value), so the partition is compiled by dynamo, which keeps the float unspecialized
+                    # symbolic, so one compile serves every length; what inductor cannot compile with those sizes
+                    # (a torch scan of symbolic length) runs with aot_eager, as a graph with concrete sizes does.
+                    # NB: so is one reading a Python float argument that changed between calls (a 0-dim tensor and
+                    # its .item()): the inner compiler alone has no shape environment for the value; dynamo keeps
+                    # the float unspecialized
                     backend = inductor_or_aot_eager if self.inner == "inductor" else self.inner
                     self._compiled = torch.compile(self.gm, backend=backend, dynamic=True)
                 elif self._compiled is None:
