@@ -287,10 +287,10 @@ class _TimeFirst(nn.Module):
 
     def __init__(self, d: int = 4, reshape: bool = False) -> None:
         super().__init__()
-        self.a, self.o, self.reshape = nn.Linear(d, d), nn.Linear(d, d), reshape
+        self.a, self.o, self.norm, self.reshape = nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), reshape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.tanh(self.a(x.transpose(0, 1)))  # [T, B, D]
+        y = self.norm(torch.tanh(self.a(x.transpose(0, 1))))  # [T, B, D]
         if self.reshape:  # NB: the same shape when T == B, other examples in each row
             y = y.reshape(x.shape[0], x.shape[1], -1)
         return self.o(y).transpose(0, 1) if not self.reshape else self.o(y)

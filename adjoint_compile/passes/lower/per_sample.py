@@ -253,9 +253,8 @@ class _Lowerer:
         k = self.moved.get(a, self.bd)
         if k is None or (k != self.bd and not moved_ok):
             where = "is not known" if k is None else f"was moved to axis {k}"
-            raise _refuse(n, f"uses a parameter, but the examples' axis of its input {a.name} {where} (a permutation "
-                             f"of the examples' axis, then an op this use cannot follow): its gradient cannot be "
-                             f"attributed to examples")
+            raise _refuse(n, f"uses a parameter, but the examples' axis of its input {a.name} {where} (moved by a "
+                             f"permutation, then an op this use cannot follow): its gradient cannot be attributed")
         _check_batched(n, a, k, self.batch, output)
         return k
 
@@ -400,9 +399,10 @@ class _Lowerer:
         plain.meta.update(n.meta)
         self.kind_of[plain] = "A"
         out = plain
-        for p, op in ((w, "mul"), (rest[0] if rest else None, "add")):
-            if p is not None:
-                out = self._elementwise(n, out, p, op)
+        for p, op in ((None, ""), (w, "mul"), (rest[0] if rest else None, "add")):
+            out = self._elementwise(n, out, p, op) if p is not None else out
+            if x in self.moved:  # NB: the examples stay where the norm's input has them
+                self.moved[out] = self.moved[x]
         return out
 
     def _generic(self, n: fx.Node) -> fx.Node:
