@@ -2,6 +2,7 @@
 "iterations": k}) against the levels oracle (tests/highway_oracle.py), every parameter gradient by name."""
 from __future__ import annotations
 
+import copy
 import runpy
 from pathlib import Path
 
@@ -210,6 +211,43 @@ def test_gru_unrolled_loop_matches_the_levels_oracle(k):
     assert (r.kind, r.source, r.rewrite) == ("gated_recurrence", "unrolled_loop", "highway")
     if k >= 7:
         _assert_same(got, _named(_grads(_Oracle(m, None, _gru_loop), x, loss)), "loop k=T vs autograd")
+
+
+class _DroppedGRULoop(nn.Module):
+    def __init__(self, d: int = 4, H: int = 5) -> None:
+        super().__init__()
+        self.ih, self.hh, self.drop = nn.Linear(d, 3 * H), nn.Linear(H, 3 * H), nn.Dropout(0.5)
+        self.H = H
+
+    def forward(self, x):
+        gx, h, out = self.ih(x), x.new_zeros(x.shape[0], self.H), []
+        for t in range(x.shape[1]):
+            r_x, z_x, n_x = gx[:, t].chunk(3, -1)
+            r_h, z_h, n_h = self.hh(h).chunk(3, -1)
+            r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+            n = self.drop(torch.tanh(n_x + r * n_h))
+            h = (1 - z) * n + z * h
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def test_a_dropout_inside_the_loops_step_is_refused_with_the_reason():
+    """Highway-BP recomputes the step in the backward: a loop's step drawing random numbers was rewritten and its
+    backward raised inside vmap (as the scan form is refused already). It keeps ordinary autograd: the same
+    gradients as aot_eager with the same draws."""
+    torch.manual_seed(0)
+    m, x = _DroppedGRULoop(), torch.randn(2, 6, 4)
+    ref = copy.deepcopy(m)
+    f = torch.compile(m, backend="adjoint", options={"mode": "highway", "iterations": 6, "inner": "aot_eager"})
+    torch.manual_seed(1)
+    f(x).pow(2).sum().backward()
+    (r,) = [r for r in ac.report(f).regions if r.kind == "gated_recurrence"]
+    assert r.rewrite == "none" and "draws random numbers" in r.reason, r.reason
+    g = torch.compile(ref, backend="aot_eager")
+    torch.manual_seed(1)
+    g(x).pow(2).sum().backward()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=n)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -144,9 +144,7 @@ def lower_scan(gm: fx.GraphModule, scan: fx.Node, opts: Options) -> Lowered:
     if not xs or len(phs) != n_c + len(xs) + len(extra) or len(results) < n_c:
         raise _Refused("the scan's step sub-graph does not match its arguments")
     for n in sub.graph.nodes:
-        if draws_random(n):
-            raise _Refused(f"the step draws random numbers ({op_name(n) or fn_name(n)} at node {n.name}); Highway-BP recomputes "
-                           f"the step in the backward")
+        _no_random(n)
     carries, news = phs[:n_c], results[:n_c]
     depends = reachable(list(carries)).__contains__
     forms = [classify_update(new, c, depends) if isinstance(new, fx.Node) else UpdateForm("general")
@@ -223,6 +221,12 @@ def _seq(gm: fx.GraphModule, x: PerStepSlice, n_slots: int, T: int) -> fx.Node:
     return seq
 
 
+def _no_random(n: fx.Node) -> None:
+    if draws_random(n):
+        raise _Refused(f"the step draws random numbers ({op_name(n) or fn_name(n)} at node {n.name}); Highway-BP "
+                       f"recomputes the step in the backward")
+
+
 def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
     """Replace an unrolled loop (a gated recurrence with a re-roll recipe) by one HighwayScan call."""
     rec = r.reroll
@@ -246,6 +250,7 @@ def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
     env.update({s: g.placeholder(f"w{j}") for j, s in enumerate(rec.shared)})
     inside = set(rec.template_step)
     for n in rec.template_step:
+        _no_random(n)
         if n in env:
             continue
         for a in n.all_input_nodes:
