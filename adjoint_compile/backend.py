@@ -399,8 +399,11 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
     declined = [r for r in declined if r not in info]
     lines = [f"{r.kind} {r.name} ({r.source}, length {r.length}) not rewritten{at(r.name)}: {r.reason}"
              for r in declined]
-    # NB: so is a rejected residual-chain candidate: no rewrite for it in this mode had it been recognized
-    rejections = [j for j in result.rejections if not (quiet and j.candidate == "residual_chain")]
+    # NB: so is a rejected residual-chain candidate: no rewrite for it in this mode had it been recognized; and a
+    # candidate at an op a rewritten region covers (an LSTM's other carry, its scan rewritten in highway mode)
+    covered = {n.name for r in result.regions if r.rewrite != "none" for n in r.nodes if isinstance(n, fx.Node)}
+    rejections = [j for j in result.rejections if not (quiet and j.candidate == "residual_chain")
+                  and j.node.split("[")[0] not in covered]
     groups = group_rejections(rejections, nodes)
     lines += [f"rejected {line}{at(where[0])}" for line, (_, _, where) in zip(rejection_lines(groups), groups)]
     if lines:

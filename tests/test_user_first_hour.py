@@ -210,3 +210,19 @@ def test_activation_checkpointing_is_named_as_the_cause():
     msg = unsaved_message(rep.compiled[0], rep.options)
     assert "nothing recognized" in msg and "activation checkpointing" in msg and "gradient_checkpointing_disable" \
         in msg, msg
+
+
+def test_a_candidate_at_an_op_a_rewritten_region_covers_does_not_warn():
+    """nn.LSTM in highway mode: its scan is rewritten (the gated carry), and the other carry's rejection as a
+    linear recurrence made the warning say '0 kept, 1 rejected: write the recurrence with linear_scan'."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.lin = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.rnn(x)[0]).pow(2).sum()
+
+    rep = ac.explain(M(), torch.randn(2, 5, 3), options={"mode": "highway", "iterations": 5})
+    assert [r.rewrite for r in rep.regions] == ["highway"] and rep.rejections, str(rep)
+    assert unsaved_message(rep.compiled[0], rep.options) is None
