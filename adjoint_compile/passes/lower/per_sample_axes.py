@@ -154,5 +154,7 @@ def check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = Tr
     for what, v in (("its input " + a.name, example_value(a)), ("its output", example_value(n)))[:2 if output else 1]:
         if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch):
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on axis "
-                            f"batch_dim={bd}: its gradient cannot be attributed to examples")
+            where = f"axis {bd}, where its input has them" if what == "its output" else f"axis {bd}"
+            raise refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on {where}"
+                            f"{'' if isinstance(v, torch.Tensor) else ' (not one tensor)'}: its gradient cannot be "
+                            f"attributed to examples")
