@@ -328,3 +328,13 @@ def test_a_class_token_expanded_to_the_batch_is_clipped_per_example():
     torch.manual_seed(5)
     want = _clipped_matches(_ClsToken().double(), 0.05, torch.randn(3, 5, 4, dtype=torch.float64))
     assert bool((want["norms"] > 0.05).all())
+
+
+def test_a_regularizer_of_the_parameters_alone_is_refused_naming_it():
+    """A loss plus 0.1 * (w**2).sum(): refused (no example owns that gradient); the message blamed the loss's
+    reduction over the batch ('the examples interact') instead of the regularizer."""
+    model = _mlp()
+    step = torch.compile(lambda x: model(x).pow(2).sum() + 0.1 * model[0].weight.pow(2).sum(), backend="adjoint",
+                         options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(Exception, match="a term of the parameters alone .* weight decay"):
+        step(torch.randn(3, 4)).backward()

@@ -40,7 +40,7 @@ from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_axes import check_batched as _check_batched
-from .per_sample_axes import moved_batch_axes, refuse as _refuse, use_name as _name
+from .per_sample_axes import moved_batch_axes, origin as _origin, refuse as _refuse, use_name as _name
 from .per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
@@ -172,7 +172,11 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
                              f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
                              "gradients are not defined")
         if "R" in ins or "D" in ins:  # NB: the loss's tail (passes/lower/per_sample_loss.py)
-            if (tail := tail_kind(n, kind_of)) is None:
+            if (tail := tail_kind(n, kind_of)) is None and any(kind_of.get(a) == "P" for a in n.all_input_nodes):
+                raise _refuse(n, "adds a term of the parameters alone to the loss (a regularizer, 0.1 * (w**2).sum()):"
+                                 " its gradient belongs to no example; apply it as the optimizer's weight decay, or "
+                                 "add its gradient after the clipped backward")
+            if tail is None:
                 src = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
                 raise _refuse(n, f"uses a value reduced over the batch axis before the loss ({_origin(src, kind_of)}"
                                  "): the examples interact, so per-example gradients are not defined")
@@ -191,12 +195,6 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
 def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int | None]:
     """The per-example kind of every value ("P", "A", "R", "C", "M": the module docstring) and the batch size."""
     return _classify(gm, [], bd)
-
-
-def _origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
-    while any(kind_of.get(a) in ("R", "D") for a in n.all_input_nodes):
-        n = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
-    return f"{_name(n)} ({n.name}) at {source_at(n)}"
 
 
 def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
 from ...errors import PerSampleError
 
-__all__ = ["permutation", "moved_batch_axes", "check_batched", "refuse", "use_name"]
+__all__ = ["permutation", "moved_batch_axes", "check_batched", "refuse", "use_name", "origin"]
 
 _PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
 _RESHAPES = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as", "unfold", "as_strided", "expand",
@@ -158,3 +158,10 @@ def check_batched(n: fx.Node, a: fx.Node, bd: int, batch: int, output: bool = Tr
             raise refuse(n, f"uses a parameter, but {what} {shape} does not carry the {batch} examples on {where}"
                             f"{'' if isinstance(v, torch.Tensor) else ' (not one tensor)'}: its gradient cannot be "
                             f"attributed to examples")
+
+
+def origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
+    """Where the reduction over the batch that ``n`` reads was made (for the refusal's message)."""
+    while any(kind_of.get(a) in ("R", "D") for a in n.all_input_nodes):
+        n = next(a for a in n.all_input_nodes if kind_of.get(a) in ("R", "D"))
+    return f"{use_name(n)} ({n.name}) at {source_at(n)}"
