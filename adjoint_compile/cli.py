@@ -167,12 +167,28 @@ def _required_inputs(model: Any) -> list[str] | None:
     return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def _most_inputs(model: Any) -> int | None:
+    """How many positional arguments the model takes at most (None: unbounded or unreadable)."""
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 def _report(args: argparse.Namespace) -> Report:
     options = parse_options(args.options)
     torch.manual_seed(args.seed)
     model = load_factory(args.model)
     inputs = [parse_input(s) for s in args.input]
     need = _required_inputs(model)
+    most = _most_inputs(model)
+    if most is not None and len(inputs) > most:
+        raise ValueError(f"too many --input: {args.model} takes at most {most} input(s) and got {len(inputs)}; give "
+                         f"one --input per argument, in order")
     if need is not None and len(inputs) < len(need):
         given = f"got {len(inputs)} --input" if inputs else "no --input was given"
         raise ValueError(f"missing --input: {args.model} takes {len(need)} input(s) ({', '.join(need)}) and "

@@ -256,6 +256,12 @@ def test_a_missing_input_is_a_clean_message(capsys):
     assert "missing --input" in err and "takes 1 input(s) (x)" in err and 'randn(2,1024,64)' in err
 
 
+def test_too_many_inputs_is_a_clean_message(capsys):
+    rc = cli.main(["explain", f"{EXAMPLES / 'gru_scan.py'}:make", "--input", "randn(2,5,8)", "--input", "randn(2)"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "too many --input" in err and "at most 1" in err, err
+
+
 def test_help_lists_every_option_without_pointing_into_the_repository(capsys):
     """A wheel has no docs/: the epilog lists the options itself (options.SUMMARY, one line each)."""
     from adjoint_compile.options import ALLOWED_KEYS, SUMMARY
