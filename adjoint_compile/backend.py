@@ -44,7 +44,7 @@ from .passes.recognize import recognize_captured as recognize
 from .analysis.fx import source_line
 from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
-from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError
+from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError, watch_unreduced
 from .analysis.optable import draws_random
 from .runtime.verify import ForwardCheck, check_skipped, copy_graph_module, graph_fidelity
 from .timing import timed
@@ -165,6 +165,8 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
             fn = stitch(captured, sp.calls, opts) if sp.refusal is None else None
             reduce = ReduceGrads(sp.state.group, sp.params) if opts.reduce_grads else None
             result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce)
+            if reduce is not None:
+                watch_unreduced([example_inputs[i] for i in sp.params], [m for _, m in _frame_modules()])
     if not settled:
         decide.settle(regions, plans, [None] * len(regions))
     captured.example_inputs = []

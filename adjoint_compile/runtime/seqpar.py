@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import SequenceParallelError
+from ..errors import AdjointCompileWarning, SequenceParallelError
 from .truncated import truncated_scan_backward
 
 log = logging.getLogger(__name__)
@@ -283,6 +285,39 @@ class ReduceGrads:
         for i, t in zip(idx, _ReduceGradsFn.apply(self.group, *[args[i] for i in idx])):
             out[i] = t
         return out
+
+
+#: parameters some graph compiled under sequence_parallel reduces, and those watched for a gradient it did not (by
+#: id, held weakly: a tensor's == is elementwise, so weak sets of tensors cannot be used)
+_REDUCED: dict[int, weakref.ref] = {}
+_WATCHED: dict[int, weakref.ref] = {}
+_WARNED: set[str] = set()
+
+
+def _has(d: dict[int, weakref.ref], p: Tensor) -> bool:
+    r = d.get(id(p))
+    return r is not None and r() is p
+
+
+def watch_unreduced(reduced: Sequence[Tensor], modules: Sequence[torch.nn.Module]) -> None:
+    """Warn (once per parameter) when a parameter of the compiled ``modules`` gets a gradient that no compiled graph
+    reduced over the ranks: used outside every graph (a ``torch._dynamo.disable``d submodule runs eagerly), its
+    ``.grad`` is this rank's share of the sequence's gradient only."""
+    _REDUCED.update({id(p): weakref.ref(p) for p in reduced})
+    for m in modules:
+        for name, p in m.named_parameters():
+            if p.requires_grad and not _has(_WATCHED, p):
+                _WATCHED[id(p)] = weakref.ref(p)
+                p.register_post_accumulate_grad_hook(lambda q, name=name: _check_reduced(q, name))
+
+
+def _check_reduced(p: Tensor, name: str) -> None:
+    if not _has(_REDUCED, p) and name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"adjoint-compile sequence_parallel: the parameter {name} {tuple(p.shape)} got a gradient "
+                      f"outside every compiled graph (a submodule run eagerly, e.g. under torch._dynamo.disable): its "
+                      f".grad is this rank's share of the sequence's gradient, not the whole; keep it in the compiled "
+                      f"model, or all-reduce its .grad over the group yourself", AdjointCompileWarning, stacklevel=2)
 
 
 def fingerprint(parts: Sequence[Any]) -> int:
