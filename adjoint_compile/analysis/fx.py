@@ -16,7 +16,7 @@ __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
     "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes", "mode_states",
-    "moved_across_modes", "is_copy", "batch_size_arg",
+    "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -321,12 +321,18 @@ def source_at(node: fx.Node) -> str:
     return where + (f" in {fn}" if fn else "") + (f": {code}" if code else "")
 
 
+def entry_grad_mode(graph: fx.Graph) -> bool:
+    """The grad mode the graph is entered with: the value of its last ``_set_grad_enabled`` (dynamo restores it at
+    the end of every block it sets), else True."""
+    toggles = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    return bool(toggles[-1].args[0]) if toggles and toggles[-1].args else True
+
+
 def mode_states(graph: fx.Graph) -> dict[fx.Node, tuple[bool, tuple[str, ...]]]:
     """Per op node, the grad mode and the autocast / inference-mode blocks (innermost last) it runs under, as the
     graph itself sets them (``with torch.no_grad():`` inside the compiled code; see :func:`changed_modes`). Two
     nodes with equal states can trade places; a pass must not move a node to where the state differs."""
-    toggles = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    grad = toggles[-1].args[0] if toggles and toggles[-1].args else True
+    grad = entry_grad_mode(graph)
     blocks: list[str] = []
     out: dict[fx.Node, tuple[bool, tuple[str, ...]]] = {}
     for n in graph.nodes:
@@ -351,11 +357,8 @@ def changed_modes(graph: fx.Graph) -> dict[fx.Node, str]:
     ``torch.autocast(..., enabled=False)``, ``torch.inference_mode()`` inside the compiled code), each with why.
 
     Dynamo writes such a block as calls around its ops (``torch._C._set_grad_enabled(False)`` ... ``(True)``,
-    ``_enter_autocast`` ... ``_exit_autocast``). NB: the grad mode the graph is entered with is the value of its last
-    ``_set_grad_enabled``: dynamo restores it at the end of every block."""
-    states = mode_states(graph)
-    toggles = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    entry = toggles[-1].args[0] if toggles and toggles[-1].args else True
+    ``_enter_autocast`` ... ``_exit_autocast``)."""
+    states, entry = mode_states(graph), entry_grad_mode(graph)
     out = {}
     for n, (grad, blocks) in states.items():
         if grad != entry:

@@ -22,7 +22,8 @@ import logging
 import torch
 import torch.fx as fx
 
-from ...analysis.fx import example_value, mode_states
+from ...analysis.fx import entry_grad_mode, example_value, mode_states
+from .noop_ops import rewritten
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,9 @@ PROVENANCE = "adjoint_compile: detach at the end of a no_grad block"
 def detach_no_grad_outputs(gm: fx.GraphModule) -> int:
     """Route every use outside a no-grad (or inference-mode) block of a tensor made inside it through a
     ``detach()`` (module docstring); returns how many values were detached."""
+    if not entry_grad_mode(gm.graph):  # NB: the whole graph runs without grad: nothing it computes is differentiable
+        return 0
     states = mode_states(gm.graph)
-    toggles = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    if not toggles:
-        return 0
-    entry = toggles[-1].args[0] if toggles[-1].args else True
-    if not entry:  # NB: the whole graph runs without grad: nothing it computes is differentiable anyway
-        return 0
 
     def no_grad(st: tuple[bool, tuple[str, ...]] | None) -> bool:
         return st is not None and (not st[0] or "torch.inference_mode" in st[1])
@@ -57,12 +54,7 @@ def detach_no_grad_outputs(gm: fx.GraphModule) -> int:
             d = gm.graph.call_method("detach", (n,))
         d.meta = {k: v for k, v in n.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")}
         d.meta["provenance"] = PROVENANCE
-        states[d] = st
         for u in outside:
             u.replace_input_with(n, d)
         done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        log.debug("capture: %d value(s) leaving no_grad blocks detached", done)
-    return done
+    return rewritten(gm, done, log, "capture: %d value(s) leaving no_grad blocks detached")

@@ -37,15 +37,15 @@ class Plan:
 TABLE: dict[tuple[str, str], Plan] = {
     ("exact", "linear_recurrence"): Plan("adjoint"),
     ("exact", "gated_recurrence"): Plan("none", "a gated recurrence (its update is not a*h + b with a and b "
-                                                "free of the carried states) has no adjoint-sharded rewrite; it keeps ordinary autograd "
-                                                "(mode='highway' rewrites it)"),
+                                                "free of the carried states) has no adjoint-sharded rewrite; it "
+                                                "keeps ordinary autograd (mode='highway' rewrites it)"),
     ("exact", "residual_chain"): Plan("none", "mode='exact' shards recurrences only; a residual_chain's own rewrite "
                                               "is Highway-BP (mode='highway')"),
     ("truncated", "linear_recurrence"): Plan("truncated"),
     ("truncated", "gated_recurrence"): Plan("none", "a gated recurrence (its update is not a*h + b with a and "
-                                                    "b free of the carried states) has no truncated-adjoint rewrite: the windowed adjoint needs a_t "
-                                                    "independent of h; it keeps ordinary autograd (exact gradients; "
-                                                    "mode='highway' rewrites it)"),
+                                                    "b free of the carried states) has no truncated-adjoint rewrite: "
+                                                    "the windowed adjoint needs a_t independent of h; it keeps "
+                                                    "ordinary autograd (exact gradients; mode='highway' rewrites it)"),
     ("truncated", "residual_chain"): Plan("none", "mode='truncated' truncates recurrences along time; a residual "
                                                   "chain runs along layers and keeps ordinary autograd (exact "
                                                   "gradients); its own rewrite is Highway-BP (mode='highway')"),

@@ -27,14 +27,6 @@ _RESHAPES = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as",
              "expand_as", "broadcast_to", "repeat", "squeeze", "unsqueeze"}
 
 
-def _name(n: fx.Node) -> str | None:
-    if n.op == "call_method":
-        return str(n.target)
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", None)
-    return None
-
-
 def _dims(x: Any, nd: int) -> list[int] | None:
     xs = list(x) if isinstance(x, (list, tuple)) else [x]
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in xs):
@@ -44,7 +36,7 @@ def _dims(x: Any, nd: int) -> list[int] | None:
 
 def permutation(n: fx.Node) -> list[int] | None:
     """For a node that permutes its first operand's axes: per output axis, the input axis it reads; else None."""
-    name = _name(n)
+    name = use_name(n)
     if name not in _PERMUTES or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs:
         return None
     v = example_value(n.args[0])
@@ -111,7 +103,7 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
             if moved[n] == bd:
                 del moved[n]
             continue
-        if _name(n) in _RESHAPES:  # NB: the same rank is not the same axes: [T, B, D] -> [B, T, D] where T == B
+        if use_name(n) in _RESHAPES:  # NB: the same rank is not the same axes: [T, B, D] -> [B, T, D] where T == B
             moved[n] = None
             continue
         axes = {moved.get(a, bd) for a in ins}
