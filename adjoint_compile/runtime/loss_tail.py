@@ -40,8 +40,8 @@ from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from .first_order import first_order
 from .graphed import captured, graphable, replayed
-from .shard_parts import (arg_layout, autocast_as, autocast_state, min_chunk_bytes, serial_kernels,
-                          wanted_shard_size)
+from .shard_parts import (accumulate, accumulated, arg_layout, autocast_as, autocast_off, autocast_state,
+                          min_chunk_bytes, serial_kernels, wanted_shard_size)
 from .shard_program import ShardProgram, _devices, _ev
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,7 @@ def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int],
     n_out = len(tail.out_nodes)
     outs: list[torch.Tensor] | None = None
     grads: list[list[Any]] = [[None] * len(inputs) for _ in range(n_out)]
+    free: list[dict[int, torch.Tensor]] = [{} for _ in range(n_out)]  # the step-free inputs' gradients
     for s, e in tail.bounds():
         xs = tail.shard_inputs(inputs, s, e - s)
         if wrt:
@@ -252,15 +253,15 @@ def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int],
             o.add_(v)
         for (j, i), g in got.items():
             d = tail.in_step_dims[i]
-            if grads[j][i] is None:
-                grads[j][i] = torch.zeros_like(inputs[i]) if d is not None else g.clone()
-                if d is None:
-                    continue
             if d is None:
-                grads[j][i].add_(g)
-            else:
-                grads[j][i].narrow(d, s, e - s).copy_(g)
+                accumulate(free[j], i, g)
+                continue
+            if grads[j][i] is None:
+                grads[j][i] = torch.zeros_like(inputs[i])
+            grads[j][i].narrow(d, s, e - s).copy_(g)
     assert outs is not None
+    for j in range(n_out):
+        accumulated(free[j], grads[j], inputs)
     return [o.to(v.dtype) for o, v in zip(outs, vals)], grads[:n_out]
 
 
@@ -320,13 +321,14 @@ def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int]
     if tail.shared is not None:
         key += (tail.program(L).code,)
     entry = tail.vjps.get(key)
-    if entry is None:
-        with COMPILE_LOCK:
-            entry = tail.vjps.get(key) or _build(tail, L, wrt, args, fwd)
-            tail.vjps[key] = entry
-    fn, pairs = entry
-    # NB: replayed from a CUDA graph where it can be: the caller adds the values up and copies the gradients
-    got = list(replayed(fn, args, tail.inner, "loss chunk")(*args) if graphs and not tail.random else fn(*args))
+    with autocast_off():
+        if entry is None:
+            with COMPILE_LOCK:
+                entry = tail.vjps.get(key) or _build(tail, L, wrt, args, fwd)
+                tail.vjps[key] = entry
+        fn, pairs = entry
+        # NB: replayed from a CUDA graph where it can be: the caller adds the values up and copies the gradients
+        got = list(replayed(fn, args, tail.inner, "loss chunk")(*args) if graphs and not tail.random else fn(*args))
     n = len(tail.out_step_dims)
     vals = tail._mean_scaled(got[:n])
     grads = dict(zip(pairs, got[n:]))

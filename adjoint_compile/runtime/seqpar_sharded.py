@@ -33,6 +33,7 @@ from ..analysis.fx import is_linear_scan, scan_args
 from .first_order import first_order
 from .seqpar import SeqParState, SeqScan, _gather
 from .sharded import ShardedRegion
+from .shard_parts import accumulate, accumulated
 from .shard_program import ShardProgram, autocast_state
 
 log = logging.getLogger(__name__)
@@ -173,9 +174,8 @@ def _adjoint_sweep(prog: ShardProgram, inputs: Any, bounds: list, carries: list,
                 grads[i].narrow(d, s, L).copy_(g)
         for i in free:
             if gx[i] is not None:
-                acc[i] = gx[i].clone() if i not in acc else acc[i].add_(gx[i])
-    for i, g in acc.items():
-        grads[i] = g
+                accumulate(acc, i, gx[i])
+    accumulated(acc, grads, inputs)
     return grads, adj[0]
 
 

@@ -12,7 +12,8 @@ import torch.fx as fx
 
 __all__ = ["MIN_SHARD_BYTES", "MIN_SHARD_BYTES_GPU", "SHARD_THREADS", "SERIAL_KERNEL_BYTES", "serial_kernels",
            "min_shard_bytes", "MIN_CHUNK_BYTES_GPU", "CHUNK_ROWS_GPU", "least_shard_steps", "min_chunk_bytes",
-           "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state", "autocast_as"]
+           "default_shard_size", "wanted_shard_size", "own_bytes", "autocast_state", "autocast_as", "autocast_off",
+           "accumulate", "accumulated"]
 
 
 #: the least activation bytes a shard recomputes on a CPU, per intra-op thread (up to :data:`SHARD_THREADS`; estimated,
@@ -109,6 +110,23 @@ def wanted_shard_size(T: int, boundary_bytes: int = 0, step_bytes: int = 0, min_
         return max(1, -(-least // step_bytes))
     balance = math.isqrt(-(-T * boundary_bytes // step_bytes) - 1) + 1
     return max(1, balance, -(-least // step_bytes))
+
+
+def accumulate(acc: dict[int, torch.Tensor], i: int, g: torch.Tensor) -> None:
+    """Add a shard's gradient ``g`` of a step-free input (a parameter) to ``acc[i]``, kept in fp32 at least.
+
+    NB: a half-precision model's parameter gradient summed over many shards in its own dtype loses a rounding per
+    shard (bf16, T = 1024 in shards of 1: 0.11 relative error where eager autograd's one reduction gives 0.003)."""
+    if i in acc:
+        acc[i].add_(g)
+    else:
+        acc[i] = g.to(torch.promote_types(g.dtype, torch.float32), copy=True)
+
+
+def accumulated(acc: dict[int, torch.Tensor], grads: list[Any], like: Sequence[Any]) -> None:
+    """``grads[i]`` from ``acc[i]`` (:func:`accumulate`) in the dtype of ``like[i]``'s gradient."""
+    for i, g in acc.items():
+        grads[i] = g.to(like[i].dtype)
 
 
 def h0_index(node: fx.Node) -> int | None:
@@ -229,6 +247,12 @@ def autocast_state() -> tuple:
     (:func:`autocast_as`), as ``torch.utils.checkpoint`` does, so that the VJP is that of the forward that ran.
     """
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+def autocast_off() -> contextlib.AbstractContextManager:
+    """No autocast: for tracing and running a joint program whose casts were traced in (a VJP's recomputation under
+    the forward's settings); the autocast a backward runs under would cast its ops a second time."""
+    return autocast_as(tuple((d, False, dt) for d, _, dt in autocast_state()))
 
 
 @contextlib.contextmanager

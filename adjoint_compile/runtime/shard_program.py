@@ -60,8 +60,9 @@ from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
 from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout, differentiable,
-                          autocast_as, autocast_state, default_shard_size, initial_zeros, least_shard_steps, own_bytes,
-                          serial_kernels, shard_bounds, wanted_shard_size, without_steps, h0_index as _h0_index)
+                          autocast_as, autocast_off, autocast_state, default_shard_size, initial_zeros,
+                          least_shard_steps, own_bytes, serial_kernels, shard_bounds, wanted_shard_size, without_steps,
+                          h0_index as _h0_index)
 from .graphed import replayed
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
@@ -465,7 +466,7 @@ class ShardProgram:
         with ``needs_x``) and the carries (those with ``needs_c``).
 
         ``autocast``: the forward's autocast settings (:func:`autocast_state`; None: those in effect now): the
-        recomputation runs under them, its VJP under those in effect now, as eager autograd would.
+        recomputation runs under them, traced into the program, which runs without autocast (a backward's own).
 
         ``nus`` (only when :attr:`truncating`): per scan, the ν carry from the right neighbour (:mod:`.truncated`);
         the result then has a third list, per scan the ν' carry for the left neighbour. ``graphs``: as in :meth:`run`.
@@ -478,9 +479,7 @@ class ShardProgram:
         first_shard = first_shard and bool(self.shift_scans)  # NB: only previous-state readouts tell it apart
         wrt_x = [i for i, (x, n) in enumerate(zip(xs, needs_x)) if n and differentiable(x)]
         wrt_c = [j for j, n in enumerate(needs_c) if n and differentiable(carries[j])]
-        has_g = tuple(g is not None for g in gouts)
-        has_a = tuple(a is not None for a in adjs)
-        has_c = tuple(c is not None for c in carries)
+        has_g, has_a, has_c = (tuple(v is not None for v in vs) for vs in (gouts, adjs, carries))
         gx, gc = [None] * len(xs), [None] * len(carries)
         trunc = self.truncating
         if trunc != (nus is not None):
@@ -499,12 +498,13 @@ class ShardProgram:
         if self.shared is not None:
             key += (self.program(L).code,)
         fn = self.vjps.get(key)
-        if fn is None:
-            with COMPILE_LOCK:
-                fn = self.vjps.get(key) or build_vjp(self, L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c, args,
-                                                           fwd)
-                self.vjps[key] = fn
-        got = (replayed(fn, args, self.inner, "shard VJP") if graphs and not self.random else fn)(*args)
+        with autocast_off():
+            if fn is None:
+                with COMPILE_LOCK:
+                    fn = self.vjps.get(key) or build_vjp(self, L, first_shard, wrt_x, wrt_c, has_g, has_a, has_c,
+                                                               args, fwd)
+                    self.vjps[key] = fn
+            got = (replayed(fn, args, self.inner, "shard VJP") if graphs and not self.random else fn)(*args)
         for i, g in zip(wrt_x, got[: len(wrt_x)]):
             gx[i] = g
         for j, g in zip(wrt_c, got[len(wrt_x): len(wrt_x) + len(wrt_c)]):

@@ -35,7 +35,7 @@ import torch.fx as fx
 from ..errors import AdjointVerifyReport, UnsupportedRegion
 from .first_order import first_order
 from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
-from .shard_parts import zero_adjoints, zeros_exact
+from .shard_parts import accumulate, accumulated, zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
 from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
 
@@ -137,10 +137,7 @@ class _ShardedFn(torch.autograd.Function):
                 got = per_example_param_grads(prog, dataclasses.replace(ps, params=tuple(ps_want)), L, xs, carries,
                                               k == 0, gos, adj, s, ctx.autocast)
                 for i, g in got.items():
-                    if i in ps_acc:
-                        ps_acc[i].add_(g)
-                    else:
-                        ps_acc[i] = g
+                    accumulate(ps_acc, i, g)
             # NB: graphs: gx is copied or added up below, the carries are inputs of the next call (which copies them)
             res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,
                            nus=nus, graphs=ctx.graphs)
@@ -150,14 +147,10 @@ class _ShardedFn(torch.autograd.Function):
                     if grads[i] is None:
                         grads[i] = torch.zeros_like(inputs[i])
                     grads[i].narrow(d, s, L).copy_(g)
-            old = [i for i in free if gx[i] is not None and i in acc]
-            if old:
-                torch._foreach_add_([acc[i] for i in old], [gx[i] for i in old])
             for i in free:
-                if gx[i] is not None and i not in acc:
-                    acc[i] = gx[i].clone()
-        for i, g in acc.items():
-            grads[i] = g
+                if gx[i] is not None:
+                    accumulate(acc, i, gx[i])
+        accumulated(acc, grads, inputs)
         if ps_acc:
             assert ps is not None
             record_region(ps, ctx.ps_params, ps_acc)
