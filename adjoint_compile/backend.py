@@ -88,15 +88,20 @@ class CompiledGraph:
     #: the module whose forward dynamo was compiling (weak; None for a function): the report of one compiled
     #: instance lists its own graphs, not its class's
     frame_module: Any = None
+    #: per call, the graph's first parameter input: another instance of the class whose calls reuse this graph
+    #: (dynamo serves them from one cache entry) has it reported too
+    callers: Any = dataclasses.field(default_factory=weakref.WeakValueDictionary)  # NB: by id: tensors' == is no bool
 
 
 class CompiledGraphFn:
     """The callable handed back to dynamo: runs the compiled graph and carries its :class:`CompiledGraph` (dynamo
     keeps it in the compiled frame's globals, where ``adjoint_compile.report`` finds it)."""
 
-    def __init__(self, result: CompiledGraph, original: fx.GraphModule | None = None) -> None:
+    def __init__(self, result: CompiledGraph, original: fx.GraphModule | None = None,
+                 param_at: int | None = None) -> None:
         self.result = result
         self._fn = result.fn
+        self._param_at = param_at
         #: ``verify=True``: the graph as captured, compared with the rewritten one on the first call, then dropped
         self._original = original
 
@@ -105,6 +110,8 @@ class CompiledGraphFn:
         if self._original is not None and not torch.is_inference_mode_enabled():
             original, self._original = self._original, None
             self._verify(original, args)
+        if self._param_at is not None and id(args[self._param_at]) not in self.result.callers:
+            self.result.callers[id(args[self._param_at])] = args[self._param_at]
         return timing.call(self.result.timing, self._fn, args)  # NB: run-time compiles count to this graph
 
     def _verify(self, original: fx.GraphModule, args: tuple) -> None:
@@ -297,7 +304,8 @@ def adjoint_backend(
     # NB: and not under sequence_parallel, where plain autograd of one rank's graph is not the reference
     keep = (original is not None and bool(result.lowered) and not isinstance(result.fn, LengthDispatch)
             and opts.sequence_parallel is None)
-    return CompiledGraphFn(result, original if keep else None)
+    param_at = next((i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)), None)
+    return CompiledGraphFn(result, original if keep else None, param_at)
 
 
 @dataclasses.dataclass

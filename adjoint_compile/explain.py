@@ -295,8 +295,9 @@ def report(compiled_model: Any) -> Report:
     loop and the functions it calls): the backend notes every frame a ``torch.compile`` call compiled
     (analysis/breaks.py). ``report.graph_breaks`` lists the break that ended each graph.
 
-    NB: dynamo keeps its compiled graphs per code object, so for a module this lists the graphs of every compiled
-    instance of its class (with parameters as graph inputs, instances of one class share them). With
+    NB: dynamo keeps its compiled graphs per code object, and instances of one class share them (parameters are
+    graph inputs): for a module this lists the graphs compiled for it and those compiled for another instance that
+    its calls ran. With
     ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``: the figures of
     the comparison with plain autograd on its first call (``runtime.sharded.region_fidelity``: ``max_rel_err``,
     ``grad_rel_err``, ``grad_cosine``, ``output_max_rel_err``, ``shard_size``, ``steps``, ``window``).
@@ -450,10 +451,12 @@ def _compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     found = _cached_records([(getattr(f, "__code__", None), getattr(f, "__globals__", {}))
                              for f in (getattr(r, "__func__", r) for r in roots)])
     if isinstance(compiled_model, OptimizedModule):
-        # NB: every instance of a class compiles the same forward code: only this instance's frames' graphs
+        # NB: every instance of a class compiles the same forward code: only this instance's frames' graphs, and
+        # those another instance compiled that this one's calls ran (dynamo serves both from one cache entry)
         mine = {id(m) for m in compiled_model._orig_mod.modules()}
+        params = list(compiled_model._orig_mod.parameters())
         found = {k: c for k, c in found.items() if c.frame_module is None or c.frame_module() is None
-                 or id(c.frame_module()) in mine}
+                 or id(c.frame_module()) in mine or any(c.callers.get(id(p)) is p for p in params)}
     notes = notes_of(compiled_model)
     if notes is not None:  # NB: only this compile's graphs: other compiles may share the frames' code
         found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})

@@ -154,3 +154,40 @@ def test_two_instances_of_one_class_report_their_own_graphs():
     for f, s in ((fa, 4), (fb, 8)):
         sizes = [r.details.get("shard_size") for r in ac.report(f).regions]
         assert sizes == [s], (s, str(ac.report(f)))
+
+
+def test_an_instance_that_runs_another_instances_graph_reports_it():
+    """With the same options the second instance's calls run the graph compiled for the first (one dynamo cache
+    entry): its report said no graph had been compiled, though its region ran sharded. A third, never called,
+    reports nothing."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 40, 6)
+    opts = {"shard_size": 4, "inner": "aot_eager"}
+    fa, fb, fc = (torch.compile(_Scan(), backend="adjoint", options=opts) for _ in range(3))
+    fa(x).sum().backward()
+    fb(x).sum().backward()
+    for f in (fa, fb):
+        assert [r.rewrite for r in ac.report(f).regions] == ["adjoint"], str(ac.report(f))
+    assert ac.report(fc).regions == [], str(ac.report(fc))
+
+
+def test_a_deep_copy_of_a_compiled_model_trains_and_reports():
+    """An EMA or teacher copy made after training started: copy.deepcopy raised "cannot pickle 'module' object"
+    (the compile's notes held its frames' globals). The copy is a model of its own: its gradients are its own, exact,
+    and its report lists the graph its calls ran."""
+    import copy
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 40, 6, dtype=torch.float64)
+    f = torch.compile(_Scan().double(), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    f(x).sum().backward()
+    g = copy.deepcopy(f)
+    g._orig_mod.zero_grad()
+    g(x).square().sum().backward()
+    want = copy.deepcopy(g._orig_mod)
+    want.zero_grad()
+    want(x).square().sum().backward()
+    for (n, p), q in zip(g._orig_mod.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0, msg=n)
+        assert p is not dict(f._orig_mod.named_parameters())[n]
+    assert [r.rewrite for r in ac.report(g).regions] == ["adjoint"], str(ac.report(g))

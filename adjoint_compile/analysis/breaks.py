@@ -116,6 +116,11 @@ class CompileNotes:
         #: the node counts of the small graphs with nothing recognized next to breaks (the first one was warned)
         self.split: list[int] = []
 
+    def __deepcopy__(self, memo: dict) -> "CompileNotes":
+        # NB: a deep copy of a compiled model (an EMA or teacher copy) is a new compile with nothing noted yet; the
+        # frames' globals hold modules, which cannot be copied
+        return CompileNotes()
+
     def note(self, result: Any, code: Any, globs: dict[str, Any]) -> None:
         self.graphs[result.seq] = result
         if code is not None and id(code) not in self.frames:
