@@ -213,6 +213,9 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
                        "part of each example's gradient)")
     if "batch_dim" in options:
         kw["batch_dim"] = _check_positive_int("batch_dim", options["batch_dim"], 0)
+        if clip is None:
+            # NB: nothing else reads the example axis: accepting it alone would look like it did something
+            raise _bad("batch_dim", options["batch_dim"], "it applies to per_sample_clip only (not given)")
     cuda_graphs = options.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise _bad("cuda_graphs", cuda_graphs, "expected True or False")

@@ -539,6 +539,12 @@ def test_bad_batch_dim(bad):
         ac.validate_options({"per_sample_clip": 1.0, "batch_dim": bad})
 
 
+def test_batch_dim_alone_refused():
+    # the example axis is read by per_sample_clip only: alone it would be accepted and do nothing
+    with pytest.raises(ac.OptionsError, match=r"'batch_dim'=1 .*applies to per_sample_clip only"):
+        ac.validate_options({"batch_dim": 1})
+
+
 def test_good_options():
     o = ac.validate_options({"per_sample_clip": 2, "batch_dim": 1})
     assert (o.per_sample_clip, o.batch_dim) == (2.0, 1)

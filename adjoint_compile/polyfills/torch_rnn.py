@@ -220,20 +220,24 @@ def _wrap_module(original: Callable[..., Any]) -> Callable[..., Any]:
         from torch._dynamo import config
         if isinstance(value, (torch.nn.GRU, torch.nn.LSTM)) and not config.allow_rnn:
             mode = traced_mode()
+            clip = (traced_options() or {}).get("per_sample_clip") if mode is not None else None
+            if clip is not None and not getattr(_FORCE, "on", False):
+                # NB: left out of the graph, its parameters' gradients (and those of everything dynamo then runs
+                # eagerly around it) would be summed unclipped, in silence; in highway mode its polyfill's scan
+                # returns a tuple of states the per-example book-keeping cannot attribute
+                from ..errors import PerSampleError
+                how = ("in highway mode its fused call becomes a scan over a tuple of states, which the per-example "
+                       "book-keeping cannot attribute to examples" if mode == "highway" else
+                       "dynamo leaves it out of the graph (allow_rnn=False), so it runs natively and its parameters "
+                       "would get the plain summed gradient")
+                raise PerSampleError(
+                    f"adjoint-compile: per_sample_clip={clip} cannot clip the gradients of nn."
+                    f"{type(value).__name__}: {how}; write the recurrence in the compiled code with its own layers "
+                    f"(a loop over time)")
             if mode == "highway":
                 with config.patch(allow_rnn=True):
                     return original(self, value)
             if mode is not None:
-                clip = (traced_options() or {}).get("per_sample_clip")
-                if clip is not None and not getattr(_FORCE, "on", False):
-                    # NB: left out of the graph, its parameters' gradients (and those of everything dynamo then runs
-                    # eagerly around it) would be summed unclipped, in silence
-                    from ..errors import PerSampleError
-                    raise PerSampleError(
-                        f"adjoint-compile: per_sample_clip={clip} cannot clip the gradients of nn."
-                        f"{type(value).__name__}: dynamo leaves it out of the graph (allow_rnn=False), so it runs "
-                        f"natively and its parameters would get the plain summed gradient; write the recurrence "
-                        f"in the compiled code with its own layers (a loop over time)")
                 _note(_left_native(type(value).__name__, mode))
         return original(self, value)
     wrap_module._adjoint_compile_hook = True  # type: ignore[attr-defined]
