@@ -415,3 +415,33 @@ def test_a_rolled_loop_is_truncated_to_its_window(W):
     assert rel(y, oracle(x)) <= 1e-12
     for a, b in zip(got, want):
         assert rel(a, b) <= 1e-10
+
+
+def test_a_region_that_would_not_save_memory_is_still_truncated():
+    """The window changes the gradients asked for: a region the memory estimate declines in exact mode (a reverse-time
+    loop of one op, little to save) was declined in truncated mode too, and gave the exact gradients in silence."""
+    torch.manual_seed(0)
+    B_, T, C, W = 2, 13, 4, 3
+    x, cot = torch.randn(B_, T, C, dtype=torch.float64), torch.randn(B_, T, C, dtype=torch.float64)
+    wa, wb = (torch.randn(C, C, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def reverse_loop(x, wa, wb):
+        a, b = torch.sigmoid(x @ wa), x @ wb
+        h, hs = torch.zeros(B_, C, dtype=x.dtype), [None] * T
+        for t in reversed(range(T)):
+            h = a[:, t] * h + b[:, t]
+            hs[t] = h
+        return (torch.stack(hs, 1) * cot).sum()
+
+    def oracle(x, wa, wb):
+        return (oracle_scan(torch.sigmoid(x @ wa), x @ wb, dim=1, W=W, reverse=True) * cot).sum()
+
+    torch._dynamo.reset()
+    f = torch.compile(reverse_loop, backend="adjoint", options={"mode": "truncated", "window": W, "shard_size": 4,
+                                                                "inner": "aot_eager"})
+    got = torch.autograd.grad(f(x, wa, wb), (wa, wb))
+    assert [r.rewrite for r in ac.report(f).regions] == ["truncated"], str(ac.report(f))
+    want = torch.autograd.grad(oracle(x, wa, wb), (wa, wb))
+    exact = torch.autograd.grad(reverse_loop(x, wa, wb), (wa, wb))
+    for a, b, e in zip(got, want, exact):
+        assert rel(a, b) <= 1e-12 and rel(a, e) > 1e-2

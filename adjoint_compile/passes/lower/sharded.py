@@ -144,7 +144,9 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         memory["per_example"] = ps_kinds[1] * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size()
                                                   for i in mod.per_sample.params)
         memory["sharded"] += memory["per_example"]
-    why = declines(memory, -(-T // S_all))
+    # NB: in truncated mode a window shorter than T changes the gradients the user asked for: a region that would
+    # not save memory is still rewritten (declined, it would give the exact gradients without a word)
+    why = declines(memory, -(-T // S_all)) if rewrite == "adjoint" or window is None or window >= T else ""
     if not why and S_all >= T and rewrite == "adjoint" and opts.sequence_parallel is None:
         # NB: one shard saves nothing and recomputes the whole forward (truncated mode keeps it: its window still
         # changes the gradients the user asked for; under sequence_parallel every rank must lower the same regions,
