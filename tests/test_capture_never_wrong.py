@@ -284,6 +284,28 @@ def test_output_mismatch():
     assert output_mismatch((d * (1 + 1e-6),), (d,)) is not None                 # fp64 is held tighter
 
 
+def test_first_call_check_holds_a_low_precision_graph_to_its_precision():
+    """A bf16 scan summed into an fp64 loss differs from the captured graph by bf16's rounding: held to fp64's 1e-7,
+    the correct rewrite was dropped with a warning (and its memory saving with it)."""
+    def f(a, b):
+        h = ac.ops.linear_scan(torch.sigmoid(a), b)
+        return (h.double() * torch.linspace(-1, 1, h.shape[1], dtype=torch.float64).view(1, -1, 1)).square().mean()
+
+    torch.manual_seed(0)
+    a = torch.randn(2, 37, 4, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(2, 37, 4, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdjointCompileWarning)
+        compiled(a, b).backward()
+    rec = ac.report(compiled).compiled[0]
+    assert rec.lowered and rec.fallbacks == [] and rec.timing["check_forward_s"] > 0
+    d = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert output_mismatch((d * (1 + 1e-3),), (d,), floor=5e-2) is None       # within bf16's tolerance
+    assert output_mismatch((d * 1.5,), (d,), floor=5e-2) is not None          # a real difference still fails
+
+
 def _lm_head_loss(x, w, t):
     return torch.nn.functional.cross_entropy((x @ w).flatten(0, 1), t.flatten())
 
