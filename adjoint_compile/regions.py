@@ -123,6 +123,14 @@ class LoopRecipe:
     #: the stack/cat that collects the states: {"node": name, "op": "stack" | "cat", "dim": d}, or None
     stacked_by: dict[str, Any] | None
 
+    def highway_refusal(self) -> str | None:
+        """Why Highway-BP's loop lowering cannot take this loop (None: its structure can)."""
+        if self.h0 is None or not self.first_step_matched or len(self.states) < 2:
+            return "the loop's steps are not all the same (its first step differs) or it has no initial state"
+        if self.rotated or len(self.carried) != 1 or self.carried[0][0] is not self.states[0]:
+            return "the loop carries more than its one state (e.g. an LSTM's h and c): not supported yet"
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, with node names."""
         def pairs(ps: list[tuple[fx.Node, fx.Node | None]], second: str) -> list[dict[str, Any]]:

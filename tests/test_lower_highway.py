@@ -469,3 +469,37 @@ def test_lstm_chain_form_matches_the_levels_oracle(k):
     assert r.rewrite == "highway" and "lstm: r = " in r.reason, r.reason
     if k >= r.length:
         _assert_same(got, _grads(m, x, loss), "lstm chain k>=L vs autograd")
+
+
+class _TwoStateLoop(torch.nn.Module):
+    """An LSTM-like loop carrying h and c."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.g = torch.nn.Linear(2 * d, 2 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = c = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype)
+        out = []
+        for t in range(x.shape[1]):
+            f, i = torch.sigmoid(self.g(torch.cat([x[:, t], h], -1))).chunk(2, -1)
+            c = f * c + i * x[:, t]
+            h = torch.tanh(c)
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def test_exact_mode_points_to_highway_only_where_highway_takes_the_loop():
+    """The exact-mode reason of a gated loop said "mode='highway' rewrites it" for a loop highway then refused."""
+    import warnings
+    reasons = {}
+    for mode in ({"mode": "exact"}, {"mode": "highway", "iterations": 2}):
+        torch._dynamo.reset()
+        f = torch.compile(_TwoStateLoop(), backend="adjoint", options={**mode, "inner": "aot_eager"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f(torch.randn(2, 9, 6)).sum().backward()
+        reasons[mode["mode"]] = [r.reason for r in ac.report(f).regions if r.source == "unrolled_loop"]
+    assert reasons["highway"] and all("carries more than its one state" in r for r in reasons["highway"])
+    assert reasons["exact"] and all("mode='highway' would not either: the loop carries more than its one state" in r
+                                    for r in reasons["exact"]), reasons["exact"]

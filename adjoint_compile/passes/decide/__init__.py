@@ -17,6 +17,9 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import torch.fx as fx
+
+from ..match.find_recurrences import is_scan_hop
 from ...options import Options
 from ...regions import Lowered, NotLowered, Region, Rewrite
 
@@ -101,8 +104,21 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 p = Plan("none", SEQUENCE_PARALLEL)
             elif symbolic:
                 p = Plan("none", SYMBOLIC)
+        elif r.kind == "gated_recurrence" and opts.mode != "highway" and (why := _highway_refusal(r)):
+            p = Plan("none", p.reason.replace("mode='highway' rewrites it", f"mode='highway' would not either: {why}"))
         plans.append(p)
     return plans
+
+
+def _highway_refusal(r: Region) -> str | None:
+    """Why mode='highway' would not take the gated recurrence ``r`` either (passes/lower/highway.py's structural
+    checks), or None: the reasons of the other modes then point to it."""
+    if r.details.get("cell") or any(isinstance(n, fx.Node) and is_scan_hop(n) for n in r.nodes):
+        return None
+    rec = getattr(r, "reroll", None)
+    if r.source != "unrolled_loop" or rec is None:
+        return f"it rewrites gated recurrences written as loops or torch's scan, not from {r.source!r}"
+    return rec.highway_refusal()
 
 
 def mib(n: int) -> str:

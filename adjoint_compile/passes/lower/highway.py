@@ -230,10 +230,8 @@ def _no_random(n: fx.Node) -> None:
 def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
     """Replace an unrolled loop (a gated recurrence with a re-roll recipe) by one HighwayScan call."""
     rec = r.reroll
-    if rec is None or rec.h0 is None or not rec.first_step_matched or len(rec.states) < 2:
-        raise _Refused("the loop's steps are not all the same (its first step differs) or it has no initial state")
-    if rec.rotated or len(rec.carried) != 1 or rec.carried[0][0] is not rec.states[0]:
-        raise _Refused("the loop carries more than its one state (e.g. an LSTM's h and c): not supported yet")
+    if rec is None or (why := rec.highway_refusal()) is not None:
+        raise _Refused(why or "the loop has no re-roll recipe")
     states, T = rec.states, len(rec.states)
     prev, new = rec.states[0], rec.states[1]
     slots = [x.node for x in rec.xs]
