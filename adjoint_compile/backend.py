@@ -42,7 +42,7 @@ from .passes.lower.per_sample import PerSampleLowering, lower_per_sample
 from .passes.stitch import stitch, stitch_partitions
 from .passes.recognize import recognize_captured as recognize
 from .analysis.fx import source_line
-from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
+from .regions import Fallback, NotLowered, Region, Rejection, group_rejections, rejection_lines
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError, watch_unreduced
 from .analysis.optable import draws_random
@@ -159,13 +159,13 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
     regions, rejections = timed("recognize", recognize, captured, opts)
     plans = timed("decide", decide.plan, regions, opts)
     result = CompiledGraph(captured, regions, rejections, [], None, opts)
-    settled = False
+    settled, refusal = False, None
     if captured.symbolic:
         if compile:
             result.fn = LengthDispatch(result, opts, run_pipeline, stitch(captured, [], opts))
     else:
         sp, settled = timed("lower", lower_sequence_parallel, captured, regions, plans, opts)
-        result.lowered = list(sp.calls)
+        result.lowered, refusal = list(sp.calls), sp.refusal
         if sp.refusal is not None:
             result.rejections.append(Rejection("sequence_parallel", "<graph>", sp.refusal))
         if compile:
@@ -175,7 +175,10 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
             if reduce is not None:
                 watch_unreduced([example_inputs[i] for i in sp.params], [m for _, m in _frame_modules()])
     if not settled:
-        decide.settle(regions, plans, [None] * len(regions))
+        # NB: a graph refused for sequence parallelism lowers nothing: its regions say why (their plans' reason is
+        # empty where a rewrite was planned)
+        decide.settle(regions, plans, [NotLowered(f"not lowered: {refusal}") if refusal and p.rewrite != "none"
+                                       else None for p in plans])
     captured.example_inputs = []
     _log_decisions(result, opts)
     if compile and not captured.symbolic:

@@ -380,3 +380,75 @@ def test_slices_passed_as_views_under_dynamic_shapes(tmp_path):
         for k, p in model.named_parameters():
             for got in (got0, got1):
                 assert _rel(got[k], p.grad) < 1e-5, (lengths, k, _rel(got[k], p.grad))
+
+
+class _LoopFromAStep(nn.Module):
+    """A loop over time whose first state is made like one step of the input (``torch.zeros_like(b[:, 0])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, out = torch.zeros_like(b[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def _loop_worker(rank, world, port, out_dir):
+    with _rank_errors(rank, out_dir):
+        _init(rank, world, port, 30)
+        model = _LoopFromAStep().double()
+        f = torch.compile(model, backend="adjoint", options={"sequence_parallel": True, "inner": "aot_eager",
+                                                             "shard_size": 2})
+        x, w = (t.double() for t in _data(9))
+        sl = slice(0, 5) if rank == 0 else slice(5, 9)
+        (f(x[:, sl]) * w[:, sl]).sum().backward()
+        rewrites = [r.rewrite for r in ac.report(f).regions]
+        torch.save(({k: p.grad for k, p in model.named_parameters()}, rewrites), os.path.join(out_dir,
+                                                                                             f"rank{rank}.pt"))
+
+
+def test_a_loop_whose_first_state_is_made_like_a_step(tmp_path):
+    """The slice `b[:, 0]` read only for its shape (a loop's zero first state) picks a step, but no values: the graph
+    was refused ("indexing a single step"), and its region's reason in report() was empty. Both ranks' gradients
+    equal the single-process run's."""
+    _spawn(_loop_worker, 2, (_port(), str(tmp_path)), timeout=240)
+    errs = sorted(tmp_path.glob("rank*.err"))
+    assert not errs, errs[0].read_text()
+    model = _LoopFromAStep().double()
+    x, w = (t.double() for t in _data(9))
+    (model(x) * w).sum().backward()
+    for r in (0, 1):
+        got, rewrites = torch.load(tmp_path / f"rank{r}.pt")
+        assert rewrites == ["adjoint"], rewrites
+        for k, p in model.named_parameters():
+            assert _rel(got[k], p.grad) < 1e-12, (r, k, _rel(got[k], p.grad))
+
+
+class _ScanThenTimeMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(x)), x)
+        return h - h.mean(dim=1, keepdim=True)
+
+
+def test_the_regions_of_a_refused_graph_say_why(tmp_path):
+    """The recurrence of a graph refused for sequence parallelism had an empty reason in report()."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        f = torch.compile(_ScanThenTimeMean(), backend="adjoint", options={"sequence_parallel": True,
+                                                                           "inner": "aot_eager"})
+        with pytest.raises(ac.SequenceParallelError, match="mean over the step dim"):
+            f(torch.randn(2, 8, D))
+        (r,) = ac.report(f).regions
+        assert r.rewrite == "none" and r.reason.startswith("not lowered: sequence_parallel: mean"), r.reason
+    finally:
+        dist.destroy_process_group()

@@ -127,7 +127,7 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
         convs.update(more)
     allowed = set(convs) | {sl for sl, _ in convs.values()}
     for n in nodes:
-        if n in allowed:
+        if n in allowed or (n.users and all(_shape_only(u) for u in n.users)):
             continue
         why = info.mixing.get(n)
         if why is None and is_linear_scan(n) and scan_args(n)["window"] is not None:
@@ -135,6 +135,17 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
         if why is not None:
             return T, convs, scans, _refusal(n, why)
     return T, convs, scans, None
+
+
+#: ops that read their input's shape, dtype and device only (``torch.zeros_like(x[:, 0])``, a loop's first state)
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+
+
+def _shape_only(u: fx.Node) -> bool:
+    """Whether ``u`` reads no values of its first argument: a value only they read is the same on every rank's slice
+    (its shape has no step axis to cut) whatever steps it picks."""
+    return (u.op == "call_function" and u.target in _LIKE) or (
+        u.op == "call_method" and u.target in ("new_zeros", "new_ones", "new_empty", "new_full"))
 
 
 def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True,
