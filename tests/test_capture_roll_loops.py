@@ -549,3 +549,28 @@ def test_a_detach_in_the_step_keeps_the_loop_as_written():
     torch.testing.assert_close(got, model.b.weight.grad, rtol=1e-10, atol=1e-12)
     (r,) = loops.rolled()["DetachInStep.forward"]
     assert not r.rolled and "calls detach" in r.reason, r
+
+
+def test_a_loop_that_is_not_re_rolled_says_so():
+    """A loop reading the state two steps back is not re-rolled: its reason blamed the recurrence's source ("source
+    'unrolled_loop' is not one yet") rather than saying the loop was not re-rolled and what to write instead."""
+    class TwoBack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            a, b = torch.sigmoid(self.a(x)), self.b(x)
+            hs = [torch.zeros_like(b[:, 0]), torch.zeros_like(b[:, 0])]
+            for t in range(x.shape[1]):
+                hs.append(a[:, t] * hs[-2] + b[:, t])
+            return torch.stack(hs[2:], 1)
+
+    torch._dynamo.reset()
+    f = torch.compile(TwoBack(), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(torch.randn(2, 13, 4)).sum().backward()
+    reasons = [r.reason for r in ac.report(f).regions if r.rewrite == "none"]
+    assert any(r.startswith("the loop was not re-rolled into one linear_scan") and "ops.linear_scan" in r
+               for r in reasons), reasons

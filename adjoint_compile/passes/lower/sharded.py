@@ -337,6 +337,16 @@ def _per_scan(nodes: list[fx.Node], scans: list[fx.Node]) -> list[tuple[list[fx.
     return [(parts[k], [s]) for k, s in enumerate(scans) if parts[k]]
 
 
+def _not_a_scan(r: Recurrence, opts: Options) -> str:
+    """Why a recurrence without a linear_scan node is not lowered."""
+    if r.source != "unrolled_loop":
+        return f"{opts.mode} mode lowers linear_scan recurrences; source {r.source!r} is not one yet"
+    rec = getattr(r, "reroll", None)
+    why = rec.first_step_reason if rec is not None and not rec.first_step_matched and rec.first_step_reason else ""
+    return (f"the loop was not re-rolled into one linear_scan{f' ({why})' if why else ''}, which {opts.mode} mode "
+            f"lowers; write the recurrence with adjoint_compile.ops.linear_scan")
+
+
 def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: Options) -> list[Lowered | NotLowered]:
     """Lower every ``linear_scan`` recurrence (exact mode, or truncated mode with ``opts.window``); one outcome per
     record, in order.
@@ -350,8 +360,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
     for i, r in enumerate(recurrences):
         cands = [n for n in list(r.outputs) + list(r.nodes) if isinstance(n, fx.Node) and is_linear_scan(n)]
         if not cands:
-            out[i] = NotLowered(f"{opts.mode} mode lowers linear_scan recurrences; source {r.source!r} is not one "
-                                f"yet")
+            out[i] = NotLowered(_not_a_scan(r, opts))
             continue
         scan_of[i] = cands[0]
     if not scan_of:
