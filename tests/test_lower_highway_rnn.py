@@ -147,6 +147,27 @@ def test_rnn_module_matches_the_levels_oracle(name, k):
     assert all(r.details["iterations"] == k for r in regions)
 
 
+@pytest.mark.parametrize("name", ["gru_2layers_seq_first_h0", "lstm_2layers_batch_first_h0"])
+def test_dynamic_shapes_decompose_the_module_at_every_length(name):
+    """Under dynamic=True the module's dropout p arrives as a symbolic float: the module was left native ("unreadable
+    arguments") and its gradients were the exact ones, not Highway-BP's."""
+    make, _, _ = CASES[name]
+    torch.manual_seed(11)
+    m = make()
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="adjoint", dynamic=True, options={"mode": "highway", "iterations": 1,
+                                                                   "inner": "eager"})
+    for T in (7, 9, 5):
+        x = torch.randn(3, T, 5) if m.batch_first else torch.randn(T, 3, 5)
+        h = torch.randn(m.num_layers, 3, 6)
+        hx = (h, torch.randn(m.num_layers, 3, 6)) if isinstance(m, nn.LSTM) else h
+        proj = [torch.randn(o.shape) for o in _flat(m(x, hx))]
+        got, _ = _grads(lambda x, h: c(x, h), m, x, hx, proj)
+        want, _ = _grads(lambda x, h: _oracle(m, x, h, 1), m, x, hx, proj)
+        _assert_same(got, want, f"{name} T={T}")
+    assert not ac.report(c).graph_breaks, ac.report(c).graph_breaks
+
+
 def test_exact_mode_leaves_the_module_native_with_exact_gradients():
     torch.manual_seed(12)
     m, x = nn.GRU(5, 6, num_layers=2, batch_first=True), torch.randn(2, 6, 5)

@@ -245,7 +245,13 @@ def _wrap_module(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _const(v: Any) -> Any:
-    return v.as_python_constant() if v.is_python_constant() else None
+    if v.is_python_constant():
+        return v.as_python_constant()
+    try:
+        # NB: a module's float passed unspecialized under dynamic=True (the dropout p): read, with a guard on it
+        return v.evaluate_expr()
+    except Exception:  # noqa: BLE001 - not a symbolic number: unreadable
+        return None
 
 
 def _handler(kind: str) -> Callable[..., Any]:
