@@ -445,3 +445,47 @@ def test_a_region_that_would_not_save_memory_is_still_truncated():
     exact = torch.autograd.grad(reverse_loop(x, wa, wb), (wa, wb))
     for a, b, e in zip(got, want, exact):
         assert rel(a, b) <= 1e-12 and rel(a, e) > 1e-2
+
+
+class _PositionDecay(nn.Module):
+    """A decay per position, ``pos[:T]`` of shape [T, 1], broadcast over the batch and the channels."""
+
+    def __init__(self, form: str, scan=None) -> None:
+        super().__init__()
+        self.lin, self.pos, self.form, self.scan = nn.Linear(6, 6), nn.Parameter(torch.randn(13, 1)), form, scan
+
+    def forward(self, x):
+        b, a = self.lin(x), torch.sigmoid(self.pos)[: x.shape[1]]
+        if self.scan is not None:
+            return self.scan(a.expand_as(b), b)
+        if self.form == "linear_scan":
+            return ac.ops.linear_scan(a.expand_as(b), b)
+        h, out = torch.zeros_like(b[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[t] * h + b[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("mode", ["exact", "truncated"])
+@pytest.mark.parametrize("form, roll", [("linear_scan", True), ("loop", True), ("loop", False)])
+def test_a_decay_per_position(mode, form, roll):
+    """A [T, 1] decay table: its expand_as was taken for a constant broadcast over the steps (the shard programs then
+    failed on it, and the reason was a RuntimeError), and the loop roller aligned its [T, 1] against the state from
+    the left ("expand on the batched values fails"). Both kept ordinary autograd: in truncated mode, no window."""
+    torch.manual_seed(0)
+    m = _PositionDecay(form).double()
+    x, g = torch.randn(2, 13, 6, dtype=torch.float64), torch.randn(2, 13, 6, dtype=torch.float64)
+    W = 3 if mode == "truncated" else 13
+    oracle = _PositionDecay(form, lambda a, b: oracle_scan(a, b, None, 1, W)).double()
+    oracle.load_state_dict(m.state_dict())
+    torch._dynamo.reset()
+    opts = {"mode": mode, "shard_size": 4, "inner": "aot_eager", "roll_loops": roll}
+    f = torch.compile(m, backend="adjoint", options={**opts, **({"window": W} if mode == "truncated" else {})})
+    y = f(x)
+    assert [r.rewrite for r in ac.report(f).regions] == ["adjoint" if mode == "exact" else "truncated"]
+    got = torch.autograd.grad(y, list(m.parameters()), g)
+    want = torch.autograd.grad(oracle(x), list(oracle.parameters()), g)
+    assert rel(y, oracle(x)) <= 1e-12
+    for a, b in zip(got, want):
+        assert rel(a, b) <= 1e-10

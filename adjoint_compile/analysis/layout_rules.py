@@ -67,6 +67,9 @@ def expand(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
         do = ctx.sd(other)
         if do is None or out is None or step_shape(other) != out:
             return None, None
+        if s is not None and 0 <= (k := do - (len(out) - len(s))) < len(s) and s[k] != 1:
+            # NB: x has the steps itself (a decay per position, ``pos[:T]`` of shape [T, 1]): a table, not a constant
+            return None, f"{node.args[0].name} has {s[k]} values along the step axis (a per-step table?)"
         return do, None
     if out is None:
         return None, f"no shape for {node.name}"

@@ -346,6 +346,11 @@ def full_steps(b: Batcher, v: Value | None, state: tuple[int, ...], like: fx.Nod
     node = v.node
     if not v.batched:
         node = em(torch.unsqueeze, (node, 0))
+    elif (r := v.rank()) < len(state):
+        # NB: a step's value of lower rank than the state broadcasts against its trailing dims (a decay per
+        # position ``a[t]`` of shape [1]): [T, *shape] becomes [T, 1, ..., *shape], not aligned from the left
+        shape = hinted_shape(node)
+        node = em("reshape", (node, (shape[0], *([1] * (len(state) - r)), *shape[1:])), method=True)
     if hinted_shape(node) != (T, *state):
         node = em("expand", (node, T, *state), method=True)
     return node
