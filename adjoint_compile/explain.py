@@ -297,10 +297,12 @@ def report(compiled_model: Any) -> Report:
 
     NB: dynamo keeps its compiled graphs per code object, and instances of one class share them (parameters are
     graph inputs): for a module this lists the graphs compiled for it and those compiled for another instance that
-    its calls ran. With
-    ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``: the figures of
-    the comparison with plain autograd on its first call (``runtime.sharded.region_fidelity``: ``max_rel_err``,
-    ``grad_rel_err``, ``grad_cosine``, ``output_max_rel_err``, ``shard_size``, ``steps``, ``window``).
+    its calls ran.
+
+    With ``options={"verify": True}``, each region whose sharded call has run has ``details["fidelity"]``: the
+    figures of the comparison with plain autograd on its first call (``runtime.sharded.region_fidelity``:
+    ``max_rel_err``, ``grad_rel_err``, ``grad_cosine``, ``output_max_rel_err``, ``shard_size``, ``steps``,
+    ``window``).
 
     Raises TypeError when ``compiled_model`` is not the result of ``torch.compile``.
     """
