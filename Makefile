@@ -25,9 +25,13 @@ demo: setup
 demo-figures: setup
 	$(PY) -m adjoint_compile.cli demo --out benchmarks/results
 
+# NB: one process per core, at most 4: most of a test's time is dynamo and the inner compiler in one thread (on
+# CI's 2 cores `make test` takes 60% of its time in one process; the slow tests, a few long ones, gain nothing)
+XDIST ?= -n auto --maxprocesses 4
+
 # everything but the system tests marked slow (real libraries and whole models compiled with inductor)
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # the tests marked slow; CI (.ci/run) runs them after `make test`
 test-slow: setup
