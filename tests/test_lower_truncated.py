@@ -489,3 +489,28 @@ def test_a_decay_per_position(mode, form, roll):
     assert rel(y, oracle(x)) <= 1e-12
     for a, b in zip(got, want):
         assert rel(a, b) <= 1e-10
+
+
+@pytest.mark.parametrize("W", [None, 3])
+def test_a_reverse_linear_scan_is_sharded_as_the_flipped_forward_scan(W):
+    """linear_scan(reverse=True) kept ordinary autograd (exact gradients in truncated mode too) where the same
+    recurrence written as a loop over reversed(range(T)) was sharded and truncated: both are now, against the reverse
+    oracle, with an h0 (the state after the last step)."""
+    torch.manual_seed(0)
+    x, cot = torch.randn(2, 13, 4, dtype=torch.float64), torch.randn(2, 13, 4, dtype=torch.float64)
+    wa, wb = (torch.randn(4, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    h0 = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, wa, wb, h0):
+        return (ac.ops.linear_scan(torch.sigmoid(x @ wa), x @ wb, h0, dim=1, reverse=True) * cot).sum()
+
+    def oracle(x, wa, wb, h0):
+        return (oracle_scan(torch.sigmoid(x @ wa), x @ wb, h0, dim=1, W=W or 13, reverse=True) * cot).sum()
+
+    torch._dynamo.reset()
+    mode = {"mode": "truncated", "window": W} if W else {"mode": "exact"}
+    c = torch.compile(f, backend="adjoint", options={**mode, "shard_size": 4, "inner": "aot_eager"})
+    got = torch.autograd.grad(c(x, wa, wb, h0), (wa, wb, h0))
+    assert [r.rewrite for r in ac.report(c).regions] == ["truncated" if W else "adjoint"], str(ac.report(c))
+    for a, b in zip(got, torch.autograd.grad(oracle(x, wa, wb, h0), (wa, wb, h0))):
+        assert rel(a, b) <= 1e-12

@@ -18,7 +18,9 @@ Normalization, in this order, each pass in its own module and each recording pro
 3. :mod:`.reroll`: linear recurrences written as torch's ``scan``, ``associative_scan`` or a Python loop dynamo
    unrolled become one ``linear_scan`` node (the recurrence matchers of :mod:`.find_recurrences` and
    :mod:`.unrolled` find them; a recurrence that cannot be re-rolled keeps its form and its node says why);
-   then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps;
+   then :mod:`.reroll_readouts` emits a loop's per-step readouts (``ys.append(h @ C[:, t])``) once for all steps,
+   and :mod:`.reverse_scans` writes a reverse scan as the forward scan of the flipped steps (as the roller writes a
+   loop over ``reversed(range(T))``);
 4. :mod:`.canonical_shifts`: pad-style previous-state readouts of scan outputs become ``cat([first, h[:-1]])``,
    in a graph with scans, other fixed-width shifts along one dim (token shifts) ``shift_steps(x, p, dim, fill)``;
 5. :mod:`.seeded_dropout` (when the graph has scans to shard and ``seed_dropout``): ``F.dropout`` becomes
@@ -54,6 +56,7 @@ from ..match.prefilter import Candidates, candidates, run_or_skip
 from .reroll import needs_reroll
 from .reroll import reroll as reroll_loops  # NB: not `reroll`, which would hide the submodule of that name
 from .reroll_readouts import reroll_readouts
+from .reverse_scans import forward_reverse_scans
 from .scan_forms import match_scan_forms, rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
 from .specialize import has_symbolic_sizes
@@ -127,6 +130,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     todo = [r for r in matched[0] if needs_reroll(r)]
     made = timed("reroll", reroll_loops, gm, todo) if todo else []
     readouts = timed("readouts", reroll_readouts, gm, made) if made else {}
+    reversed_ = timed("reverse_scans", forward_reverse_scans, gm)
     shifts = timed("shifts", canonicalize_shifts, gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     token_shifts = timed("token_shifts", canonicalize_token_shifts, gm) if has_scans else 0
@@ -136,13 +140,15 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.normalized["scan_forms"] = forms
     if readouts:
         captured.normalized["readouts"] = readouts
+    if reversed_:
+        captured.normalized["reverse_scans"] = reversed_
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
     if detached:
         captured.normalized["no_grad_detached"] = detached
     # NB: the matchers ran after the no-op, buffer-write and closed-form passes: only what changed the graph since
     # (or a reroll that failed and said why on its nodes) makes recognition match again
-    if not (made or shifts or token_shifts or dropouts or any(r.not_rerolled for r in todo)):
+    if not (made or reversed_ or shifts or token_shifts or dropouts or any(r.not_rerolled for r in todo)):
         captured.matched = matched
     log.debug("capture: %s", captured.normalized)
     return captured
