@@ -38,12 +38,12 @@ def forward_reverse_scans(gm: fx.GraphModule) -> int:
         mode = mode or _fake_mode(gm)
         prov = {"pass": "reverse_scans", "from": n.name}
         with gm.graph.inserting_before(n):
-            fa, fb = (_flip(gm, args[k], args["dim"], prov, mode) for k in ("a", "b"))
+            fa, fb = (_flip(gm, args[k], args["dim"], prov, mode, n) for k in ("a", "b"))
             scan = gm.graph.call_function(n.target, tuple({**args, "a": fa, "b": fb, "reverse": False}[k]
                                                           for k in SCAN_ARGS))
         scan.meta = {**n.meta, PROVENANCE: prov}
         with gm.graph.inserting_after(scan):
-            out = _flip(gm, scan, args["dim"], prov, mode)
+            out = _flip(gm, scan, args["dim"], prov, mode, n)
         n.replace_all_uses_with(out)
         gm.graph.erase_node(n)
         done += 1
@@ -54,8 +54,9 @@ def forward_reverse_scans(gm: fx.GraphModule) -> int:
     return done
 
 
-def _flip(gm: fx.GraphModule, x: fx.Node, dim: int, prov: dict, mode) -> fx.Node:
+def _flip(gm: fx.GraphModule, x: fx.Node, dim: int, prov: dict, mode, scan: fx.Node) -> fx.Node:
     f = gm.graph.call_function(torch.flip, (x, [dim]))
+    f.meta = {k: v for k, v in scan.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")}
     with mode:
         f.meta["example_value"] = torch.flip(example_value(x), [dim])
     f.meta[PROVENANCE] = dict(prov)
