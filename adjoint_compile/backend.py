@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -197,6 +198,37 @@ def _frame_modules() -> list[tuple[str, torch.nn.Module]]:
     return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
 
 
+def _frame_self() -> torch.nn.Module | None:
+    """The module whose method dynamo is compiling: the frame's first argument (``self``, whatever its name)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        first = tx.f_code.co_varnames[0] if tx.f_code.co_argcount else None
+        own = (getattr(tx, "f_locals", None) or {}).get(first)
+    except (AttributeError, ImportError, IndexError):  # NB: no frame under way (explain() on a bare graph)
+        return None
+    return own if isinstance(own, torch.nn.Module) else None
+
+
+def _refuse_data_parallel(clip: float) -> None:
+    """per_sample_clip under DistributedDataParallel or FSDP raises: their hooks reduce (or reshard) the gradients
+    autograd accumulates, whereas the clipped sums are written after the backward (all zeros or unclipped, silently)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        wrappers: tuple = (torch.nn.parallel.DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # NB: a torch built without distributed
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        own = frame.f_locals.get(frame.f_code.co_varnames[0]) if frame.f_code.co_argcount else None
+        if isinstance(own, wrappers):
+            raise PerSampleError(
+                f"adjoint-compile: per_sample_clip={clip} cannot run under {type(own).__name__}: it reduces the "
+                f"gradients autograd accumulates, while the clipped sums are written after the backward (they would "
+                f"be lost or unclipped); compile the model itself and all-reduce p.grad after each backward")
+        frame = frame.f_back
+
+
 def guard_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Make every parameter of the compiled frame raise :class:`PerSampleError` when an ordinary autograd backward
     accumulates into its ``.grad`` (a use that bypassed the book-keeping); returns how many are guarded."""
@@ -296,10 +328,12 @@ def adjoint_backend(
     if mode not in (None, "default"):
         warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
                       f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
+    if opts.per_sample_clip is not None:
+        _refuse_data_parallel(opts.per_sample_clip)
     original = copy_graph_module(gm) if opts.verify else None
     ddp = _ddp_split_of(gm, opts)
     result = run_pipeline(gm, example_inputs, opts)
-    own = dict(_frame_modules()).get("self")
+    own = _frame_self()
     result.frame_module = weakref.ref(own) if own is not None else None
     if ddp is not None:
         _check_ddp_split(ddp, result)

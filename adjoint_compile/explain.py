@@ -365,13 +365,18 @@ def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
     found = sorted(_compiled_graphs(compiled_model), key=lambda c: c.seq)
     flat = [g for c in found for g in (c, *c.specializations)]
     clippers = [c.per_sample.clipper for c in flat if c.per_sample is not None]
-    if not clippers:
+    given = options_given(compiled_model)
+    if not clippers or (given is not None and given.get("per_sample_clip") is None):
         raise ValueError("adjoint_compile.per_sample_grad_norms: the model was not compiled with "
                          "options={'per_sample_clip': C} (or has not been called yet)")
-    done = [c for c in clippers if c.last_norms is not None]
+    # NB: the graphs (and their clippers) of one class serve all its compiled instances: this one's parameters say
+    # which backward they last took part in
+    own = [p._adjoint_ps_norms for p in getattr(compiled_model, "_orig_mod", compiled_model).parameters()
+           if hasattr(p, "_adjoint_ps_norms")] if isinstance(compiled_model, torch.nn.Module) else []
+    done = own or [(c.step, c.last_norms) for c in clippers if c.last_norms is not None]
     if not done:
         raise RuntimeError("adjoint_compile.per_sample_grad_norms: no backward has run through the model yet")
-    return max(done, key=lambda c: c.step).last_norms
+    return max(done, key=lambda sn: sn[0])[1]
 
 
 def _fidelity(c: CompiledGraph) -> None:

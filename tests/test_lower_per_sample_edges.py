@@ -339,3 +339,93 @@ def test_a_regularizer_of_the_parameters_alone_is_refused_naming_it():
                          options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(Exception, match="a term of the parameters alone .* weight decay"):
         step(torch.randn(3, 4)).backward()
+
+
+# --- the training set-ups around it ---------------------------------------------------------------------------------
+
+class _Named(nn.Module):
+    """A module whose methods name their instance ``this``: the report and the norms must still tell instances apart."""
+
+    def __init__(this) -> None:
+        super().__init__()
+        this.a, this.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(this, x):
+        return this.b(torch.tanh(this.a(x)))
+
+
+@pytest.mark.parametrize("make", [_mlp, _Named], ids=["sequential", "own_class"])
+def test_norms_are_the_models_own_when_instances_share_graphs(make):
+    """Two instances of one class share their compiled graphs and clippers: per_sample_grad_norms of the first
+    returned the second's norms (B = 5 for a model that ran B = 3), and a third instance compiled without
+    per_sample_clip returned them too instead of refusing."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m1, m2, m3 = make().double(), make().double(), make().double()
+    f1, f2 = (torch.compile(m, backend="adjoint", options={"per_sample_clip": 0.5, **OPTS}) for m in (m1, m2))
+    x1, x2 = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _loss(f1(x1)).backward()
+        _loss(f2(x2)).backward()
+        g = torch.compile(m3, backend="adjoint", options=OPTS)
+        g(x1).sum().backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f1), vmap_norms(m1, (x1,)), rtol=1e-9, atol=0)
+    torch.testing.assert_close(ac.per_sample_grad_norms(f2), vmap_norms(m2, (x2,)), rtol=1e-9, atol=0)
+    with pytest.raises(ValueError, match="not compiled with"):
+        ac.per_sample_grad_norms(g)
+
+
+def test_clipped_sums_accumulate_into_the_grad_tensors_in_place():
+    """A .grad that views a flat buffer (as an optimizer's or DDP's flat gradients do) was replaced by a new tensor:
+    the buffer kept zeros. Accumulated in place, as autograd does, over two micro-batches."""
+    torch._dynamo.reset()
+    model = _mlp().double()
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    views, k = [], 0
+    for p in model.parameters():
+        p.grad = flat[k:k + p.numel()].view_as(p)
+        views.append(p.grad)
+        k += p.numel()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 0.5, **OPTS})
+    xs = [torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in xs:
+            _loss(f(x)).backward()
+    want = [loop_clipped(model, (x,), 0.5)[0] for x in xs]
+    for (n, p), v in zip(model.named_parameters(), views):
+        assert p.grad is v
+        torch.testing.assert_close(p.grad, want[0][n] + want[1][n], rtol=1e-9, atol=1e-12)
+    assert flat.norm() > 0
+
+
+def test_two_calls_with_batches_of_other_sizes_before_one_backward_say_so():
+    """Two calls in one loss pair their rows as one example each (two views of the same examples); with batches of
+    different sizes the backward raised a bare shape error from inside the book-keeping."""
+    torch._dynamo.reset()
+    f = torch.compile(_mlp().double(), backend="adjoint", options={"per_sample_clip": 0.5, **OPTS})
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = _loss(f(a)) + _loss(f(b))
+        with pytest.raises(RuntimeError, match="disagree on the batch size .*call backward after each micro-batch"):
+            loss.backward()
+
+
+def test_distributed_data_parallel_is_refused(tmp_path):
+    """Under DDP the clipped sums were lost (DDP reduced the empty gradients autograd accumulated and wrote them
+    back over p.grad: all zeros, silently)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        model = _Named().double()
+        f = torch.compile(nn.parallel.DistributedDataParallel(model), backend="adjoint",
+                          options={"per_sample_clip": 0.5, **OPTS})
+        with pytest.raises(ac.PerSampleError, match="cannot run under DistributedDataParallel"):
+            _loss(f(torch.randn(3, 4, dtype=torch.float64))).backward()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -22,6 +22,7 @@ Records, by the layer kind that made them (the Gram vs direct trade-off of ghost
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -152,7 +153,7 @@ _LOCK = threading.Lock()
 #: thread-local: on a GPU the engine runs backward functions on its device threads. Keyed by the graph task so that
 #: a backward that raised half-way (its final callback never ran) leaves nothing behind for the next one
 _pending: tuple[int, list[tuple[Tensor, Record, Site, tuple[int, int] | None]]] | None = None
-_steps = 0
+_STEPS = itertools.count(1)
 
 
 def _record(param: Tensor, rec: Record, site: Site, rows: tuple[int, int] | None = None) -> None:
@@ -193,31 +194,30 @@ def _finalize() -> None:
     for (_, rows), (p, recs) in groups.items():
         # NB: a parameter used more than once: ‖Σ_u G_u,n‖² has cross terms, so the uses' per-example gradients are
         # summed first
-        rec = recs[0] if len(recs) == 1 else DirectRecord(sum(r.per_example() for r in recs))
-        s = rec.sq_norms()
-        if sq is not None and s.shape != sq.shape:
-            raise RuntimeError(f"adjoint-compile per_sample_clip: parameter uses in one backward disagree on the "
-                               f"batch size ({s.shape[0]} vs {sq.shape[0]} examples)")
+        each = [r.per_example() for r in recs] if len(recs) > 1 else []
+        rec = recs[0] if len(recs) == 1 else DirectRecord(sum(each)) if len({g.shape[0] for g in each}) == 1 else None
+        s = rec.sq_norms() if rec is not None else None
+        if rec is None or (sq is not None and s.shape != sq.shape):
+            raise RuntimeError("adjoint-compile per_sample_clip: parameter uses in one backward disagree on the batch "
+                               "size (two calls of the compiled model with batches of other sizes in one loss?): call "
+                               "backward after each micro-batch")
         sq = s if sq is None else sq + s.to(sq.device)
         parts.append((p, rec, rows))
     assert sq is not None
     norms = sq.sqrt()
-    if math.isinf(clip):
-        c = torch.ones_like(norms)
-    else:
-        c = torch.where(norms > clip, clip / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+    c = torch.where(norms > clip, clip / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+    last = (next(_STEPS), norms.detach())
     for p, rec, rows in parts:
         if rows is None:
             g = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(p.shape)
         else:
             g = p.new_zeros(p.shape)
             g[rows[0]:rows[1]] = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(g[rows[0]:rows[1]].shape)
-        # NB: accumulate like autograd does, so gradient accumulation over micro-batches works
-        p.grad = g if p.grad is None else p.grad + g
-    global _steps
-    _steps += 1
+        # NB: accumulated in place like autograd's: micro-batches add up, a .grad viewing a flat buffer stays one
+        p.grad = g if p.grad is None else p.grad.add_(g)
+        p._adjoint_ps_norms = last  # NB: per model too: instances of a class share their graphs and clippers
     for cl in clippers:
-        cl.last_norms, cl.step = norms.detach(), _steps
+        cl.step, cl.last_norms = last
     log.debug("per_sample_clip: %d parameter(s), %d record(s), B=%d", len(parts), len(pending), norms.shape[0])
 
 
@@ -248,9 +248,8 @@ def _grad_state(p: Tensor) -> tuple[int, int]:
 def guard_parameter(p: Tensor, name: str) -> None:
     """From now on, an ordinary autograd accumulation into ``p.grad`` raises :class:`PerSampleError`."""
     # NB: the mark holds the parameter's id: copy.deepcopy carries attributes over but not hooks
-    if not isinstance(p, torch.nn.Parameter) or not p.requires_grad or getattr(p, "_adjoint_ps_guard", None) == id(p):
-        return
-    if isinstance(p, torch._subclasses.FakeTensor):
+    if (not isinstance(p, torch.nn.Parameter) or not p.requires_grad or isinstance(p, torch._subclasses.FakeTensor)
+            or getattr(p, "_adjoint_ps_guard", None) == id(p)):
         return
     p.register_post_accumulate_grad_hook(_unclipped(name))
     p.register_hook(refuse_autograd_grad(p, name))
