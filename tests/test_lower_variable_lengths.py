@@ -3,6 +3,7 @@
 The oracle is the same model run eagerly; every length's loss and every gradient are compared."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -308,3 +309,39 @@ def test_a_first_call_with_as_many_sequences_as_steps_is_exact_later():
             warnings.simplefilter("ignore", AdjointCompileWarning)
             got = f(x)
         torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, d: int = 8, V: int = 11) -> None:
+        super().__init__()
+        self.emb, self.dec, self.inp = torch.nn.Embedding(V, d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, V)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = x + ac.ops.linear_scan(torch.sigmoid(self.dec(x)), self.inp(x))
+        return torch.nn.functional.cross_entropy(self.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_batches_of_one_compile_no_programs_per_length(monkeypatch):
+    """At B = 1 a shard [1, L] of a [1, T] input keeps T as the stride of its size-1 batch dim, which keyed the shard
+    programs: every new length compiled 8-15 programs more (115 for 12 lengths), without end."""
+    import adjoint_compile.runtime.shard_program as sp
+    compiles = []
+    real = sp.compile_inner
+    monkeypatch.setattr(sp, "compile_inner", lambda gm, ex, *a, **k: (compiles.append(1), real(gm, ex, *a, **k))[1])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyLM().double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 16, "inner": "aot_eager"})
+    counts = []
+    for T in (100, 120, 68, 86, 83, 224, 126, 197):
+        ids = torch.randint(0, 11, (1, T))
+        got = torch.autograd.grad(step(ids), list(model.parameters()))
+        want = torch.autograd.grad(ref(ids), list(ref.parameters()))
+        for a, b in zip(got, want):
+            assert (a - b).norm() <= 1e-10 * b.norm(), T
+        counts.append(len(compiles))
+    # a few programs per shard length (the short last shards' lengths), none per sequence length
+    assert counts[-1] == counts[-4] and counts[-1] <= 10, counts

@@ -155,8 +155,12 @@ def shard_bounds(T: int, S: int, pow2_tail: bool = False) -> list[tuple[int, int
 def arg_layout(args: Sequence[Any]) -> tuple:
     """Per argument of a shard program, (shape, dtype, strides) or None: part of the compiled programs' keys, as the
     programs are specialized to their examples' shapes and strides (an h0 broadcast against the state is not a
-    carry's shape; a learned h0 expanded over the batch, stride 0, is not a carry's layout)."""
-    return tuple((tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else None for a in args)
+    carry's shape; a learned h0 expanded over the batch, stride 0, is not a carry's layout).
+
+    NB: not the stride of a dim of size 1, which addresses nothing (the compiled programs' checks skip it too): a
+    [1, L] shard of a [1, T] batch keeps T as its first stride, and would compile anew for every T."""
+    return tuple((tuple(a.shape), a.dtype, tuple(st if n != 1 else 0 for n, st in zip(a.shape, a.stride())))
+                 if isinstance(a, torch.Tensor) else None for a in args)
 
 
 def zeros_exact(autocast: tuple) -> bool:
