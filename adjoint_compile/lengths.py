@@ -72,8 +72,8 @@ class LengthDispatch:
         #: why the one graph for every length could not be made ("" not tried yet; "short": retried on a new size)
         self.generic_failed = ""
         self.declined: Any = None
-        #: the inputs' total elements at the last try ("short" is retried on larger calls only)
-        self.tried_size = 0
+        #: the inputs' sizes, dim by dim, the largest tried ("short" is retried on a call longer in one of them)
+        self.tried_dims: list[int] = []
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self.fallback_lengths: dict[str, list[tuple]] = {}
         #: sizes other than the length that the graph for every length holds: symbol -> (where, value)
@@ -139,10 +139,13 @@ class LengthDispatch:
 
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
         why = self.generic_failed
-        size = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
-        # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) is specialized
-        if self.generic is None and (not why or why == "short" and size > self.tried_size):
-            self.tried_size = size
+        dims = [int(n) for a in args if isinstance(a, torch.Tensor) for n in a.shape]
+        # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) is specialized;
+        # dim by dim, not by total size: a long sequence in a smaller batch than the short ones tried is longer
+        longer = any(n > (self.tried_dims[i] if i < len(self.tried_dims) else 0) for i, n in enumerate(dims))
+        if self.generic is None and (not why or why == "short" and longer):
+            self.tried_dims = [max(n, self.tried_dims[i] if i < len(self.tried_dims) else 0)
+                               for i, n in enumerate(dims)]
             try:
                 self.generic, why = self._try_generic(args)
             except Exception as e:  # noqa: BLE001 - fail soft: per-length specialization still works

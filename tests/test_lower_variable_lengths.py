@@ -345,3 +345,23 @@ def test_batches_of_one_compile_no_programs_per_length(monkeypatch):
         counts.append(len(compiles))
     # a few programs per shard length (the short last shards' lengths), none per sequence length
     assert counts[-1] == counts[-4] and counts[-1] <= 10, counts
+
+
+def test_a_long_sequence_in_a_smaller_batch_than_the_short_ones_is_sharded():
+    """Short calls in big batches ((64, 10), (48, 12): too short to shard), then long ones in a batch of 2: the retry
+    was keyed on the inputs' total size, smaller at (2, 100), so every long call kept ordinary autograd."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyLM().double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 16, "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for B, T in ((64, 10), (48, 12), (2, 100), (2, 140)):
+            ids = torch.randint(0, 11, (B, T))
+            got = torch.autograd.grad(step(ids), list(model.parameters()))
+            want = torch.autograd.grad(ref(ids), list(ref.parameters()))
+            for a, b in zip(got, want):
+                assert (a - b).norm() <= 1e-10 * b.norm(), (B, T)
+    (region,) = _generic_regions(step)
+    assert max(region.lengths) >= 139, region.lengths
