@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from . import options as _options
 from . import timing
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
 from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
+from .frames import count_loop_compiles, frame_modules, frame_self, refuse_data_parallel
 from .inner import compile_inner
 from .lengths import LengthDispatch
 from .options import Options
@@ -174,7 +174,7 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
             reduce = ReduceGrads(sp.state.group, sp.params) if opts.reduce_grads else None
             result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce)
             if reduce is not None:
-                watch_unreduced([example_inputs[i] for i in sp.params], [m for _, m in _frame_modules()])
+                watch_unreduced([example_inputs[i] for i in sp.params], [m for _, m in frame_modules()])
     if not settled:
         # NB: a graph refused for sequence parallelism lowers nothing: its regions say why (their plans' reason is
         # empty where a rewrite was planned)
@@ -187,53 +187,11 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
     return result
 
 
-def _frame_modules() -> list[tuple[str, torch.nn.Module]]:
-    """The modules among the locals of the frame dynamo is compiling (``self`` of a compiled module's forward, or of
-    a graph break's resumed frame): their parameters are guarded even when this graph does not use them."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-    except (AttributeError, ImportError):  # NB: no frame under way (explain() on a bare graph)
-        return []
-    return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
-
-
-def _frame_self() -> torch.nn.Module | None:
-    """The module whose method dynamo is compiling: the frame's first argument (``self``, whatever its name)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-        first = tx.f_code.co_varnames[0] if tx.f_code.co_argcount else None
-        own = (getattr(tx, "f_locals", None) or {}).get(first)
-    except (AttributeError, ImportError, IndexError):  # NB: no frame under way (explain() on a bare graph)
-        return None
-    return own if isinstance(own, torch.nn.Module) else None
-
-
-def _refuse_data_parallel(clip: float) -> None:
-    """per_sample_clip under DistributedDataParallel or FSDP raises: their hooks reduce (or reshard) the gradients
-    autograd accumulates, whereas the clipped sums are written after the backward (all zeros or unclipped, silently)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        wrappers: tuple = (torch.nn.parallel.DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
-    except ImportError:  # NB: a torch built without distributed
-        return
-    frame = sys._getframe(1)
-    while frame is not None:
-        own = frame.f_locals.get(frame.f_code.co_varnames[0]) if frame.f_code.co_argcount else None
-        if isinstance(own, wrappers):
-            raise PerSampleError(
-                f"adjoint-compile: per_sample_clip={clip} cannot run under {type(own).__name__}: it reduces the "
-                f"gradients autograd accumulates, while the clipped sums are written after the backward (they would "
-                f"be lost or unclipped); compile the model itself and all-reduce p.grad after each backward")
-        frame = frame.f_back
-
-
 def guard_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Make every parameter of the compiled frame raise :class:`PerSampleError` when an ordinary autograd backward
     accumulates into its ``.grad`` (a use that bypassed the book-keeping); returns how many are guarded."""
     n = 0
-    for _, mod in _frame_modules():
+    for _, mod in frame_modules():
         for pname, p in mod.named_parameters():
             guard_parameter(p, pname)
             n += 1
@@ -329,12 +287,13 @@ def adjoint_backend(
         warnings.warn(f"adjoint-compile ignores torch.compile(mode={mode!r}); choose the backward with "
                       f"options={{'mode': ...}}", AdjointCompileWarning, stacklevel=2)
     if opts.per_sample_clip is not None:
-        _refuse_data_parallel(opts.per_sample_clip)
+        refuse_data_parallel(opts.per_sample_clip)
     original = copy_graph_module(gm) if opts.verify else None
     ddp = _ddp_split_of(gm, opts)
     result = run_pipeline(gm, example_inputs, opts)
-    own = _frame_self()
+    own = frame_self()
     result.frame_module = weakref.ref(own) if own is not None else None
+    count_loop_compiles(result)
     if ddp is not None:
         _check_ddp_split(ddp, result)
     # NB: graphs with symbolic sizes are verified per specialization by their regions only

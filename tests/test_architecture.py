@@ -27,7 +27,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("decide", ("passes.decide", "passes.decide.*")),
     ("lower", ("passes.lower", "passes.lower.*")),
     ("stitch", ("passes.stitch", "passes.stitch.*")),
-    ("backend", ("backend", "lengths")),
+    ("backend", ("backend", "lengths", "frames")),
     ("user", ("", "explain", "cli", "demo", "measure", "models", "models.*")),
 ]
 

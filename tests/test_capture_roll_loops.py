@@ -574,3 +574,30 @@ def test_a_loop_that_is_not_re_rolled_says_so():
     reasons = [r.reason for r in ac.report(f).regions if r.rewrite == "none"]
     assert any(r.startswith("the loop was not re-rolled into one linear_scan") and "ops.linear_scan" in r
                for r in reasons), reasons
+
+
+def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled():
+    """A loop over range(T) recompiles at every new length; past dynamo's recompile_limit the model ran uncompiled
+    (ordinary autograd, no memory saved) with dynamo's own log line only and nothing in the report."""
+    class Loop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            a, b = torch.sigmoid(self.a(x)), self.b(x)
+            h, hs = torch.zeros_like(b[:, 0]), []
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + b[:, t]
+                hs.append(h)
+            return torch.stack(hs, 1)
+
+    torch._dynamo.reset()
+    f = torch.compile(Loop(), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for T in (9, 10, 11):
+            f(torch.randn(2, T, 4)).sum().backward()
+    said = [str(w.message) for w in got if "recompile_limit" in str(w.message)]
+    assert len(said) == 1 and "compiled 3 times" in said[0] and "ops.linear_scan" in said[0], said
+    assert any("recompile_limit" in fb.cause for fb in ac.report(f).fallbacks)

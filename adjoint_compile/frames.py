@@ -1,0 +1,85 @@
+"""What the backend reads from the frame dynamo is compiling: its module (``self``) and the modules among its locals,
+how often a frame holding a Python loop over time has been compiled, and whether it runs under a data-parallel
+wrapper that per-example clipping cannot run under."""
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from .errors import AdjointCompileWarning, PerSampleError
+from .regions import Fallback
+
+__all__ = ["frame_modules", "frame_self", "count_loop_compiles", "refuse_data_parallel"]
+
+
+def frame_modules() -> list[tuple[str, torch.nn.Module]]:
+    """The modules among the locals of the frame dynamo is compiling (``self`` of a compiled module's forward, or of
+    a graph break's resumed frame): their parameters are guarded even when this graph does not use them."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, ImportError):  # NB: no frame under way (explain() on a bare graph)
+        return []
+    return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
+
+
+def frame_self() -> torch.nn.Module | None:
+    """The module whose method dynamo is compiling: the frame's first argument (``self``, whatever its name)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        first = tx.f_code.co_varnames[0] if tx.f_code.co_argcount else None
+        own = (getattr(tx, "f_locals", None) or {}).get(first)
+    except (AttributeError, ImportError, IndexError):  # NB: no frame under way (explain() on a bare graph)
+        return None
+    return own if isinstance(own, torch.nn.Module) else None
+
+
+#: compiles of frames whose graphs hold re-rolled loops, by code object (dynamo's recompile limit is per frame)
+_LOOP_COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def count_loop_compiles(result: Any) -> None:
+    """Warn, and list in report(), when a frame holding a Python loop over time has been compiled as often as dynamo's
+    recompile limit allows: the loop's trip count is a guard, so each new length recompiles, and past the limit dynamo
+    runs the frame uncompiled (ordinary autograd, no memory saved) with only its own log line."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        code = InstructionTranslator.current_tx().f_code
+        # NB: the later graphs of a loop's frame are symbolic (not normalized): the frame counts once it had one
+        n, loops = _LOOP_COMPILES.get(code, (0, False))
+        n, loops = _LOOP_COMPILES[code] = (n + 1, loops or bool(result.captured.normalized.get("rerolled")))
+    except (AttributeError, ImportError, TypeError):  # NB: not under a dynamo compile
+        return
+    if not loops or n != getattr(torch._dynamo.config, "recompile_limit", 8):
+        return
+    cause = (f"the code with a Python loop over time has been compiled {n} times, dynamo's recompile_limit: the loop "
+             f"recompiles at every new length (its trip count is a guard), and from the next new length dynamo runs "
+             f"it uncompiled, with ordinary autograd and no memory saved")
+    remedy = ("write the recurrence with adjoint_compile.ops.linear_scan (one graph serves every length), pad batches "
+              "to a few lengths, or raise torch._dynamo.config.recompile_limit")
+    result.fallbacks.append(Fallback(cause, remedy, {"compiles": n}))
+    warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}; {remedy}"), stacklevel=3)
+
+
+def refuse_data_parallel(clip: float) -> None:
+    """per_sample_clip under DistributedDataParallel or FSDP raises: their hooks reduce (or reshard) the gradients
+    autograd accumulates, whereas the clipped sums are written after the backward (all zeros or unclipped, silently)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        wrappers: tuple = (torch.nn.parallel.DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # NB: a torch built without distributed
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        own = frame.f_locals.get(frame.f_code.co_varnames[0]) if frame.f_code.co_argcount else None
+        if isinstance(own, wrappers):
+            raise PerSampleError(
+                f"adjoint-compile: per_sample_clip={clip} cannot run under {type(own).__name__}: it reduces the "
+                f"gradients autograd accumulates, while the clipped sums are written after the backward (they would "
+                f"be lost or unclipped); compile the model itself and all-reduce p.grad after each backward")
+        frame = frame.f_back
