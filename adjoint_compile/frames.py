@@ -39,8 +39,8 @@ def frame_self() -> torch.nn.Module | None:
     return own if isinstance(own, torch.nn.Module) else None
 
 
-#: compiles of frames whose graphs hold re-rolled loops, by code object (dynamo's recompile limit is per frame)
-_LOOP_COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the code objects whose compiled graphs held re-rolled loops since dynamo's cache for them was last empty
+_LOOP_CODES: weakref.WeakSet = weakref.WeakSet()
 
 
 def count_loop_compiles(result: Any) -> None:
@@ -48,14 +48,19 @@ def count_loop_compiles(result: Any) -> None:
     recompile limit allows: the loop's trip count is a guard, so each new length recompiles, and past the limit dynamo
     runs the frame uncompiled (ordinary autograd, no memory saved) with only its own log line."""
     try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.symbolic_convert import InstructionTranslator
         code = InstructionTranslator.current_tx().f_code
-        # NB: the later graphs of a loop's frame are symbolic (not normalized): the frame counts once it had one
-        n, loops = _LOOP_COMPILES.get(code, (0, False))
-        n, loops = _LOOP_COMPILES[code] = (n + 1, loops or bool(result.captured.normalized.get("rerolled")))
+        # NB: dynamo's own count: this compile is one more than the code's cache entries (torch._dynamo.reset() empties
+        # them); the later graphs of a loop's frame are symbolic (not normalized): the code counts once it had one
+        n = len(_debug_get_cache_entry_list(code)) + 1
     except (AttributeError, ImportError, TypeError):  # NB: not under a dynamo compile
         return
-    if not loops or n != getattr(torch._dynamo.config, "recompile_limit", 8):
+    if n == 1:
+        _LOOP_CODES.discard(code)
+    if result.captured.normalized.get("rerolled"):
+        _LOOP_CODES.add(code)
+    if code not in _LOOP_CODES or n != getattr(torch._dynamo.config, "recompile_limit", 8):
         return
     cause = (f"the code with a Python loop over time has been compiled {n} times, dynamo's recompile_limit: the loop "
              f"recompiles at every new length (its trip count is a guard), and from the next new length dynamo runs "

@@ -22,6 +22,7 @@ import torch
 
 from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK
+from .passes import decide
 from .passes.lower.length_generic import generalize
 from .passes.stitch import stitch_partitions
 from .passes.capture.specialize import attribute_floats, specialize
@@ -94,6 +95,16 @@ class LengthDispatch:
                                                 f"run with ordinary autograd (no memory saved); {remedy}"), stacklevel=3)
         return self.fallback
 
+    def _per_length(self, why: str) -> None:
+        """Said once per graph: every new length costs a pipeline run and its inner compiles."""
+        decide.lowered_per_length(self.owner.regions, why)
+        # NB: per_sample_clip, sequence_parallel and highway are specialized per size by design (docs)
+        if self.opts.per_sample_clip is None and self.opts.sequence_parallel is None and self.opts.mode != "highway":
+            warnings.warn(AdjointCompileWarning(
+                f"adjoint-compile: the rewritten regions cannot serve every sequence length ({why}): each new length "
+                f"is specialized, lowered and compiled again (the memory saving stays); pad batches to a few lengths "
+                f"to bound the compile time"), stacklevel=4)
+
     def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
         """The one graph for every length (module docstring), or (None, why not): ``"short"`` when nothing was lowered
         at these sizes (too short to shard: a longer call may still make it), else the reason."""
@@ -155,6 +166,8 @@ class LengthDispatch:
             self.generic_failed = why
             if self.generic is not None:
                 return self.generic
+            if why and why != "short" and not why.startswith(LOWERING_FAILED):
+                self._per_length(why)
         if why.startswith(LOWERING_FAILED):
             # NB: the regions themselves cannot be lowered, whatever the length: the symbolic graph serves every
             # length (a specialized graph compiled outside dynamo's context can hold reads of tensor data)

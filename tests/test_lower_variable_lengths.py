@@ -365,3 +365,36 @@ def test_a_long_sequence_in_a_smaller_batch_than_the_short_ones_is_sharded():
                 assert (a - b).norm() <= 1e-10 * b.norm(), (B, T)
     (region,) = _generic_regions(step)
     assert max(region.lengths) >= 139, region.lengths
+
+
+class _TokenShift(torch.nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        k = self.k(x + torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1))
+        a = torch.sigmoid(k)
+        return (x + ac.ops.linear_scan(a, (1 - a) * k)).square().mean()
+
+
+def test_regions_lowered_per_length_say_so_once():
+    """A token shift joins its region in each specialization but not in the graph for every length: every new length
+    was lowered and compiled again, said at INFO only, while the symbolic graph's rows claimed one lowering for every
+    length."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TokenShift().double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 16, "inner": "aot_eager"})
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for T in (100, 120, 140, 160):
+            x = torch.randn(2, T, 8, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad(ref(x), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    said = [str(x.message) for x in got if "cannot serve every sequence length" in str(x.message)]
+    assert len(said) == 1 and "compiled again" in said[0], said
+    rows = [r.reason for r in ac.report(step).regions if r.reason.startswith("dynamic shapes")]
+    assert rows and all("each new length is specialized, lowered and compiled again" in r for r in rows), rows

@@ -25,7 +25,7 @@ from ...regions import Lowered, NotLowered, Region, Rewrite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib", "declines"]
+__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib", "declines", "lowered_per_length"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,15 @@ SYMBOLIC = ("dynamic shapes: the graph is specialized to the first call's sizes,
 #: keeps per-example gradients: runtime/sharded_ps.py)
 PER_SAMPLE = ("per_sample_clip: kept unrewritten (ordinary autograd with per-example book-keeping of its "
               "parameters); of the rewrites only the exact adjoint composes with per-example clipping yet")
+
+
+def lowered_per_length(regions: Sequence[Region], why: str) -> None:
+    """The regions of a graph with symbolic sizes whose lowering cannot serve every length: each new length is
+    specialized, lowered and compiled again (lengths.py); their reason says so instead of :data:`SYMBOLIC`."""
+    for r in regions:
+        if r.reason == SYMBOLIC:
+            r.reason = (f"dynamic shapes: each new length is specialized, lowered and compiled again (see the later "
+                        f"compiled graphs): the regions cannot serve every length ({why})")
 
 
 def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) -> list[Plan]:
