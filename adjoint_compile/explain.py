@@ -371,8 +371,9 @@ def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
                          "options={'per_sample_clip': C} (or has not been called yet)")
     # NB: the graphs (and their clippers) of one class serve all its compiled instances: this one's parameters say
     # which backward they last took part in
-    own = [p._adjoint_ps_norms for p in getattr(compiled_model, "_orig_mod", compiled_model).parameters()
-           if hasattr(p, "_adjoint_ps_norms")] if isinstance(compiled_model, torch.nn.Module) else []
+    model = getattr(compiled_model, "_orig_mod", compiled_model)
+    params = model.parameters() if isinstance(model, torch.nn.Module) else []
+    own = [n[1:] for p in params if (n := getattr(p, "_adjoint_ps_norms", None)) is not None and n[0] == id(p)]
     done = own or [(c.step, c.last_norms) for c in clippers if c.last_norms is not None]
     if not done:
         raise RuntimeError("adjoint_compile.per_sample_grad_norms: no backward has run through the model yet")

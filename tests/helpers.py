@@ -42,3 +42,20 @@ def oracle_scan(a, b, h0=None, dim=1, W=1, reverse=False):
         out.append(x)
     h = torch.stack(out, 0)
     return (h.flip(0) if reverse else h).movedim(0, dim)
+
+
+class StepLoop(torch.nn.Module):
+    """h_t = sigmoid(a(x_t)) * h_{t-1} + b(x_t) written as a Python loop over time from ``torch.zeros_like(b[:, 0])``
+    (a state made like one step of the input)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, hs = torch.zeros_like(b[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        return torch.stack(hs, 1)

@@ -579,21 +579,9 @@ def test_a_loop_that_is_not_re_rolled_says_so():
 def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled():
     """A loop over range(T) recompiles at every new length; past dynamo's recompile_limit the model ran uncompiled
     (ordinary autograd, no memory saved) with dynamo's own log line only and nothing in the report."""
-    class Loop(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            a, b = torch.sigmoid(self.a(x)), self.b(x)
-            h, hs = torch.zeros_like(b[:, 0]), []
-            for t in range(x.shape[1]):
-                h = a[:, t] * h + b[:, t]
-                hs.append(h)
-            return torch.stack(hs, 1)
-
+    from helpers import StepLoop
     torch._dynamo.reset()
-    f = torch.compile(Loop(), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    f = torch.compile(StepLoop(4), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
     with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         for T in (9, 10, 11):

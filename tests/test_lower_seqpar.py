@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 import adjoint_compile as ac
 from adjoint_compile.runtime import seqpar_sharded
+from helpers import StepLoop
 
 ROOT = Path(__file__).resolve().parent.parent
 B, D, N = 2, 6, 2
@@ -382,27 +383,15 @@ def test_slices_passed_as_views_under_dynamic_shapes(tmp_path):
                 assert _rel(got[k], p.grad) < 1e-5, (lengths, k, _rel(got[k], p.grad))
 
 
-class _LoopFromAStep(nn.Module):
-    """A loop over time whose first state is made like one step of the input (``torch.zeros_like(b[:, 0])``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-
-    def forward(self, x):
-        a, b = torch.sigmoid(self.a(x)), self.b(x)
-        h, out = torch.zeros_like(b[:, 0]), []
-        for t in range(x.shape[1]):
-            h = a[:, t] * h + b[:, t]
-            out.append(h)
-        return torch.stack(out, 1)
+def _loop_from_a_step() -> nn.Module:
+    torch.manual_seed(0)
+    return StepLoop(D)
 
 
 def _loop_worker(rank, world, port, out_dir):
     with _rank_errors(rank, out_dir):
         _init(rank, world, port, 30)
-        model = _LoopFromAStep().double()
+        model = _loop_from_a_step().double()
         f = torch.compile(model, backend="adjoint", options={"sequence_parallel": True, "inner": "aot_eager",
                                                              "shard_size": 2})
         x, w = (t.double() for t in _data(9))
@@ -420,7 +409,7 @@ def test_a_loop_whose_first_state_is_made_like_a_step(tmp_path):
     _spawn(_loop_worker, 2, (_port(), str(tmp_path)), timeout=240)
     errs = sorted(tmp_path.glob("rank*.err"))
     assert not errs, errs[0].read_text()
-    model = _LoopFromAStep().double()
+    model = _loop_from_a_step().double()
     x, w = (t.double() for t in _data(9))
     (model(x) * w).sum().backward()
     for r in (0, 1):

@@ -195,9 +195,9 @@ def _finalize() -> None:
         # NB: a parameter used more than once: ‖Σ_u G_u,n‖² has cross terms, so the uses' per-example gradients are
         # summed first
         each = [r.per_example() for r in recs] if len(recs) > 1 else []
-        rec = recs[0] if len(recs) == 1 else DirectRecord(sum(each)) if len({g.shape[0] for g in each}) == 1 else None
-        s = rec.sq_norms() if rec is not None else None
-        if rec is None or (sq is not None and s.shape != sq.shape):
+        rec = recs[0] if not each else DirectRecord(sum(each)) if len({g.shape[0] for g in each}) == 1 else None
+        s = None if rec is None else rec.sq_norms()
+        if s is None or (sq is not None and s.shape != sq.shape):
             raise RuntimeError("adjoint-compile per_sample_clip: parameter uses in one backward disagree on the batch "
                                "size (two calls of the compiled model with batches of other sizes in one loss?): call "
                                "backward after each micro-batch")
@@ -215,7 +215,7 @@ def _finalize() -> None:
             g[rows[0]:rows[1]] = rec.clipped_sum(c.to(p.device)).to(p.dtype).reshape(g[rows[0]:rows[1]].shape)
         # NB: accumulated in place like autograd's: micro-batches add up, a .grad viewing a flat buffer stays one
         p.grad = g if p.grad is None else p.grad.add_(g)
-        p._adjoint_ps_norms = last  # NB: per model too: instances of a class share their graphs and clippers
+        p._adjoint_ps_norms = (id(p), *last)  # NB: per model too (instances share graphs); id: deepcopy copies it
     for cl in clippers:
         cl.step, cl.last_norms = last
     log.debug("per_sample_clip: %d parameter(s), %d record(s), B=%d", len(parts), len(pending), norms.shape[0])
