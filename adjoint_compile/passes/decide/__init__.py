@@ -161,7 +161,8 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
         return f"{out.note} (captured by {captured})" if captured else out.note
     mem = out.memory
     if out.rewrite == "truncated":
-        exact = " >= T: exact gradients" if out.window >= out.steps else ""
+        # NB: "at T": a region serving every length is truncated at the longer ones
+        exact = f" >= T: exact gradients at T={out.steps}" if out.window >= out.steps else ""
         how = f"sharded truncated adjoint (window={out.window}{exact})"
     else:
         how = "sharded exact adjoint"
