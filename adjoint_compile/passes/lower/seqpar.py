@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
+from ...analysis.optable import op_name
 from ...analysis.rules import op_label, step_shape
 from ...analysis.time_local import analyze, causal_conv as _causal_conv, conv_args as _conv_args
 from ...options import Options
@@ -138,14 +139,13 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
 
 
 #: ops that read their input's shape, dtype and device only (``torch.zeros_like(x[:, 0])``, a loop's first state)
-_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+_SHAPE_ONLY = frozenset("zeros_like ones_like empty_like full_like new_zeros new_ones new_empty new_full".split())
 
 
 def _shape_only(u: fx.Node) -> bool:
     """Whether ``u`` reads no values of its first argument: a value only they read is the same on every rank's slice
     (its shape has no step axis to cut) whatever steps it picks."""
-    return (u.op == "call_function" and u.target in _LIKE) or (
-        u.op == "call_method" and u.target in ("new_zeros", "new_ones", "new_empty", "new_full"))
+    return op_name(u) in _SHAPE_ONLY
 
 
 def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewrite: bool = True,
