@@ -378,23 +378,68 @@ class _TokenShift(torch.nn.Module):
         return (x + ac.ops.linear_scan(a, (1 - a) * k)).square().mean()
 
 
-def test_regions_lowered_per_length_say_so_once():
-    """A token shift joins its region in each specialization but not in the graph for every length: every new length
-    was lowered and compiled again, said at INFO only, while the symbolic graph's rows claimed one lowering for every
-    length."""
+class _CausalConv(torch.nn.Module):
+    """A depthwise causal conv before the scan, written as transformers' Mamba writes it (cut to the length read
+    from the input) or with an explicit left pad."""
+
+    def __init__(self, padded: bool, d: int = 8) -> None:
+        super().__init__()
+        self.padded = padded
+        self.conv = torch.nn.Conv1d(d, d, 4, groups=d, padding=0 if padded else 3)
+        self.k = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        xt = x.transpose(1, 2)
+        if self.padded:
+            u = self.conv(torch.nn.functional.pad(xt, (3, 0)))
+        else:
+            u = self.conv(xt)[..., :x.shape[1]]
+        u = u.transpose(1, 2)
+        a = torch.sigmoid(self.k(u))
+        return (x + ac.ops.linear_scan(a, (1 - a) * u)).square().mean()
+
+
+@pytest.mark.parametrize("make", [_TokenShift, lambda: _CausalConv(False), lambda: _CausalConv(True)],
+                         ids=["token-shift", "conv-cut", "conv-pad"])
+def test_token_shifts_and_causal_convs_serve_every_length_from_one_lowering(make):
+    """A token shift (rewritten to one op before lowering) and a causal conv cut at the length read from the input
+    were lowered and compiled again at every new length. Now the graph for every length takes them in: each length
+    exact against eager, its region run in shards with the conv's or shift's halo, no warning."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _TokenShift().double()
+    model = make().double()
     ref = copy.deepcopy(model)
     step = torch.compile(model, backend="adjoint", options={"shard_size": 16, "inner": "aot_eager"})
+    lengths = (100, 120, 141, 37, 160)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        for T in (100, 120, 140, 160):
+        for T in lengths:
             x = torch.randn(2, T, 8, dtype=torch.float64)
             g = torch.autograd.grad(step(x), list(model.parameters()))
             w = torch.autograd.grad(ref(x), list(ref.parameters()))
             assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    assert not [x.message for x in got if issubclass(x.category, AdjointCompileWarning)]
+    (region,) = _generic_regions(step)
+    assert region.lengths == set(lengths[1:]), region.lengths
+    prepared = [r for (T, *_), r in region.regions.items() if T == 141]
+    assert len(prepared) == 1 and len(prepared[0]._plan.convs) == 1, prepared
+
+
+def test_regions_lowered_per_length_say_so_once():
+    """A region that reads the length as a number (``b / T``) cannot serve every length from one lowering: every new
+    length is lowered and compiled again. That was said at INFO only, while the symbolic graph's rows claimed one
+    lowering for every length."""
+    torch._dynamo.reset()
+    model = _scaled("length")
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 3, "inner": "eager"})
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for T in (11, 13, 7, 17):
+            a = torch.randn(2, T, 4, dtype=torch.float64, requires_grad=True)
+            b = torch.randn(2, T, 4, dtype=torch.float64)
+            torch.testing.assert_close(step(a, b), model(a, b), rtol=1e-12, atol=1e-12)
     said = [str(x.message) for x in got if "cannot serve every sequence length" in str(x.message)]
-    assert len(said) == 1 and "compiled again" in said[0], said
+    assert len(said) == 1 and "compiled again" in said[0] and "reads the length as a number" in said[0], said
     rows = [r.reason for r in ac.report(step).regions if r.reason.startswith("dynamic shapes")]
     assert rows and all("each new length is specialized, lowered and compiled again" in r for r in rows), rows

@@ -35,9 +35,11 @@ __all__ = ["LengthGenericRegion", "retarget", "KEEP"]
 KEEP = 64
 
 
-def retarget(region: ShardedRegion, T: int) -> fx.GraphModule:
+def retarget(region: ShardedRegion, T: int, stops: dict[str, int] | None = None) -> fx.GraphModule:
     """``region``'s graph (prepared at its own length) with the length literal at every step position rewritten to
-    ``T``; raises :class:`UnsupportedRegion` where a shape argument holds another literal at a step position."""
+    ``T``; raises :class:`UnsupportedRegion` where a shape argument holds another literal at a step position.
+    ``stops``: per getitem node's name, the position in its index of a slice whose stop is the length (``x[..., :T]``
+    after a causal conv), read from the graph with symbolic sizes: that stop becomes T too."""
     plan = region._plan
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -49,7 +51,19 @@ def retarget(region: ShardedRegion, T: int) -> fx.GraphModule:
         env[n] = new
         if n.op in ("call_method", "call_function") and T != plan.T:
             plan._rewrite_lengths(n, new, T)
+            if stops and n.name in stops:
+                new.args = (new.args[0], _stop_to(n.args[1], stops[n.name], plan.T, T, n.name))
     return fx.GraphModule(region.region_gm, g)
+
+
+def _stop_to(idx: Any, j: int, T0: int, T: int, name: str) -> Any:
+    """The index ``idx`` with item ``j``'s slice stop T₀ made T."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    i = items[j] if j < len(items) else None
+    if not isinstance(i, slice) or i.stop != T0:
+        raise UnsupportedRegion(f"node {name}: index {idx} does not stop at the lowered length {T0} at item {j}")
+    items[j] = slice(i.start, T, i.step)
+    return tuple(items) if isinstance(idx, tuple) else items[0]
 
 
 class LengthGenericRegion(torch.nn.Module):
@@ -57,8 +71,10 @@ class LengthGenericRegion(torch.nn.Module):
     at its own length; ``shard_size`` (None: chosen per length from the region's costs, rounded down to a power of
     two so that the shard lengths stay few)."""
 
-    def __init__(self, template: ShardedRegion, shard_size: int | None) -> None:
+    def __init__(self, template: ShardedRegion, shard_size: int | None, stops: dict[str, int] | None = None) -> None:
         super().__init__()
+        #: the slices that stop at the length (:func:`retarget`)
+        self.stops = dict(stops or {})
         if getattr(template._plan, "per_sample", None) is not None:
             raise UnsupportedRegion("per-example clipping regions are specialized per length")
         self.template = template
@@ -85,7 +101,7 @@ class LengthGenericRegion(torch.nn.Module):
             self.regions.move_to_end(key)
             return r
         t = self.template
-        r = ShardedRegion(retarget(t, T), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
+        r = ShardedRegion(retarget(t, T, self.stops), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
                           window=t.window, cuda_graphs=t.cuda_graphs)
         r.label = t.label
         r._plan.length_free, r._plan.shared = True, self.shared

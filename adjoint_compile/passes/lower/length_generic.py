@@ -54,6 +54,24 @@ def _length_symbols(inputs: list[fx.Node], dims: list[int | None]) -> set:
     return out
 
 
+def _members(outputs: list[fx.Node], inputs: list[fx.Node], named: set[fx.Node]) -> set[fx.Node] | str:
+    """The nodes of the captured graph that compute the region's ``outputs`` from its ``inputs``: everything the
+    outputs read, back to the inputs, or why not (a string). Capture passes may have rewritten some of them before
+    lowering (a token shift written with ``cat`` became one ``shift_steps``): the region's outputs, as functions of
+    its inputs, are the same either way. A size is a member only where the lowered region computed it (``named``);
+    any other is read from outside (:func:`_size_read`)."""
+    seen, todo, ins = set(), list(outputs), set(inputs)
+    while todo:
+        n = todo.pop()
+        if n in seen or n in ins:
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            return f"its outputs read {n.name}, which the lowered region does not take in"
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if not _is_size(a) or a in named]
+    return seen
+
+
 def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps: set) -> str:
     """Why the length's symbol cannot tell the length from another size ("" when it can): dynamo gives sizes that
     were equal at its first call one symbol (a batch of 3 sequences of 3 steps), and a region reading that symbol
@@ -67,6 +85,22 @@ def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps
                 return (f"input {x.name}'s dim {k} has the length's symbol ({size}): sizes equal at the first call "
                         f"share it")
     return ""
+
+
+def _length_stop(m: fx.Node, a: fx.Node, steps: set) -> int | None:
+    """The position in ``m``'s index of the one slice whose stop is the size ``a``, when ``a`` is the length itself
+    and ``m`` is ``x[..., :T]`` (a causal conv's cut, ``conv1d(x, padding=p)[..., :T]``), else None: the lowered
+    region holds T₀ there, which :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
+    if not (m.op == "call_function" and m.target is operator.getitem and len(m.args) == 2 and m.args[0] is not a):
+        return None
+    v, idx = _ev(a), m.args[1]
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if not (isinstance(v, torch.SymInt) and v.node.expr in steps):
+        return None
+    at = [j for j, i in enumerate(items) if isinstance(i, slice) and i.stop is a]
+    others = [x for j, i in enumerate(items) for x in ((i.start, i.step) if isinstance(i, slice) and j in at else
+                                                        (i.start, i.stop, i.step) if isinstance(i, slice) else (i,))]
+    return at[0] if len(at) == 1 and a not in others else None
 
 
 def _size_read(m: fx.Node, a: fx.Node, steps: set, pinned: set) -> str:
@@ -115,28 +149,35 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
             return [], f"{c} is not a sharded region call"
         prov = call.meta.get(PROVENANCE, {})
         members = prov.get("members", [])
-        missing = [m for m in [*members, *prov.get("inputs", []), *prov.get("outputs", [])] if m not in by_name]
+        missing = [m for m in [*prov.get("inputs", []), *prov.get("outputs", [])] if m not in by_name]
         if missing:
             return [], f"{c}: node(s) {', '.join(missing[:3])} of the lowered region are not in the captured graph"
-        mset = {by_name[m] for m in members}
-        inputs = [by_name[a] for a in prov["inputs"]]
-        outputs = [by_name[o] for o in prov["outputs"]]
+        inputs = [by_name[a] for a in prov.get("inputs", [])]
+        outputs = [by_name[o] for o in prov.get("outputs", [])]
+        mset = _members(outputs, inputs, {by_name[m] for m in members if m in by_name})
+        if isinstance(mset, str):
+            return [], f"{c}: {mset}"
         steps = _length_symbols(inputs, mod.in_step_dims)
         if (shared := _shared_with_other_dims(inputs, mod.in_step_dims, steps)):
             return [], f"{c}: {shared}"
+        stops: dict[str, int] = {}
         for m in mset:
             for a in m.all_input_nodes:
                 if a not in mset and a not in inputs and not _is_size(a):
                     return [], f"{c}: member {m.name} reads {a.name}, which the lowered region does not take in"
-                if a not in mset and a not in inputs and (why := _size_read(m, a, steps, pinned)):
+                if a in mset or a in inputs:
+                    continue
+                if (j := _length_stop(m, a, steps)) is not None and m.name in members:
+                    stops[m.name] = j
+                elif (why := _size_read(m, a, steps, pinned)):
                     return [], f"{c}: {why}"
             if any(u not in mset for u in m.users) and m not in outputs:
                 return [], f"{c}: member {m.name} is read outside the region"
-        plans.append((call.target, mod, mset, inputs, outputs))
+        plans.append((call.target, mod, mset, inputs, outputs, stops))
     order = {n: i for i, n in enumerate(sym.graph.nodes)}
     made = []
-    for target, mod, mset, inputs, outputs in plans:
-        sym.add_submodule(target, LengthGenericRegion(mod, shard_size))
+    for target, mod, mset, inputs, outputs, stops in plans:
+        sym.add_submodule(target, LengthGenericRegion(mod, shard_size, stops))
         last = max(mset, key=order.__getitem__)
         with sym.graph.inserting_after(last):
             call = sym.graph.call_module(target, tuple(inputs))
