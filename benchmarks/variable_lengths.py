@@ -14,6 +14,7 @@ and prints the table.
 
     python benchmarks/variable_lengths.py                  # CPU: 16 lengths up to 16384 (about 10 minutes, 2 cores)
     python benchmarks/variable_lengths.py --n 40 --device cuda
+    python benchmarks/variable_lengths.py --model hf-mamba --max-len 4096 --methods adjoint,compile
 """
 from __future__ import annotations
 
@@ -40,25 +41,55 @@ def lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
     return out + [hi]
 
 
+def _model(args: argparse.Namespace):
+    """The shipped SSM stack, or transformers' Mamba (``--model hf-mamba``: a language model whose loss is the
+    library's own, ``model(ids, labels=ids).loss``, wrapped so that ``model(ids).square().mean()`` is that loss)."""
+    import torch
+
+    if args.model == "ssm":
+        from adjoint_compile.models.selective_ssm import SSMStack
+        return SSMStack(args.d_model, args.d_state, args.layers)
+    import transformers
+
+    cfg = transformers.MambaConfig(vocab_size=args.vocab, hidden_size=args.d_model, state_size=args.d_state,
+                                   num_hidden_layers=args.layers, expand=2, conv_kernel=4)
+    lm = transformers.MambaForCausalLM(cfg)
+
+    class Loss(torch.nn.Module):  # NB: sqrt, so that the step's .square().mean() is the LM's loss
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(ids, labels=ids).loss.sqrt()
+    return Loss()
+
+
+def _inputs(args: argparse.Namespace, T: int, dev):
+    import torch
+
+    if args.model == "ssm":
+        return torch.randn(args.batch, T, args.d_model, device=dev)
+    return torch.randint(0, args.vocab, (args.batch, T), device=dev)
+
+
 def run_method(method: str, Ts: list[int], args: argparse.Namespace) -> dict:
     """One method's two passes (module docstring), in this process."""
     import torch
 
     import adjoint_compile as ac
     from adjoint_compile import measure
-    from adjoint_compile.models.selective_ssm import SSMStack
-
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    model = SSMStack(args.d_model, args.d_state, args.layers).to(dev)
+    model = _model(args).to(dev)
     shard_compiles = []
     if method == "adjoint":
         import adjoint_compile.runtime.shard_program as sp
         real = sp.compile_inner
 
-        def counting(gm, ex, inner):
+        def counting(*args, **kwargs):
             shard_compiles.append(1)
-            return real(gm, ex, inner)
+            return real(*args, **kwargs)
         sp.compile_inner = counting
         step = torch.compile(lambda x: model(x).square().mean(), backend="adjoint")
     elif method == "compile":
@@ -68,7 +99,7 @@ def run_method(method: str, Ts: list[int], args: argparse.Namespace) -> dict:
 
         def step(x):
             return ck(x).square().mean()
-    xs = {T: torch.randn(args.batch, T, args.d_model, device=dev) for T in sorted(set(Ts))}
+    xs = {T: _inputs(args, T, dev) for T in sorted(set(Ts))}
     measure.start_timing() if dev.type == "cuda" else None
     t0 = time.perf_counter()
     for T in Ts:
@@ -94,6 +125,9 @@ def run_method(method: str, Ts: list[int], args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="ssm", choices=("ssm", "hf-mamba"),
+                   help="the shipped SSM stack, or transformers' Mamba LM with its own loss")
+    p.add_argument("--vocab", type=int, default=256, help="--model hf-mamba: the vocabulary")
     p.add_argument("--n", type=int, default=16, help="number of steps (lengths drawn, the longest last)")
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=16384)
@@ -136,12 +170,15 @@ def main(argv: list[str] | None = None) -> None:
               f"time {ratios['total_time_adjoint_over_compile']:.2f}x")
     import torch
     meta = {"device": args.device if args.device != "cpu" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
-            "torch": torch.__version__, "model": f"SSMStack d_model={args.d_model} d_state={args.d_state} layers="
-            f"{args.layers}, batch {args.batch}, loss compiled in", "load_average_1min_at_start": load,
+            "torch": torch.__version__, "model": f"{'SSMStack' if args.model == 'ssm' else 'transformers MambaForCausalLM'}"
+            f" d_model={args.d_model} d_state={args.d_state} layers={args.layers}"
+            f"{'' if args.model == 'ssm' else f' vocab={args.vocab}'}, batch {args.batch}, loss compiled in",
+            "load_average_1min_at_start": load,
             "lengths": Ts}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"variable_lengths_{args.device}.json").write_text(json.dumps({"meta": meta, "results": results,
+    tag = "" if args.model == "ssm" else f"_{args.model}"
+    (out / f"variable_lengths{tag}_{args.device}.json").write_text(json.dumps({"meta": meta, "results": results,
                                                                           "ratios": ratios}, indent=1))
     try:
         import matplotlib
@@ -162,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_title(f"{len(Ts)} steps over {len(set(Ts))} lengths, {meta['device']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "variable_lengths.png", dpi=120)
+    fig.savefig(out / f"variable_lengths{tag}.png", dpi=120)
 
 
 if __name__ == "__main__":
