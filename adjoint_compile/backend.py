@@ -38,6 +38,7 @@ from .options import Options
 from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.capture.known_scans import has_known_scans
+from .passes.capture.buffer_writes import has_buffer_writes
 from .passes.lower import lower, lower_sequence_parallel, lowered_calls
 from .passes.lower.per_sample import PerSampleLowering, lower_per_sample
 from .passes.stitch import stitch, stitch_partitions
@@ -231,8 +232,9 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
     # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized
     # per call signature like one with regions to shard
     # NB: and one calling a library's scan, which only a specialization's capture replaces (mambapy's PScan)
+    # NB: and one writing a loop's steps into a buffer, which only a specialization's capture stacks
     symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None
-                                      or has_known_scans(gm))
+                                      or has_known_scans(gm) or has_buffer_writes(gm))
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, symbolic=True)
     outcomes = (timed("lower", lower, captured, regions, plans, opts) if regions and not captured.symbolic

@@ -20,12 +20,15 @@ from typing import Any
 
 import torch
 
+from .analysis.optable import draws_random
 from .errors import AdjointCompileWarning
 from .inner import COMPILE_LOCK
 from .passes import decide
 from .passes.lower.length_generic import generalize
-from .passes.stitch import stitch_partitions
+from .passes.capture.mode_blocks import detach_no_grad_outputs
+from .passes.capture.seeded_dropout import seed_dropouts
 from .passes.capture.specialize import attribute_floats, specialize
+from .passes.stitch import stitch_partitions
 from .regions import Fallback
 from .runtime.verify import ForwardCheck, check_skipped, copy_graph_module
 
@@ -40,6 +43,9 @@ def _key(args: tuple) -> tuple:
 
 #: the start of ``generic_failed`` when a region's lowering failed on the region itself, not on its size
 LOWERING_FAILED = "lowering failed: "
+#: ``generic_failed`` when no region of the specialized graph can be rewritten at any size (none was declined for its
+#: size): every call runs the graph with symbolic sizes
+NOTHING = "nothing to rewrite"
 
 
 def _symbol_places(gm: Any) -> dict[Any, tuple[int, int | None]]:
@@ -60,6 +66,16 @@ def _size_at(args: tuple, at: tuple[int, int | None]) -> int:
     return int(args[i]) if d is None else int(args[i].shape[d])
 
 
+def _holds(args: tuple, pins: dict, values: dict) -> bool:
+    """Whether this call has the sizes (``pins``) and the module floats (``values``) a graph for every length holds."""
+    return all(_size_at(args, at) == v for at, v in pins.values()) and \
+        all(float(args[i]) == v for i, v in values.items())
+
+
+#: graphs for every length one symbolic graph makes, one per value of the sizes they hold (batch sizes)
+MAX_GENERIC = 4
+
+
 class LengthDispatch:
     """See the module docstring. ``owner`` is the symbolic graph's record (``CompiledGraph``); ``pipeline(gm, args,
     opts, compile)`` runs the backend's pipeline on a specialized graph; ``fallback`` runs the symbolic graph with the
@@ -69,7 +85,11 @@ class LengthDispatch:
         self.owner, self.gm, self.opts, self.pipeline, self.fallback = owner, owner.captured.gm, opts, pipeline, fallback
         # NB: copied now, before anything runs: the first-call check's reference and the generic graph's base
         self.pristine = copy_graph_module(self.gm)
-        self.generic: Callable[..., Any] | None = None
+        #: the graphs for every length: (pins, value_pins, fn) each; more than one where the regions hold a size other
+        #: than the length (a batch size) and calls came with other values of it (at most :data:`MAX_GENERIC`)
+        self.generics: list[tuple[dict, dict, Callable[..., Any]]] = []
+        #: the held sizes' values a graph for every length was tried at (:meth:`_held`)
+        self.tried_held: set[tuple] = set()
         #: why the one graph for every length could not be made ("" not tried yet; "short": retried on a new size)
         self.generic_failed = ""
         self.declined: Any = None
@@ -83,6 +103,45 @@ class LengthDispatch:
         #: their values; those the graph for every length holds
         self.values = attribute_floats(self.gm)
         self.value_pins: dict[int, float] = {}
+
+    @property
+    def generic(self) -> Callable[..., Any] | None:
+        """The first graph for every length (None before one is made)."""
+        return self.generics[0][2] if self.generics else None
+
+    def _generic_for(self, args: tuple) -> Callable[..., Any] | None:
+        return next((fn for pins, values, fn in self.generics if _holds(args, pins, values)), None)
+
+    def _held(self, args: tuple) -> tuple:
+        """This call's values of the sizes the first graph for every length holds."""
+        pins, values, _ = self.generics[0]
+        return (*(_size_at(args, at) for at, _ in pins.values()), *(float(args[i]) for i in values))
+
+    def _another_generic(self, args: tuple) -> Callable[..., Any] | None:
+        """A graph for every length at this call's values of the held sizes (another batch size), or None: tried once
+        per value, up to :data:`MAX_GENERIC` graphs, said once when that is reached."""
+        held = self._held(args)
+        if held in self.tried_held:
+            return None
+        self.tried_held.add(held)
+        if len(self.generics) >= MAX_GENERIC:
+            if len(self.tried_held) == len(self.generics) + 1:
+                warnings.warn(AdjointCompileWarning(
+                    f"adjoint-compile: the regions hold a size other than the length (values so far: "
+                    f"{sorted(self.tried_held)}); {MAX_GENERIC} graphs for every length are made, and calls with other "
+                    f"values are specialized per length (each new one lowered and compiled); pad or drop the odd "
+                    f"batches to keep the compile time bounded"), stacklevel=4)
+            return None
+        try:
+            fn, why = self._try_generic(args)
+        except Exception as e:  # noqa: BLE001 - fail soft: per-length specialization still works
+            fn, why = None, f"{type(e).__name__}: {e}"
+        if fn is None:
+            log.info("adjoint-compile: no graph for every length at %s (%s); these calls are specialized", held, why)
+            return None
+        self.generics.append((self.pins, self.value_pins, fn))
+        log.info("adjoint-compile: another graph for every length, for the held sizes at %s", held)
+        return fn
 
     def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "") -> Callable[..., Any]:
         """Run this call signature with ordinary autograd, said once per cause, listed in the report with every
@@ -107,7 +166,8 @@ class LengthDispatch:
 
     def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
         """The one graph for every length (module docstring), or (None, why not): ``"short"`` when nothing was lowered
-        at these sizes (too short to shard: a longer call may still make it), else the reason."""
+        at these sizes (too short to shard: a longer call may still make it), :data:`NOTHING` when nothing would be at
+        any size, else the reason."""
         opts = self.opts
         if opts.per_sample_clip is not None or opts.sequence_parallel is not None or opts.mode == "highway":
             return None, "per-example clipping, sequence parallelism and Highway-BP are specialized per size"
@@ -119,10 +179,21 @@ class LengthDispatch:
             if failed:
                 return None, LOWERING_FAILED + "; ".join(failed)
             self.declined = result
+            if not any("expected_memory_bytes" in r.details for r in result.regions):
+                self.owner.specializations.append(result)  # NB: its rows say why, in the report
+                return None, NOTHING
             return None, "short"
         sym = copy_graph_module(self.pristine)
+        done = result.captured.normalized
+        # NB: the capture passes that make a region's inputs (detached no_grad values, dropout's seed), run on the
+        # graph with symbolic sizes too, so that its regions' inputs are found there by name
+        if done.get("no_grad_detached"):
+            detach_no_grad_outputs(sym)
+        if done.get("dropouts"):
+            seed_dropouts(sym)
         pinned: set = set()
         calls, why = generalize(sym, result.captured.gm, result.lowered, opts.shard_size, pinned)
+        self.pins = {}
         if not why and pinned:
             where = _symbol_places(self.gm)
             if not pinned <= set(where):
@@ -130,7 +201,7 @@ class LengthDispatch:
             else:
                 self.pins = {s: (where[s], _size_at(args, where[s])) for s in pinned}
                 log.info("adjoint-compile: the graph for every length holds %s at this call's values; other values "
-                         "are specialized", ", ".join(f"{s} = {v}" for s, (_, v) in self.pins.items()))
+                         "get graphs of their own", ", ".join(f"{s} = {v}" for s, (_, v) in self.pins.items()))
         if why:
             log.info("adjoint-compile: the regions cannot serve every length (%s); each length is specialized", why)
             return None, why
@@ -139,9 +210,12 @@ class LengthDispatch:
         self.owner.lowered = list(calls)
         result.lengths = set()
         for c in calls:  # NB: one set for the report: every region of the graph runs at each call's length
-            sym.get_submodule(next(n.target for n in sym.graph.nodes if n.name == c)).lengths = result.lengths
+            region = sym.get_submodule(next(n.target for n in sym.graph.nodes if n.name == c))
+            region.lengths, region.fallbacks = result.lengths, self.owner.fallbacks
         fn = stitch_partitions(sym, calls, opts.inner, dynamic=True, fallbacks=self.owner.fallbacks)
-        if opts.check_forward and not check_skipped(self.owner.timing, concrete, result.regions):
+        # NB: not with dropout: the compiled graph draws other numbers than the graph as captured (backend._checked)
+        if opts.check_forward and not any(draws_random(n) for n in self.pristine.graph.nodes) and \
+                not check_skipped(self.owner.timing, concrete, result.regions):
             names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")
             fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names,
                               self.owner.fallbacks, self.owner.timing)
@@ -154,20 +228,29 @@ class LengthDispatch:
         # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) is specialized;
         # dim by dim, not by total size: a long sequence in a smaller batch than the short ones tried is longer
         longer = any(n > (self.tried_dims[i] if i < len(self.tried_dims) else 0) for i, n in enumerate(dims))
-        if self.generic is None and (not why or why == "short" and longer):
+        if self.generics and (fn := self._another_generic(args)) is not None:
+            return fn
+        if not self.generics and (not why or why == "short" and longer):
             self.tried_dims = [max(n, self.tried_dims[i] if i < len(self.tried_dims) else 0)
                                for i, n in enumerate(dims)]
+            fn = None
             try:
-                self.generic, why = self._try_generic(args)
+                fn, why = self._try_generic(args)
             except Exception as e:  # noqa: BLE001 - fail soft: per-length specialization still works
                 why = f"{type(e).__name__}: {e}"
                 log.warning("adjoint-compile: lowering once for every length failed (%s); each length is "
                             "specialized", why, exc_info=log.isEnabledFor(logging.DEBUG))
             self.generic_failed = why
-            if self.generic is not None:
-                return self.generic
-            if why and why != "short" and not why.startswith(LOWERING_FAILED):
+            if fn is not None:
+                self.generics.append((self.pins, self.value_pins, fn))
+                self.tried_held.add(self._held(args))
+                return fn
+            if why and why not in ("short", NOTHING) and not why.startswith(LOWERING_FAILED):
                 self._per_length(why)
+        if why == NOTHING:
+            decide.nothing_at_any_length(self.owner.regions)
+            self.cache[key] = self.fallback
+            return self.fallback
         if why.startswith(LOWERING_FAILED):
             # NB: the regions themselves cannot be lowered, whatever the length: the symbolic graph serves every
             # length (a specialized graph compiled outside dynamo's context can hold reads of tensor data)
@@ -197,17 +280,12 @@ class LengthDispatch:
         self.cache[key] = fn
         return fn
 
-    def _pins_hold(self, args: tuple) -> bool:
-        return all(_size_at(args, at) == v for at, v in self.pins.values()) and \
-            all(float(args[i]) == v for i, v in self.value_pins.items())
-
     def __call__(self, *args: Any) -> Any:
-        if self.generic is not None and self._pins_hold(args):
-            return self.generic(*args)
+        if (fn := self._generic_for(args)) is not None:
+            return fn(*args)
         key = (*_key(args), *(float(args[i]) for i in self.values))
         fn = self.cache.get(key)
         if fn is None:
             with COMPILE_LOCK:
-                fn = self.generic if self.generic is not None and self._pins_hold(args) else None
-                fn = fn or self.cache.get(key) or self._specialize(key, args)
+                fn = self._generic_for(args) or self.cache.get(key) or self._specialize(key, args)
         return fn(*args)

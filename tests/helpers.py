@@ -59,3 +59,17 @@ class StepLoop(torch.nn.Module):
             h = a[:, t] * h + b[:, t]
             hs.append(h)
         return torch.stack(hs, 1)
+
+
+def generic_regions(step):
+    """The length-generic region modules (one lowering for every length) of a compiled function's graphs."""
+    import adjoint_compile as ac
+    from adjoint_compile.runtime.length_generic import LengthGenericRegion
+
+    out = []
+    for rec in ac.report(step).compiled:
+        fn = getattr(rec.fn, "generic", None)
+        fn = getattr(fn, "fn", fn)  # under the first-call check
+        if fn is not None:
+            out += [m for m in fn.modules() if isinstance(m, LengthGenericRegion)]
+    return out

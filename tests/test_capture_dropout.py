@@ -2,6 +2,7 @@
 forward's mask (kernels/random.py, passes/capture/seeded_dropout.py)."""
 import copy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,29 @@ def test_dropout_on_rows_with_the_batch_folded_in_draws_the_full_masks(shard):
             assert _rel(p.grad, q.grad) <= 1e-9, (t, name)
     rep = ac.report(f)
     assert any(r.rewrite == "adjoint" for r in rep.regions), str(rep)
+
+
+def test_new_lengths_reuse_one_lowering_with_dropout(monkeypatch):
+    """Dropout's seed is made by a capture pass, which the graph for every length did not run: each new length was
+    lowered and compiled again. Now one lowering serves them, with autograd's gradients for the same masks."""
+    from helpers import generic_regions
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DropoutStack()
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 5})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (37, 23, 41):
+            x, w = torch.randn(2, T, 8), torch.randn(2, T, 8)
+            torch.manual_seed(123)
+            seed = new_seed()
+            with monkeypatch.context() as mp:
+                mp.setattr(F, "dropout", _streams(seed))
+                ref_out, ref_g = _step(model, model, x, w)
+            out, g = _step(f, model, x, w)
+            assert _rel(out, ref_out) <= 1e-5, T
+            assert all(_rel(a, b) <= 1e-5 for a, b in zip(g, ref_g)), T
+    assert not [str(m.message) for m in said if issubclass(m.category, ac.AdjointCompileWarning)]
+    (region,) = generic_regions(f)
+    assert region.lengths == {23, 41}, region.lengths

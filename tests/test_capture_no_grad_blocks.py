@@ -93,3 +93,48 @@ def test_a_no_grad_block_stays_constant(make):
         assert rewritten, str(ac.report(f))
     else:
         assert any("another grad mode" in r.reason for r in ac.report(f).regions), str(ac.report(f))
+
+
+class ScanLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x)))
+
+
+class ScanConsistency(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ScanLayer()
+
+    def forward(self, weak: torch.Tensor, strong: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.model(weak)
+        return (self.model(strong) - target).pow(2).mean()
+
+
+def test_new_lengths_reuse_one_lowering_with_a_no_grad_block():
+    """The values leaving a no_grad block are detached by a capture pass, which the graph for every length did not
+    run: each new length was lowered and compiled again. Now one lowering serves them, exactly."""
+    import warnings
+
+    from helpers import generic_regions
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ScanConsistency().double()
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend="adjoint", options=OPTS)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for t in (13, 9, 17):
+            x = torch.randn(B, t, D, dtype=torch.float64)
+            xs = x + 0.3 * torch.randn_like(x)
+            g = torch.autograd.grad(f(x, xs), list(model.parameters()))
+            w = torch.autograd.grad(ref(x, xs), list(ref.parameters()))
+            for a, b in zip(g, w):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert not [str(m.message) for m in said if issubclass(m.category, ac.AdjointCompileWarning)]
+    assert {t for r in generic_regions(f) for t in r.lengths} == {9, 17}

@@ -14,7 +14,7 @@ from adjoint_compile import inner as inner_mod
 from adjoint_compile import lengths as lengths_mod
 from adjoint_compile.errors import AdjointCompileWarning
 from adjoint_compile.models.selective_ssm import SSMStack
-from adjoint_compile.runtime.length_generic import LengthGenericRegion
+from helpers import generic_regions
 
 #: 50 distinct lengths: odd, prime, below, at and above two shards of 8, and a long tail, in a shuffled order
 LENGTHS = [17, 3, 64, 31, 8, 9, 100, 2, 23, 47, 16, 5, 33, 61, 12, 127, 7, 40, 19, 53, 11, 90, 29, 15, 37, 41, 24,
@@ -45,17 +45,6 @@ def _run(lengths, options, dynamic=None, dtype=torch.float64, tol=1e-9):
     return step
 
 
-def _generic_regions(step):
-    """The length-generic region modules of the compiled graphs."""
-    out = []
-    for rec in ac.report(step).compiled:
-        fn = getattr(rec.fn, "generic", None)
-        fn = getattr(fn, "fn", fn)  # under the first-call check
-        if fn is not None:
-            out += [m for m in fn.modules() if isinstance(m, LengthGenericRegion)]
-    return out
-
-
 @pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
 @pytest.mark.slow
 def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypatch):
@@ -76,7 +65,7 @@ def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypat
 
     monkeypatch.setattr(lengths_mod.LengthDispatch, "_specialize", spec)
     step = _run(LENGTHS, {"inner": "aot_eager", "shard_size": 8}, dynamic)
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     # every length from the first one that shards on; the static first call (17) and T = 1 (dynamo specializes it)
     # have graphs of their own, and the short ones before the first long one run with ordinary autograd
     assert set(LENGTHS[2:-1]) <= region.lengths, sorted(set(LENGTHS) - region.lengths)
@@ -142,7 +131,7 @@ def test_fifty_lengths_with_the_default_shard_size_keep_the_rewrite():
         step = _run(lengths, {"inner": "aot_eager"})
     finally:
         sp.compile_inner = saved
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert region.lengths == set(lengths[1:])  # 3001 ran its own static graph
     (S,) = {r._plan.shard_size for r in region.regions.values()}
     assert S & (S - 1) == 0 and 2 * S < max(lengths)
@@ -164,7 +153,7 @@ def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
     (fb,) = ac.report(step).fallbacks
     assert [next(a for a in sig if isinstance(a, tuple) and len(a[0]) == 3)[0][1]
             for sig in fb.details["signatures"]] == [3, 5, 6, 7]
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert region.lengths == {40, 33}  # 40 first ran its static graph
 
 
@@ -182,7 +171,7 @@ def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_lengt
         m.calls -= 1
         got = f(x)
         assert float(m.calls) == i and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
-    assert len(_generic_regions(f)) == 1
+    assert len(generic_regions(f)) == 1
 
 
 def test_prepared_lengths_are_bounded(monkeypatch):
@@ -190,7 +179,7 @@ def test_prepared_lengths_are_bounded(monkeypatch):
 
     monkeypatch.setattr(length_generic, "KEEP", 3)
     step = _run([20, 21, 22, 23, 24, 25, 22], {"inner": "aot_eager", "shard_size": 4})
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert [key[0] for key in region.regions] == [24, 25, 22] and region.lengths == {21, 22, 23, 24, 25}
 
 
@@ -216,7 +205,7 @@ def test_sizes_fold_when_fake_propagation_drops_python_numbers(monkeypatch):
         step = _run([40, 33, 57, 21], {"inner": "aot_eager", "shard_size": 8})
     assert not [w for w in got if issubclass(w.category, AdjointCompileWarning)], [str(w.message) for w in got]
     assert ac.report(step).fallbacks == []
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert region.lengths == {33, 57, 21}
 
 
@@ -283,7 +272,7 @@ def test_a_batch_size_held_by_the_regions_keeps_one_graph_for_its_lengths():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
         for a, b in zip(gg, gw):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{(B, T)}: {m}")
-    (region,) = _generic_regions(f)[:1]
+    (region,) = generic_regions(f)[:1]
     assert {11, 13, 9} <= region.lengths and not {7, 17} & region.lengths
 
 
@@ -363,7 +352,7 @@ def test_a_long_sequence_in_a_smaller_batch_than_the_short_ones_is_sharded():
             want = torch.autograd.grad(ref(ids), list(ref.parameters()))
             for a, b in zip(got, want):
                 assert (a - b).norm() <= 1e-10 * b.norm(), (B, T)
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert max(region.lengths) >= 139, region.lengths
 
 
@@ -419,7 +408,7 @@ def test_token_shifts_and_causal_convs_serve_every_length_from_one_lowering(make
             w = torch.autograd.grad(ref(x), list(ref.parameters()))
             assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
     assert not [x.message for x in got if issubclass(x.category, AdjointCompileWarning)]
-    (region,) = _generic_regions(step)
+    (region,) = generic_regions(step)
     assert region.lengths == set(lengths[1:]), region.lengths
     prepared = [r for (T, *_), r in region.regions.items() if T == 141]
     assert len(prepared) == 1 and len(prepared[0]._plan.convs) == 1, prepared
@@ -443,3 +432,159 @@ def test_regions_lowered_per_length_say_so_once():
     assert len(said) == 1 and "compiled again" in said[0] and "reads the length as a number" in said[0], said
     rows = [r.reason for r in ac.report(step).regions if r.reason.startswith("dynamic shapes")]
     assert rows and all("each new length is specialized, lowered and compiled again" in r for r in rows), rows
+
+
+class _Loop(torch.nn.Module):
+    """A loop over the steps that writes them into a buffer, or that carries two states, the second reading the
+    first (g = c·g + h: taken for a gated recurrence, which exact mode does not rewrite)."""
+
+    def __init__(self, form: str, d: int = 8) -> None:
+        super().__init__()
+        self.form = form
+        self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.k(x)), self.v(x)
+        h, g, out, hs = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0]), torch.zeros_like(x), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            if self.form == "buffer":
+                out[:, t] = h
+            else:
+                g = a[:, t] * g + h
+                hs.append(g * h)
+        return (x + self.o(out if self.form == "buffer" else torch.stack(hs, 1))).square().mean()
+
+
+def test_a_loop_writing_a_buffer_is_rewritten_at_every_length():
+    """From the second length on, dynamo hands a graph with symbolic sizes, which is not normalized: its loop
+    writing into a buffer was not recognized there, and every later length ran with ordinary autograd, silently."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Loop("buffer").double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (13, 9, 17):
+            x = torch.randn(2, T, 8, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad(ref(x), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    assert not [x.message for x in said if issubclass(x.category, AdjointCompileWarning)]
+    rows = [(r.length, r.rewrite) for r in ac.report(step).regions if r.kind == "linear_recurrence"]
+    assert {T for T, how in rows if how == "adjoint"} == {13, 9, 17}, rows
+
+
+def test_a_graph_with_nothing_to_rewrite_at_any_length_is_not_called_short():
+    """A symbolic graph whose specialization rewrites nothing (two carried states, one reading the other) was run as
+    'a length too short to shard', warned, and specialized again at every longer length. Now it runs as captured,
+    without that warning, and its rows say why."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Loop("two states").double()
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "eager"}, dynamic=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (13, 9, 17, 40):
+            x = torch.randn(2, T, 8, dtype=torch.float64)
+            torch.testing.assert_close(step(x), model(x), rtol=1e-12, atol=1e-12)
+    assert not [x.message for x in said if "too short" in str(x.message)], [str(x.message) for x in said]
+    assert not ac.report(step).fallbacks
+    rows = [r.reason for r in ac.report(step).regions if r.reason.startswith("dynamic shapes")]
+    assert rows and all("rewrites nothing, whatever the length" in r for r in rows), rows
+
+
+class _ShiftedLM(torch.nn.Module):
+    def __init__(self, V: int = 32, d: int = 8) -> None:
+        super().__init__()
+        self.V, self.emb, self.k, self.v = V, torch.nn.Embedding(V, d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, V)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        a = torch.sigmoid(self.k(x))
+        h = ac.ops.linear_scan(a, (1 - a) * self.v(x)).reshape(ids.shape[0], ids.shape[1], -1)  # NB: holds B
+        logits = self.head(x + h)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, self.V), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_a_loss_shifted_by_slicing_the_logits_serves_every_length_from_one_lowering(dynamic):
+    """The loss's shift by one written on the logits (``logits[:, :-1]`` against ``ids[:, 1:]``) is rewritten at
+    lowering into labels padded with an ignored target, which the graph for every length did not have: each new
+    length was lowered and compiled again. The padded labels are now made there too (with dynamic=True, without
+    specializing the batch size the regions hold in the shape environment)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ShiftedLM().double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "eager"}, dynamic=dynamic)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (13, 9, 17, 31):
+            ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(T))
+            got, want = step(ids), ref(ids)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            g = torch.autograd.grad(got, list(model.parameters()))
+            w = torch.autograd.grad(want, list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
+    (region,) = generic_regions(step)
+    assert region.lengths == ({13, 9, 17, 31} if dynamic else {9, 17, 31}), region.lengths
+
+
+def test_min_gru_keeps_its_last_steps_and_serves_every_length_from_one_lowering():
+    """minGRU ends with ``out[:, -seq_len:]``, a slice of the whole, read from the length: every new length was
+    lowered and compiled again ("reads the length as a number"). At every length it keeps the whole, as capture
+    found at the lowered one."""
+    from minGRU_pytorch.minGRU import minGRU
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(minGRU(16), minGRU(16)).double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(lambda x: model(x).square().mean(), backend="adjoint",
+                         options={"shard_size": 16, "inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (64, 100, 150, 37):
+            x = torch.randn(2, T, 16, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad(ref(x).square().mean(), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
+    assert {T for r in generic_regions(step) for T in r.lengths} == {100, 150, 37}
+
+
+def test_a_batch_of_another_size_does_not_make_every_later_length_compile_again(monkeypatch):
+    """A batch of another size (an epoch's last, short batch) makes dynamo recompile with a symbolic batch size; the
+    graph for every length it makes holds that size (SSMStack reshapes by it), and every later call of the usual
+    size was specialized, lowered and compiled per length, silently. Now each held value gets one graph for every
+    length."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
+    ref = copy.deepcopy(model)
+    lowered = []
+    real = lengths_mod.LengthDispatch._specialize
+    monkeypatch.setattr(lengths_mod.LengthDispatch, "_specialize",
+                        lambda self, key, args: lowered.append(key[:2]) or real(self, key, args))
+    c = torch.randn(8, dtype=torch.float64)  # NB: not square().mean() after the final norm: its gradient is ~0
+
+    def loss(m, x):
+        return (m(x) * c).mean()
+
+    step = torch.compile(lambda x: loss(model, x), backend="adjoint", options={"shard_size": 8, "inner": "eager"})
+    plan = [(2, 40), (2, 50), (2, 60), (3, 47), (2, 40), (2, 50), (2, 60), (2, 70), (2, 41)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k, (B, T) in enumerate(plan):
+            x = torch.randn(B, T, 8, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad(loss(ref, x), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), (B, T)
+            if k == 3:
+                before = len(lowered)
+    assert len(lowered) - before <= 1, lowered  # NB: one graph for every length at B = 2 in the new graph, once
+    assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]

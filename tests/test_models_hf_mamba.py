@@ -135,11 +135,13 @@ def test_mamba2_exact_gradients(inner, shard, T):
     assert max(errs.values()) <= 1e-5, errs
 
 
-def test_new_lengths_reuse_one_lowering():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_new_lengths_reuse_one_lowering(dynamic):
     """A Mamba layer cuts its causal conv at the input's length (``conv1d(x)[..., :seq_len]``): the graph for every
     length now takes that cut in, so new lengths are not lowered and compiled again. Each length exact against
-    eager in fp64, every layer's scan still sharded (its conv carried as a halo), no warning."""
-    from adjoint_compile.runtime.length_generic import LengthGenericRegion
+    eager in fp64, every layer's scan still sharded (its conv carried as a halo), no warning. With dynamic=True the
+    norms' eps is a number read from a tensor input (``.item()``), which the regions read as their input."""
+    from helpers import generic_regions
 
     model = _mamba(False).double()
     torch._dynamo.reset()
@@ -148,7 +150,7 @@ def test_new_lengths_reuse_one_lowering():
     def loss(i):  # NB: the backbone: the LM's head hands out fp32 logits whatever the model's dtype
         return model.backbone(i).last_hidden_state.mul(c).mean()
 
-    f = torch.compile(loss, backend="adjoint", options={"inner": "eager", "shard_size": 8})
+    f = torch.compile(loss, backend="adjoint", options={"inner": "eager", "shard_size": 8}, dynamic=dynamic)
     lengths = (40, 53, 64, 29)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -161,7 +163,7 @@ def test_new_lengths_reuse_one_lowering():
                 # NB: 1e-6: the model computes its norms and A_log, D in fp32 whatever its dtype (rounding ~1e-7)
                 assert (a - b).norm() <= 1e-6 * b.norm(), (T, name, float((a - b).norm() / b.norm()))
     assert not [w.message for w in said if issubclass(w.category, ac.AdjointCompileWarning)]
-    generic = [m for rec in ac.report(f).compiled for fn in [getattr(rec.fn, "generic", None)] if fn is not None
-               for m in getattr(fn, "fn", fn).modules() if isinstance(m, LengthGenericRegion)]
-    assert generic and all(m.lengths == set(lengths[1:]) for m in generic), [m.lengths for m in generic]
+    generic = generic_regions(f)
+    want = set(lengths if dynamic else lengths[1:])
+    assert generic and all(m.lengths == want for m in generic), [m.lengths for m in generic]
     assert all(len(r._plan.convs) >= 1 for m in generic for r in m.regions.values())

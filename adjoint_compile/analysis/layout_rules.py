@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .fx import example_value
-from .rules import Ctx, Rule, dims_arg, norm_dim, op_label, step_shape
+from .rules import Ctx, Rule, dims_arg, expands_along, norm_dim, op_label, step_shape
 
 
 def _reshape_map(sin: tuple[int, ...], sout: tuple[int, ...], d: int, fold: int = 1,
@@ -276,3 +276,22 @@ def complex_view(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     if op_label(node) == "view_as_complex" and d == len(s) - 1:
         return None, "view_as_complex folds the step dim into complex elements"
     return d, None
+
+
+#: node meta: the step dim the analysis gave a broadcast at the length a region was lowered at, kept by the copy of
+#: the region graph made for another length (runtime/length_generic.retarget), where the shapes may not tell
+BROADCAST_DIM = "adjoint_broadcast_dim"
+
+
+def broadcast_steps(node: fx.Node, T: int | None) -> int | None:
+    """The one dim of ``node``'s output along which :func:`expands_along` holds, else None (none, or several: a
+    batch of as many sequences as steps leaves which one is the step axis unknown, and the value stays step-free;
+    at T = 1 every dim of 1 would do). A region graph copied for another length names the dim (:data:`BROADCAST_DIM`)."""
+    out = step_shape(node)
+    if T is None or out is None:
+        return None
+    hint = node.meta.get(BROADCAST_DIM)
+    if hint is not None:
+        return hint if expands_along(node, hint, T) else None
+    dims = [d for d in range(len(out)) if expands_along(node, d, T)]
+    return dims[0] if len(dims) == 1 and T > 1 else None

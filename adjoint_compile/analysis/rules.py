@@ -130,6 +130,20 @@ def op_label(node: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
+def expands_along(node: fx.Node, d: int, T: int | None) -> bool:
+    """``node`` is ``x.expand(...)`` / ``broadcast_to`` of a step-free x whose output has T steps at dim ``d``, where x
+    has no dim or a dim of 1: each step sees the same x, so a shard's expand to L steps is the same op (the shard
+    program rewrites the literal T there)."""
+    if node.op not in ("call_method", "call_function") or op_label(node) not in ("expand", "broadcast_to"):
+        return False
+    x, out = node.args[0] if node.args else None, step_shape(node)
+    s = step_shape(x)
+    if s is None or out is None or T is None or not 0 <= d < len(out) or out[d] != T:
+        return False
+    k = d - (len(out) - len(s))
+    return k < 0 or s[k] == 1
+
+
 class Ctx:
     """Per-node view used by the rules: argument access and step dims of inputs."""
 
@@ -191,9 +205,23 @@ def broadcast(node: fx.Node, ctx: Ctx, operands: list[Any] | None = None) -> tup
         s = step_shape(a)
         pos = d_out - (len(out) - len(s))
         if 0 <= pos < len(s) and s[pos] != 1:
+            if (b := _ambiguous_broadcast(a, ctx.T)) is not None:
+                return d_out, (f"operand {a.name} is {b.name} broadcast along two dims of {ctx.T} entries (as many "
+                               f"sequences as steps): which one is time is not known here; other batch sizes shard it")
             return d_out, (f"operand {a.name} is not tracked along the step axis but has length {s[pos]} there "
                            f"(a per-step table?)")
     return d_out, None
+
+
+def _ambiguous_broadcast(a: fx.Node, T: int | None, depth: int = 4) -> fx.Node | None:
+    """The broadcast behind ``a`` (itself, or up to ``depth`` ops before it) along more than one dim of T entries,
+    or None."""
+    if T is None or T < 2 or depth < 0:
+        return None
+    out = step_shape(a)
+    if out is not None and sum(expands_along(a, d, T) for d in range(len(out))) > 1:
+        return a
+    return next((b for x in a.all_input_nodes if (b := _ambiguous_broadcast(x, T, depth - 1)) is not None), None)
 
 
 def pointwise(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
@@ -378,15 +406,13 @@ def repeat_interleave(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
 
 def norm_layer(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     x, shape = ctx.arg(0, "input"), ctx.arg(1, "normalized_shape")
+    d, s = ctx.sd(x), step_shape(x)
+    k = len(shape) if isinstance(shape, (list, tuple)) else 1
+    if d is not None and d >= len(s) - k:
+        return None, f"{op_label(node)} normalizes over the step dim"
     for extra in nodes_in((node.args[2:], {k: v for k, v in node.kwargs.items() if k != "input"})):
         if ctx.sd(extra) is not None:
             return None, f"{op_label(node)} weight depends on the step"
-    d, s = ctx.sd(x), step_shape(x)
-    if d is None:
-        return None, None
-    k = len(shape) if isinstance(shape, (list, tuple)) else 1
-    if d >= len(s) - k:
-        return None, f"{op_label(node)} normalizes over the step dim"
     return d, None
 
 

@@ -386,20 +386,6 @@ def _shift_of(node: fx.Node, info: TimeLocalInfo) -> Shift | None:
     return Shift(first=first, sliced=sliced, scan=sliced.args[0], dim=d)
 
 
-def _expands_along(node: fx.Node, d: int, T: int | None) -> bool:
-    """``node`` is ``x.expand(...)`` / ``broadcast_to`` of a step-free x whose output has T steps at dim ``d``, where x
-    has no dim or a dim of 1: each step sees the same x, so a shard's expand to L steps is the same op (the shard
-    program rewrites the literal T there)."""
-    if node.op not in ("call_method", "call_function") or ops.raw_name(node) not in ("expand", "broadcast_to"):
-        return False
-    x, out = node.args[0] if node.args else None, step_shape(node)
-    s = step_shape(x)
-    if s is None or out is None or T is None or not 0 <= d < len(out) or out[d] != T:
-        return False
-    k = d - (len(out) - len(s))
-    return k < 0 or s[k] == 1
-
-
 class _PendingSlices:
     """Membership test for slices tentatively kept local by :func:`_shift_slice_dim` and not yet confirmed."""
 
@@ -474,7 +460,10 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
             continue
         inputs = nodes_in((node.args, node.kwargs))
         if not any(info.step_dim.get(a) is not None for a in inputs) and seed is None:
-            info.step_dim[node] = None  # step-free: parameter math and constants, whatever the op
+            # step-free: parameter math and constants, whatever the op; but a step-free value broadcast to T steps
+            # (a time-invariant step size ``dt.expand(B, T, H)``, a per-sequence vector ``c[:, None].expand(B, T, D)``)
+            # carries the step axis, each step the same values
+            info.step_dim[node] = lr.broadcast_steps(node, T)
             continue
         rule, ctx = rule_for(node), Ctx(node, info)
         if rule is None:
@@ -484,7 +473,7 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
                 d, why = rule(node, ctx)
             except Exception as e:  # a rule that cannot read its node must not guess
                 d, why = None, f"could not analyze {op_label(node)}: {type(e).__name__}: {e}"
-        if seed is not None and d is None and why is None and _expands_along(node, seed, T):
+        if seed is not None and d is None and why is None and r.expands_along(node, seed, T):
             d = seed  # a step-free value broadcast along the step dim, e.g. a constant decay lam.expand(B, T, N)
         if seed is not None and d != seed:
             why = why or f"seeded at step dim {seed} but the op puts it at {d}"

@@ -35,7 +35,7 @@ from ...analysis.fx import example_value
 
 log = logging.getLogger(__name__)
 
-__all__ = ["stack_buffer_writes"]
+__all__ = ["stack_buffer_writes", "has_buffer_writes", "buffer_write"]
 
 _FACTORIES = frozenset("zeros zeros_like empty empty_like full full_like ones ones_like new_zeros new_empty new_full "
                        "new_ones".split())
@@ -57,7 +57,7 @@ def _write_dim(idx: Any, rank: int) -> tuple[int, int] | None:
     return ints[0], items[ints[0]]
 
 
-def _write(u: fx.Node, buf: fx.Node) -> tuple[fx.Node, Any, Any] | None:
+def buffer_write(u: fx.Node, buf: fx.Node) -> tuple[fx.Node, Any, Any] | None:
     """``(node, idx, value)`` when ``u`` writes into ``buf``: ``buf[idx] = value`` (``node`` is the setitem), or
     ``buf[idx].copy_(value)`` (``u`` is the view, ``node`` the copy, the view's only use); else None."""
     if u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf:
@@ -75,7 +75,7 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
     # NB: no check of requires_grad: dynamo's example value is the buffer after its writes
     if not isinstance(ev, torch.Tensor):
         return "the buffer is not a tensor"
-    found = {u: _write(u, buf) for u in buf.users}
+    found = {u: buffer_write(u, buf) for u in buf.users}
     writes = [u for u, w in found.items() if w is not None]
     if len(writes) < 2:
         return "fewer than two writes"
@@ -124,6 +124,13 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
     return ""
 
 
+def has_buffer_writes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` writes into a buffer it made (looked up, not checked). NB: a graph with symbolic sizes is not
+    normalized, so its recognition cannot see a loop that writes its steps; a specialization's capture stacks them."""
+    return any(n.op in ("call_function", "call_method") and _fname(n) in _FACTORIES
+               and any(buffer_write(u, n) is not None for u in n.users) for n in gm.graph.nodes)
+
+
 def stack_buffer_writes(gm: fx.GraphModule) -> int:
     """Rewrite every buffer written step by step in ``gm`` (in place); returns how many were rewritten."""
     done, changed = 0, True
@@ -132,7 +139,7 @@ def stack_buffer_writes(gm: fx.GraphModule) -> int:
         for n in list(gm.graph.nodes):
             if getattr(n, "_erased", False) or n.op not in ("call_function", "call_method") or _fname(n) not in _FACTORIES:
                 continue
-            if not any(_write(u, n) is not None for u in n.users):
+            if not any(buffer_write(u, n) is not None for u in n.users):
                 continue
             pos = {x: i for i, x in enumerate(gm.graph.nodes)}
             why = _stack_one(gm, n, pos)

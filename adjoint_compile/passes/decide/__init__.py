@@ -93,6 +93,15 @@ def lowered_per_length(regions: Sequence[Region], why: str) -> None:
                         f"compiled graphs): the regions cannot serve every length ({why})")
 
 
+def nothing_at_any_length(regions: Sequence[Region]) -> None:
+    """The regions of a graph with symbolic sizes whose specialization rewrites nothing, at any size (lengths.py):
+    the graph runs with its symbolic sizes; their reason says so instead of :data:`SYMBOLIC`."""
+    for r in regions:
+        if r.reason == SYMBOLIC:
+            r.reason = ("dynamic shapes: its specialization rewrites nothing, whatever the length (the later compiled "
+                        "graph's rows say why): the graph runs as captured, with ordinary autograd")
+
+
 def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) -> list[Plan]:
     """One :class:`Plan` per region, from :data:`TABLE`.
 

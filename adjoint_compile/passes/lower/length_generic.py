@@ -21,16 +21,19 @@ are compiled for symbolic sizes (passes/stitch/), once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import example_value as _ev
 from ...analysis.fx import stable_toposort
 from ...analysis.step_literals import SHAPE_ARG_METHODS
+from ..capture.buffer_writes import buffer_write
 from ...regions import PROVENANCE
 from ...runtime.length_generic import LengthGenericRegion
 from ...runtime.sharded import ShardedRegion
@@ -58,8 +61,8 @@ def _members(outputs: list[fx.Node], inputs: list[fx.Node], named: set[fx.Node])
     """The nodes of the captured graph that compute the region's ``outputs`` from its ``inputs``: everything the
     outputs read, back to the inputs, or why not (a string). Capture passes may have rewritten some of them before
     lowering (a token shift written with ``cat`` became one ``shift_steps``): the region's outputs, as functions of
-    its inputs, are the same either way. A size is a member only where the lowered region computed it (``named``);
-    any other is read from outside (:func:`_size_read`)."""
+    its inputs, are the same either way; a buffer's writes are members with it. A size is a member only where the
+    lowered region computed it (``named``); any other is read from outside (:func:`_size_read`)."""
     seen, todo, ins = set(), list(outputs), set(inputs)
     while todo:
         n = todo.pop()
@@ -68,8 +71,46 @@ def _members(outputs: list[fx.Node], inputs: list[fx.Node], named: set[fx.Node])
         if n.op in ("placeholder", "get_attr"):
             return f"its outputs read {n.name}, which the lowered region does not take in"
         seen.add(n)
-        todo += [a for a in n.all_input_nodes if not _is_size(a) or a in named]
+        # NB: a number read from an input (an eps kept as a tensor, ``eps.item()``) is the region's, as the input is
+        todo += [a for a in n.all_input_nodes if not _is_size(a) or a in named or (
+            a.op == "call_method" and a.target == "item" and a.args[0] in ins)]
+        # NB: a buffer the outputs read was written step by step (``o[:, t] = h``), which capture stacked before
+        # lowering: its writes are part of what it holds
+        todo += [w for u in n.users if buffer_write(u, n) is not None for w in (u, *u.users)]
     return seen
+
+
+#: capture and lowering passes whose nodes a region may take as inputs, made again in the graph with symbolic sizes
+#: from the values they are made of: a loss's shifted labels (analysis/shifted_losses.py: a pad with one ignored target)
+_REMADE = frozenset({"unshift_losses"})
+
+
+def _remakes(n: fx.Node | None, by_name: dict[str, fx.Node]) -> bool:
+    """Whether the lowered graph's node ``n``, absent from the captured graph, can be made there: a node of a pass in
+    :data:`_REMADE`, which holds no size, whose inputs all are in the captured graph."""
+    return (n is not None and n.meta.get(PROVENANCE, {}).get("pass") in _REMADE and n.target is F.pad
+            and bool(n.all_input_nodes) and all(a.name in by_name for a in n.all_input_nodes))
+
+
+def _remake(sym: fx.GraphModule, n: fx.Node, by_name: dict[str, fx.Node]) -> fx.Node:
+    """The lowered graph's node ``n`` (:func:`_remakes`) made in ``sym`` after its first input, its value too."""
+    with sym.graph.inserting_after(by_name[n.args[0].name]):
+        new = sym.graph.node_copy(n, lambda a: by_name[a.name])
+    new.meta = {PROVENANCE: dict(n.meta.get(PROVENANCE, {}))}
+    # NB: its shape by hand: F.pad on the symbolic sizes would guard on them, specializing the shape environment
+    x, pad = _ev(by_name[n.args[0].name]), n.args[1] if len(n.args) > 1 else n.kwargs["pad"]
+    shape = list(x.shape)
+    for k in range(len(pad) // 2):
+        shape[-1 - k] = shape[-1 - k] + pad[2 * k] + pad[2 * k + 1]
+    with getattr(x, "fake_mode", None) or contextlib.nullcontext():
+        new.meta["example_value"] = x.new_empty(shape)
+    return new
+
+
+def _input_names(lowered: fx.GraphModule, target: str) -> list[str]:
+    """The names of the inputs of the region call to ``target`` in ``lowered``."""
+    call = next(n for n in lowered.graph.nodes if n.op == "call_module" and n.target == target)
+    return list(call.meta.get(PROVENANCE, {}).get("inputs", []))
 
 
 def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps: set) -> str:
@@ -87,20 +128,38 @@ def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps
     return ""
 
 
-def _length_stop(m: fx.Node, a: fx.Node, steps: set) -> int | None:
-    """The position in ``m``'s index of the one slice whose stop is the size ``a``, when ``a`` is the length itself
-    and ``m`` is ``x[..., :T]`` (a causal conv's cut, ``conv1d(x, padding=p)[..., :T]``), else None: the lowered
-    region holds T₀ there, which :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
+def _length_bound(m: fx.Node, a: fx.Node, steps: set) -> tuple[int, str, int] | None:
+    """(position in ``m``'s index, "start" or "stop", sign) of the one slice bound that is the size ``a``, when ``a``
+    is the length itself or its negative and ``m`` is ``x[..., :T]`` (a causal conv's cut) or ``x[:, -T:]`` (minGRU
+    keeps its last T steps), else None: the lowered region holds ±T₀ there, which
+    :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
     if not (m.op == "call_function" and m.target is operator.getitem and len(m.args) == 2 and m.args[0] is not a):
         return None
     v, idx = _ev(a), m.args[1]
-    items = list(idx) if isinstance(idx, tuple) else [idx]
-    if not (isinstance(v, torch.SymInt) and v.node.expr in steps):
+    if not isinstance(v, torch.SymInt):
         return None
-    at = [j for j, i in enumerate(items) if isinstance(i, slice) and i.stop is a]
-    others = [x for j, i in enumerate(items) for x in ((i.start, i.step) if isinstance(i, slice) and j in at else
-                                                        (i.start, i.stop, i.step) if isinstance(i, slice) else (i,))]
-    return at[0] if len(at) == 1 and a not in others else None
+    expr = v.node.expr
+    sign = 1 if expr in steps else -1 if -expr in steps else 0
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    fields = [(j, f, getattr(i, f)) if isinstance(i, slice) else (j, "", i) for j, i in enumerate(items)
+              for f in (("start", "stop", "step") if isinstance(i, slice) else ("",))]
+    at = [(j, f) for j, f, x in fields if x is a]
+    return (*at[0], sign) if sign and len(at) == 1 and at[0][1] in ("start", "stop") else None
+
+
+def _whole(m: fx.Node, at: tuple[int, str, int]) -> bool:
+    """Whether the slice bound ``at`` (:func:`_length_bound`) of ``m`` keeps its input whole at every length:
+    ``x[:, -T:]`` or ``x[:, :T]`` where x has T entries along that dim, nothing else sliced there."""
+    j, field, sign = at
+    items = list(m.args[1]) if isinstance(m.args[1], tuple) else [m.args[1]]
+    x, i = _ev(m.args[0]), items[j]
+    if not isinstance(x, torch.Tensor) or not all(isinstance(k, slice) for k in items[:j]) or j >= x.dim():
+        return False
+    size, bound = x.shape[j], _ev(i.start if field == "start" else i.stop)
+    other = i.stop if field == "start" else i.start
+    return (isinstance(size, torch.SymInt) and isinstance(bound, torch.SymInt) and other is None
+            and i.step in (None, 1) and (field, sign) in (("start", -1), ("stop", 1))
+            and size.node.expr == sign * bound.node.expr)
 
 
 def _size_read(m: fx.Node, a: fx.Node, steps: set, pinned: set) -> str:
@@ -149,10 +208,20 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
             return [], f"{c} is not a sharded region call"
         prov = call.meta.get(PROVENANCE, {})
         members = prov.get("members", [])
-        missing = [m for m in [*prov.get("inputs", []), *prov.get("outputs", [])] if m not in by_name]
+        low = {n.name: n for n in lowered.graph.nodes}
+        remade = {a: low[a] for a in prov.get("inputs", []) if a not in by_name and _remakes(low.get(a), by_name)}
+        ends = [*prov.get("inputs", []), *prov.get("outputs", [])]
+        missing = [m for m in ends if m not in by_name and m not in remade]
+        # NB: a name the captured graph gives another op (a pass made it in one graph only) is not the same value
+        other = [m for m in ends if m in by_name and m in low and (
+            (low[m].op, low[m].target) != (by_name[m].op, by_name[m].target) if low[m].op != "placeholder"
+            else by_name[m].op != "placeholder")]
+        if other:
+            return [], f"{c}: node(s) {', '.join(other[:3])} of the lowered region are other ops in the captured graph"
         if missing:
             return [], f"{c}: node(s) {', '.join(missing[:3])} of the lowered region are not in the captured graph"
-        inputs = [by_name[a] for a in prov.get("inputs", [])]
+        # NB: a remade input stands for the value it is made from, until it is made (below)
+        inputs = [by_name[a] if a not in remade else by_name[remade[a].args[0].name] for a in prov.get("inputs", [])]
         outputs = [by_name[o] for o in prov.get("outputs", [])]
         mset = _members(outputs, inputs, {by_name[m] for m in members if m in by_name})
         if isinstance(mset, str):
@@ -160,23 +229,28 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         steps = _length_symbols(inputs, mod.in_step_dims)
         if (shared := _shared_with_other_dims(inputs, mod.in_step_dims, steps)):
             return [], f"{c}: {shared}"
-        stops: dict[str, int] = {}
+        stops: dict[str, tuple[int, str, int]] = {}
         for m in mset:
             for a in m.all_input_nodes:
                 if a not in mset and a not in inputs and not _is_size(a):
                     return [], f"{c}: member {m.name} reads {a.name}, which the lowered region does not take in"
                 if a in mset or a in inputs:
                     continue
-                if (j := _length_stop(m, a, steps)) is not None and m.name in members:
+                if (j := _length_bound(m, a, steps)) is not None and m.name in members:
                     stops[m.name] = j
+                elif j is not None and _whole(m, j):
+                    continue  # NB: x[:, -T:] of T steps: capture dropped it from the lowered graph as a no-op
                 elif (why := _size_read(m, a, steps, pinned)):
                     return [], f"{c}: {why}"
             if any(u not in mset for u in m.users) and m not in outputs:
                 return [], f"{c}: member {m.name} is read outside the region"
-        plans.append((call.target, mod, mset, inputs, outputs, stops))
+        plans.append((call.target, mod, mset, inputs, outputs, stops, remade))
     order = {n: i for i, n in enumerate(sym.graph.nodes)}
     made = []
-    for target, mod, mset, inputs, outputs, stops in plans:
+    for target, mod, mset, inputs, outputs, stops, remade in plans:
+        for a, ln in remade.items():
+            k = next(i for i, n in enumerate(_input_names(lowered, target)) if n == a)
+            inputs[k] = _remake(sym, ln, by_name)
         sym.add_submodule(target, LengthGenericRegion(mod, shard_size, stops))
         last = max(mset, key=order.__getitem__)
         with sym.graph.inserting_after(last):

@@ -120,6 +120,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
                                     f"slice")
     in_dims = [info.step_dim.get(a) for a in inputs]
     out_dims = [info.step_dim.get(o) for o in outputs]
+    if all(d is None for d in in_dims):
+        raise UnsupportedRegion("no input of the region carries the step axis (it computes its steps itself)")
     T = info.length or next(_ev(a).shape[d] for a, d in zip(inputs, in_dims) if d is not None)
     for n, d in [*zip(inputs, in_dims), *zip(outputs, out_dims)]:
         v = _ev(n)
