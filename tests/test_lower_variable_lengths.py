@@ -588,3 +588,49 @@ def test_a_batch_of_another_size_does_not_make_every_later_length_compile_again(
                 before = len(lowered)
     assert len(lowered) - before <= 1, lowered  # NB: one graph for every length at B = 2 in the new graph, once
     assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
+
+
+def test_graphs_for_every_length_per_held_batch_size_are_bounded_and_said():
+    """Each batch size the regions hold gets a graph for every length, up to MAX_GENERIC; calls at further batch
+    sizes are specialized per length, said once, and stay exact."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
+    ref = copy.deepcopy(model)
+    c = torch.randn(8, dtype=torch.float64)
+    step = torch.compile(lambda x: (model(x) * c).mean(), backend="adjoint",
+                         options={"shard_size": 8, "inner": "eager"}, dynamic=True)
+    sizes = [(B, T) for B in range(2, 3 + lengths_mod.MAX_GENERIC) for T in (20, 27)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for B, T in sizes:
+            x = torch.randn(B, T, 8, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad((ref(x) * c).mean(), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), (B, T)
+    held = [str(x.message) for x in said if "graphs for every length are made" in str(x.message)]
+    assert len(held) == 1, [str(x.message) for x in said]
+
+
+def test_min_lm_with_its_loss_serves_every_length_from_one_lowering():
+    """minLM (conv, two minGRU layers, its own loss on ``ids[:, :-1]`` against ``ids[:, 1:]``) lowers into two
+    region calls, the second reading the first's output, and its minGRU keeps ``out[:, -seq_len:]`` of T - 1 steps:
+    every new length was lowered and compiled again."""
+    from minGRU_pytorch.minLM import minLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = minLM(num_tokens=32, dim=16, depth=2, enable_conv=True).double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(lambda ids: model(ids, return_loss=True), backend="adjoint",
+                         options={"shard_size": 16, "inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (65, 40, 101, 33):
+            ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(T))
+            g = torch.autograd.grad(step(ids), list(model.parameters()))
+            w = torch.autograd.grad(ref(ids, return_loss=True), list(ref.parameters()))
+            assert all((a - b).norm() <= 1e-10 * b.norm() for a, b in zip(g, w)), T
+    assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
+    regions = generic_regions(step)
+    assert len(regions) == 2 and all(r.lengths == {39, 100, 32} for r in regions), [r.lengths for r in regions]

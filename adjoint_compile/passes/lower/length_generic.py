@@ -107,10 +107,20 @@ def _remake(sym: fx.GraphModule, n: fx.Node, by_name: dict[str, fx.Node]) -> fx.
     return new
 
 
-def _input_names(lowered: fx.GraphModule, target: str) -> list[str]:
-    """The names of the inputs of the region call to ``target`` in ``lowered``."""
-    call = next(n for n in lowered.graph.nodes if n.op == "call_module" and n.target == target)
-    return list(call.meta.get(PROVENANCE, {}).get("inputs", []))
+def _region_output(n: fx.Node | None, calls: list[str]) -> str | None:
+    """The name of the value the lowered graph's ``n`` reads from a region call among ``calls``
+    (``getitem(adjoint_region_0, k)``), or None."""
+    if n is None or not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+                         and n.args[0].name in calls):
+        return None
+    return n.meta.get(PROVENANCE, {}).get("output")
+
+
+def _length_exprs(inputs: list[fx.Node], dims: list[int | None]) -> set:
+    """The region's length as its inputs' symbolic sizes give it along their step dims (``s27``, or ``s27 - 1`` for
+    a model fed ``ids[:, :-1]``)."""
+    return {v.shape[d].node.expr for x, d in zip(inputs, dims)
+            if d is not None and isinstance(v := _ev(x), torch.Tensor) and isinstance(v.shape[d], torch.SymInt)}
 
 
 def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps: set) -> str:
@@ -128,9 +138,9 @@ def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps
     return ""
 
 
-def _length_bound(m: fx.Node, a: fx.Node, steps: set) -> tuple[int, str, int] | None:
+def _length_bound(m: fx.Node, a: fx.Node, lengths: set) -> tuple[int, str, int] | None:
     """(position in ``m``'s index, "start" or "stop", sign) of the one slice bound that is the size ``a``, when ``a``
-    is the length itself or its negative and ``m`` is ``x[..., :T]`` (a causal conv's cut) or ``x[:, -T:]`` (minGRU
+    is the length itself (one of ``lengths``, :func:`_length_exprs`) or its negative and ``m`` is ``x[..., :T]`` (a causal conv's cut) or ``x[:, -T:]`` (minGRU
     keeps its last T steps), else None: the lowered region holds ±T₀ there, which
     :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
     if not (m.op == "call_function" and m.target is operator.getitem and len(m.args) == 2 and m.args[0] is not a):
@@ -139,7 +149,7 @@ def _length_bound(m: fx.Node, a: fx.Node, steps: set) -> tuple[int, str, int] | 
     if not isinstance(v, torch.SymInt):
         return None
     expr = v.node.expr
-    sign = 1 if expr in steps else -1 if -expr in steps else 0
+    sign = 1 if expr in lengths else -1 if -expr in lengths else 0
     items = list(idx) if isinstance(idx, tuple) else [idx]
     fields = [(j, f, getattr(i, f)) if isinstance(i, slice) else (j, "", i) for j, i in enumerate(items)
               for f in (("start", "stop", "step") if isinstance(i, slice) else ("",))]
@@ -209,8 +219,11 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         prov = call.meta.get(PROVENANCE, {})
         members = prov.get("members", [])
         low = {n.name: n for n in lowered.graph.nodes}
-        remade = {a: low[a] for a in prov.get("inputs", []) if a not in by_name and _remakes(low.get(a), by_name)}
-        ends = [*prov.get("inputs", []), *prov.get("outputs", [])]
+        # NB: an input that is another region's output is read in the lowered graph from that region's call
+        names = [_region_output(low.get(a), calls) or a for a in prov.get("inputs", [])]
+        prov = {**prov, "inputs": names}
+        remade = {a: low[a] for a in names if a not in by_name and _remakes(low.get(a), by_name)}
+        ends = [*names, *prov.get("outputs", [])]
         missing = [m for m in ends if m not in by_name and m not in remade]
         # NB: a name the captured graph gives another op (a pass made it in one graph only) is not the same value
         other = [m for m in ends if m in by_name and m in low and (
@@ -221,7 +234,7 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         if missing:
             return [], f"{c}: node(s) {', '.join(missing[:3])} of the lowered region are not in the captured graph"
         # NB: a remade input stands for the value it is made from, until it is made (below)
-        inputs = [by_name[a] if a not in remade else by_name[remade[a].args[0].name] for a in prov.get("inputs", [])]
+        inputs = [by_name[a] if a not in remade else by_name[remade[a].args[0].name] for a in names]
         outputs = [by_name[o] for o in prov.get("outputs", [])]
         mset = _members(outputs, inputs, {by_name[m] for m in members if m in by_name})
         if isinstance(mset, str):
@@ -236,7 +249,8 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
                     return [], f"{c}: member {m.name} reads {a.name}, which the lowered region does not take in"
                 if a in mset or a in inputs:
                     continue
-                if (j := _length_bound(m, a, steps)) is not None and m.name in members:
+                if (j := _length_bound(m, a, _length_exprs(inputs, mod.in_step_dims))) is not None and \
+                        m.name in members:
                     stops[m.name] = j
                 elif j is not None and _whole(m, j):
                     continue  # NB: x[:, -T:] of T steps: capture dropped it from the lowered graph as a no-op
@@ -244,13 +258,14 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
                     return [], f"{c}: {why}"
             if any(u not in mset for u in m.users) and m not in outputs:
                 return [], f"{c}: member {m.name} is read outside the region"
-        plans.append((call.target, mod, mset, inputs, outputs, stops, remade))
+        plans.append((call.target, mod, mset, inputs, outputs, stops, remade, names))
     order = {n: i for i, n in enumerate(sym.graph.nodes)}
     made = []
-    for target, mod, mset, inputs, outputs, stops, remade in plans:
+    replaced: dict[fx.Node, fx.Node] = {}  # NB: an earlier region's outputs, now read from its call
+    for target, mod, mset, inputs, outputs, stops, remade, names in plans:
+        inputs = [replaced.get(x, x) for x in inputs]
         for a, ln in remade.items():
-            k = next(i for i, n in enumerate(_input_names(lowered, target)) if n == a)
-            inputs[k] = _remake(sym, ln, by_name)
+            inputs[names.index(a)] = _remake(sym, ln, by_name)
         sym.add_submodule(target, LengthGenericRegion(mod, shard_size, stops))
         last = max(mset, key=order.__getitem__)
         with sym.graph.inserting_after(last):
@@ -263,6 +278,7 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
                 gi = sym.graph.call_function(operator.getitem, (call, i))
             gi.meta = {"example_value": _ev(o), PROVENANCE: {"region": target, "output": o.name}}
             o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in mset)
+            replaced[o] = gi
             prev = gi
         for n in sorted(mset, key=order.__getitem__, reverse=True):
             sym.graph.erase_node(n)
