@@ -4,10 +4,12 @@
 On its first call the graph is specialized to that call's sizes (passes/capture/specialize.py) and run through the pipeline
 up to lowering; the lowered regions are then put back into the symbolic graph (passes/lower/length_generic.py), whose
 partitions compile for symbolic sizes once. From then on every length runs that one graph: the regions read T from
-their inputs at each call (runtime/length_generic.py).
+their inputs at each call (runtime/length_generic.py). Where the regions hold another size (a batch size), each
+value of it gets such a graph, up to :data:`MAX_GENERIC`; a graph whose specialization rewrites nothing at any size
+runs as captured.
 
-Where the regions cannot be put back (normalization changed them) or per-example clipping needs concrete sizes, each
-call signature is specialized and compiled on its own, without a limit on how many (each costs a compile). Nothing
+Where the regions cannot be put back (they read the length as a number) or per-example clipping needs concrete sizes,
+each call signature is specialized and compiled on its own, without a limit on how many (each costs a compile). Nothing
 falls back to ordinary autograd silently: a length that runs without the rewrite is an ``AdjointCompileWarning``
 naming the cause, once, and a row of ``report()``'s fallbacks with the lengths it affected.
 """

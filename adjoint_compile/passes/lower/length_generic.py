@@ -140,9 +140,9 @@ def _shared_with_other_dims(inputs: list[fx.Node], dims: list[int | None], steps
 
 def _length_bound(m: fx.Node, a: fx.Node, lengths: set) -> tuple[int, str, int] | None:
     """(position in ``m``'s index, "start" or "stop", sign) of the one slice bound that is the size ``a``, when ``a``
-    is the length itself (one of ``lengths``, :func:`_length_exprs`) or its negative and ``m`` is ``x[..., :T]`` (a causal conv's cut) or ``x[:, -T:]`` (minGRU
-    keeps its last T steps), else None: the lowered region holds ±T₀ there, which
-    :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
+    is the length itself (one of ``lengths``, :func:`_length_exprs`) or its negative and ``m`` is ``x[..., :T]`` (a
+    causal conv's cut) or ``x[:, -T:]`` (minGRU keeps its last T steps), else None: the lowered region holds ±T₀
+    there, which :func:`~adjoint_compile.runtime.length_generic.retarget` rewrites per call."""
     if not (m.op == "call_function" and m.target is operator.getitem and len(m.args) == 2 and m.args[0] is not a):
         return None
     v, idx = _ev(a), m.args[1]
@@ -243,14 +243,14 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         if (shared := _shared_with_other_dims(inputs, mod.in_step_dims, steps)):
             return [], f"{c}: {shared}"
         stops: dict[str, tuple[int, str, int]] = {}
+        lengths = _length_exprs(inputs, mod.in_step_dims)
         for m in mset:
             for a in m.all_input_nodes:
                 if a not in mset and a not in inputs and not _is_size(a):
                     return [], f"{c}: member {m.name} reads {a.name}, which the lowered region does not take in"
                 if a in mset or a in inputs:
                     continue
-                if (j := _length_bound(m, a, _length_exprs(inputs, mod.in_step_dims))) is not None and \
-                        m.name in members:
+                if (j := _length_bound(m, a, lengths)) is not None and m.name in members:
                     stops[m.name] = j
                 elif j is not None and _whole(m, j):
                     continue  # NB: x[:, -T:] of T steps: capture dropped it from the lowered graph as a no-op
