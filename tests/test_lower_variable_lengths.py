@@ -634,3 +634,30 @@ def test_min_lm_with_its_loss_serves_every_length_from_one_lowering():
     assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
     regions = generic_regions(step)
     assert len(regions) == 2 and all(r.lengths == {39, 100, 32} for r in regions), [r.lengths for r in regions]
+
+
+@pytest.mark.slow
+def test_mambapy_pscan_lengths_of_one_padded_size_share_one_lowering():
+    """mambapy's PScan (an autograd.Function, captured as a known scan) is called with the length among its
+    arguments: each new length was lowered and compiled again ("reads the length as a number"). Lengths that its
+    Python pads to one power of two share dynamo's graph and now one lowering."""
+    from mambapy.mamba import Mamba, MambaConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Mamba(MambaConfig(d_model=8, n_layers=1, d_state=4, pscan=True)).double()
+    ref = copy.deepcopy(model)
+    c = torch.randn(8, dtype=torch.float64)
+    step = torch.compile(lambda x: (model(x) * c).mean(), backend="adjoint",
+                         options={"shard_size": 8, "inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for T in (40, 50, 63, 45):
+            x = torch.randn(2, T, 8, dtype=torch.float64)
+            g = torch.autograd.grad(step(x), list(model.parameters()))
+            w = torch.autograd.grad((ref(x) * c).mean(), list(ref.parameters()))
+            for (name, _), a, b in zip(model.named_parameters(), g, w):
+                # NB: 1e-6: mambapy computes with A_log.float() and D.float() whatever the model's dtype
+                assert (a - b).norm() <= 1e-6 * b.norm(), (T, name)
+    assert not [str(x.message) for x in said if issubclass(x.category, AdjointCompileWarning)]
+    assert {T for r in generic_regions(step) for T in r.lengths} == {50, 63, 45}

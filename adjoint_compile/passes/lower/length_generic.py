@@ -68,11 +68,14 @@ def _members(outputs: list[fx.Node], inputs: list[fx.Node], named: set[fx.Node])
         n = todo.pop()
         if n in seen or n in ins:
             continue
+        if n.op == "get_attr" and not isinstance(_ev(n), torch.Tensor):
+            continue  # NB: a subgraph a higher-order op calls (a library scan's autograd.Function): not a value
         if n.op in ("placeholder", "get_attr"):
             return f"its outputs read {n.name}, which the lowered region does not take in"
         seen.add(n)
-        # NB: a number read from an input (an eps kept as a tensor, ``eps.item()``) is the region's, as the input is
-        todo += [a for a in n.all_input_nodes if not _is_size(a) or a in named or (
+        # NB: a number read from an input (an eps kept as a tensor, ``eps.item()``) is the region's, as the input is;
+        # a tuple-valued op (a higher-order op's results) is walked through, not a size
+        todo += [a for a in n.all_input_nodes if not _is_size(a) or a in named or isinstance(_ev(a), tuple) or (
             a.op == "call_method" and a.target == "item" and a.args[0] in ins)]
         # NB: a buffer the outputs read was written step by step (``o[:, t] = h``), which capture stacked before
         # lowering: its writes are part of what it holds
@@ -254,6 +257,8 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
                     stops[m.name] = j
                 elif j is not None and _whole(m, j):
                     continue  # NB: x[:, -T:] of T steps: capture dropped it from the lowered graph as a no-op
+                elif isinstance(m.target, torch._ops.HigherOrderOperator) and m.name not in members:
+                    continue  # NB: a library scan's call, which capture replaced by the scan: its sizes are its own
                 elif (why := _size_read(m, a, steps, pinned)):
                     return [], f"{c}: {why}"
             if any(u not in mset for u in m.users) and m not in outputs:
