@@ -74,6 +74,12 @@ def _holds(args: tuple, pins: dict, values: dict) -> bool:
         all(float(args[i]) == v for i, v in values.items())
 
 
+def _longer(dims: list[int], tried: list[int]) -> bool:
+    """Whether a call's sizes are larger in some dim than the largest ``tried`` (dim by dim, not by total size: a long
+    sequence in a smaller batch than the short ones tried is longer)."""
+    return any(n > (tried[i] if i < len(tried) else 0) for i, n in enumerate(dims))
+
+
 #: graphs for every length one symbolic graph makes, one per value of the sizes they hold (batch sizes)
 MAX_GENERIC = 4
 
@@ -90,8 +96,9 @@ class LengthDispatch:
         #: the graphs for every length: (pins, value_pins, fn) each; more than one where the regions hold a size other
         #: than the length (a batch size) and calls came with other values of it (at most :data:`MAX_GENERIC`)
         self.generics: list[tuple[dict, dict, Callable[..., Any]]] = []
-        #: the held sizes' values a graph for every length was tried at (:meth:`_held`)
-        self.tried_held: set[tuple] = set()
+        #: the held sizes' values a graph for every length was tried at (:meth:`_held`): the call's sizes, dim by dim,
+        #: where that try found only lengths too short to shard (a longer call tries again), else None
+        self.tried_held: dict[tuple, list[int] | None] = {}
         #: why the one graph for every length could not be made ("" not tried yet; "short": retried on a new size)
         self.generic_failed = ""
         self.declined: Any = None
@@ -123,9 +130,10 @@ class LengthDispatch:
         """A graph for every length at this call's values of the held sizes (another batch size), or None: tried once
         per value, up to :data:`MAX_GENERIC` graphs, said once when that is reached."""
         held = self._held(args)
-        if held in self.tried_held:
+        dims = [int(n) for a in args if isinstance(a, torch.Tensor) for n in a.shape]
+        if held in self.tried_held and (self.tried_held[held] is None or not _longer(dims, self.tried_held[held])):
             return None
-        self.tried_held.add(held)
+        self.tried_held[held] = None
         if len(self.generics) >= MAX_GENERIC:
             if len(self.tried_held) == len(self.generics) + 1:
                 warnings.warn(AdjointCompileWarning(
@@ -140,6 +148,8 @@ class LengthDispatch:
             fn, why = None, f"{type(e).__name__}: {e}"
         if fn is None:
             log.info("adjoint-compile: no graph for every length at %s (%s); these calls are specialized", held, why)
+            if why == "short":
+                self.tried_held[held] = dims
             return None
         self.generics.append((self.pins, self.value_pins, fn))
         log.info("adjoint-compile: another graph for every length, for the held sizes at %s", held)
@@ -227,9 +237,9 @@ class LengthDispatch:
     def _specialize(self, key: tuple, args: tuple) -> Callable[..., Any]:
         why = self.generic_failed
         dims = [int(n) for a in args if isinstance(a, torch.Tensor) for n in a.shape]
-        # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) is specialized;
-        # dim by dim, not by total size: a long sequence in a smaller batch than the short ones tried is longer
-        longer = any(n > (self.tried_dims[i] if i < len(self.tried_dims) else 0) for i, n in enumerate(dims))
+        # NB: with a graph for every length made, a call it cannot serve (another batch size it holds) gets one of its
+        # own (:meth:`_another_generic`), or is specialized
+        longer = _longer(dims, self.tried_dims)
         if self.generics and (fn := self._another_generic(args)) is not None:
             return fn
         if not self.generics and (not why or why == "short" and longer):
@@ -245,7 +255,7 @@ class LengthDispatch:
             self.generic_failed = why
             if fn is not None:
                 self.generics.append((self.pins, self.value_pins, fn))
-                self.tried_held.add(self._held(args))
+                self.tried_held[self._held(args)] = None
                 return fn
             if why and why not in ("short", NOTHING) and not why.startswith(LOWERING_FAILED):
                 self._per_length(why)

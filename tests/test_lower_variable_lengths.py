@@ -655,3 +655,24 @@ def test_mambapy_pscan_lengths_of_one_padded_size_share_one_lowering():
     # NB: 1e-6 for A_log and D: mambapy computes with A_log.float() and D.float() whatever the model's dtype
     assert not _exact_at_lengths(step, lambda m, x: (m(x) * c).mean(), model, ref, xs, tols={"A_log": 1e-6, "D": 1e-6})
     assert {T for r in generic_regions(step) for T in r.lengths} == {50, 63, 45}
+
+
+def test_a_batch_size_first_seen_too_short_to_shard_gets_its_graph_at_a_longer_call(monkeypatch):
+    """Another batch size whose first call is too short to shard is tried again at a longer call, which makes its
+    graph for every length; the calls after it are not lowered again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
+    ref = copy.deepcopy(model)
+    lowered = []
+    real = lengths_mod.LengthDispatch._specialize
+    monkeypatch.setattr(lengths_mod.LengthDispatch, "_specialize",
+                        lambda self, key, args: lowered.append(next(tuple(a.shape) for a in args if isinstance(
+                            a, torch.Tensor) and a.dim() == 3)) or real(self, key, args))
+    c = torch.randn(8, dtype=torch.float64)
+    step = torch.compile(lambda x: (model(x) * c).mean(), backend="adjoint",
+                         options={"shard_size": 8, "inner": "eager"}, dynamic=True)
+    xs = [torch.randn(B, T, 8, dtype=torch.float64) for B, T in ((2, 40), (2, 50), (3, 5), (3, 45), (3, 60), (3, 33))]
+    _exact_at_lengths(step, lambda m, x: (m(x) * c).mean(), model, ref, xs)
+    assert lowered[-2:] == [(3, 5, 8), (3, 45, 8)], lowered
+
