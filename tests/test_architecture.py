@@ -15,7 +15,7 @@ PKG = ROOT / "adjoint_compile"
 
 #: the pipeline's stages in order (DESIGN.md §2); a module may import its own stage or an earlier one.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "options", "regions", "timing", "inner", "ops", "kernels", "kernels.*", "polyfills",
+    ("foundation", ("errors", "options", "regions", "timing", "inner", "ops", "loss_ops", "kernels", "kernels.*", "polyfills",
                     "polyfills.*")),
     ("analysis", ("analysis", "analysis.*")),
     ("runtime", ("runtime", "runtime.*")),

@@ -1,0 +1,221 @@
+"""Triton kernels for the fused head and cross-entropy; same contract as :mod:`.ref` (the spec they are tested
+against). No kernel writes a logit to memory: each makes its [BLOCK_N, BLOCK_V] tile of z = h Wᵀ + b in registers.
+
+* ``_lce_fwd_kernel``: one program per BLOCK_N rows walks the vocabulary in BLOCK_V columns with an online
+  logsumexp, gathering the target's logit and the row's sum of logits: loss and lse.
+* ``_lce_dh_kernel``: one program per BLOCK_N rows walks the vocabulary again: ∂z tile from the kept lse, ∂h += ∂z W.
+* ``_lce_dw_kernel``: one program per BLOCK_V columns walks the rows: ∂W += ∂zᵀ h, ∂b += Σ_rows ∂z.
+
+Two backward kernels instead of one with atomic adds: each writes its own block, so the gradients do not depend on
+the order programs run in (deterministic), for one more product per tile. The hidden size is one block (D ≤
+:data:`MAX_D`); loads are upcast to fp32 and products use ``input_precision`` (``"ieee"``, ``"tf32x3"`` or
+``"tf32"``, from torch's float32 matmul precision). Offsets are int64.
+
+On a machine without a GPU these run under ``TRITON_INTERPRET=1`` (set before this module is imported). This
+module is imported lazily by the dispatcher.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .ref import acc_dtype
+
+#: the largest hidden size the kernels hold in one block
+MAX_D = 256
+
+
+# NB: only core builtins and our own @jit helpers inside kernels (see kernels/scan/triton.py): tl.sum / tl.max /
+# tl.zeros are @jit functions of triton's standard library, which the interpreter fails to call when triton was
+# imported before TRITON_INTERPRET was set.
+@triton.jit
+def _add(x, y):
+    return x + y
+
+
+@triton.jit
+def _max(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def _tile(h, W, Bias, v, vmask, d, dmask, swv, swd, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """z = h Wᵀ + b for the columns v: [BLOCK_N, BLOCK_V] fp32 (columns past V are −inf)."""
+    # w: [BLOCK_D, BLOCK_V]
+    w = tl.load(W + d[:, None] * swd + v[None, :] * swv, mask=dmask[:, None] & vmask[None, :], other=0.0)
+    z = tl.dot(h, w.to(h.dtype), input_precision=PREC, out_dtype=tl.float32)
+    if HAS_BIAS:
+        # b: [BLOCK_V]
+        z += tl.load(Bias + v, mask=vmask, other=0.0).to(tl.float32)[None, :]
+    return tl.where(vmask[None, :], z, float("-inf"))
+
+
+@triton.jit
+def _dz(z, lse, tgt, valid, g_loss, g_lse, v, V, EPS: tl.constexpr):
+    """∂z for a tile of logits z: [BLOCK_N, BLOCK_V] fp32, 0 in columns past V (see ref.py)."""
+    p = tl.exp(z - lse[:, None])
+    hit = (v[None, :] == tgt[:, None]).to(tl.float32)
+    c = tl.where(valid, g_loss, 0.0)[:, None]
+    return c * (p - (1.0 - EPS) * hit - EPS / V) * (z > float("-inf")).to(tl.float32) + g_lse[:, None] * p
+
+
+@triton.jit
+def _lce_fwd_kernel(H, W, Bias, Tgt, Loss, Lse, N, V, D, shn, shd, swv, swd, ignore_index,
+                    EPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dmask = d < D
+    # h: [BLOCK_N, BLOCK_D]
+    h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :], other=0.0).to(DOT)
+    # tgt: [BLOCK_N]
+    tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.full([BLOCK_N], 0.0, tl.float32)
+    zt = tl.full([BLOCK_N], 0.0, tl.float32)
+    zsum = tl.full([BLOCK_N], 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        vmask = v < V
+        z = _tile(h, W, Bias, v, vmask, d, dmask, swv, swd, HAS_BIAS, PREC)
+        m_new = tl.maximum(m, tl.reduce(z, 1, _max))
+        s = s * tl.exp(m - m_new) + tl.reduce(tl.exp(z - m_new[:, None]), 1, _add)
+        m = m_new
+        zt += tl.reduce(tl.where(v[None, :] == tgt[:, None], z, 0.0), 1, _add)
+        zsum += tl.reduce(tl.where(vmask[None, :], z, 0.0), 1, _add)
+    lse = m + tl.log(s)
+    valid = tgt != ignore_index
+    # NB: a target outside [0, V) that is not ignored gives a NaN loss (eager raises; checking would synchronize)
+    inside = (tgt >= 0) & (tgt < V)
+    loss = lse - (1.0 - EPS) * zt - EPS * zsum / V
+    loss = tl.where(valid, tl.where(inside, loss, float("nan")), 0.0)
+    tl.store(Loss + n, loss, mask=nmask)
+    tl.store(Lse + n, lse, mask=nmask)
+
+
+@triton.jit
+def _lce_dh_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DH, N, V, D, shn, shd, swv, swd, sdn, sdd, ignore_index,
+                   EPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dmask = d < D
+    # h: [BLOCK_N, BLOCK_D]
+    h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :], other=0.0).to(DOT)
+    # tgt, lse, g_loss, g_lse: [BLOCK_N]
+    tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
+    lse = tl.load(Lse + n, mask=nmask, other=0.0)
+    g_loss = tl.load(GLoss + n, mask=nmask, other=0.0).to(tl.float32)
+    g_lse = tl.load(GLse + n, mask=nmask, other=0.0).to(tl.float32)
+    valid = tgt != ignore_index
+    dh = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        vmask = v < V
+        z = _tile(h, W, Bias, v, vmask, d, dmask, swv, swd, HAS_BIAS, PREC)
+        dz = _dz(z, lse, tgt, valid, g_loss, g_lse, v, V, EPS)
+        # w: [BLOCK_V, BLOCK_D]
+        w = tl.load(W + v[:, None] * swv + d[None, :] * swd, mask=vmask[:, None] & dmask[None, :], other=0.0)
+        dh += tl.dot(dz.to(h.dtype), w.to(h.dtype), input_precision=PREC, out_dtype=tl.float32)
+    tl.store(DH + n[:, None] * sdn + d[None, :] * sdd, dh.to(DH.dtype.element_ty),
+             mask=nmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _lce_dw_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DW, DB, N, V, D, shn, shd, swv, swd, sdv, sdd, ignore_index,
+                   EPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = v < V
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dmask = d < D
+    dw = tl.full([BLOCK_V, BLOCK_D], 0.0, tl.float32)
+    db = tl.full([BLOCK_V], 0.0, tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        nmask = n < N
+        # h: [BLOCK_N, BLOCK_D]
+        h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :],
+                    other=0.0).to(DOT)
+        # tgt, lse, g_loss, g_lse: [BLOCK_N] (rows past N: no cotangent, so their ∂z is 0)
+        tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
+        lse = tl.load(Lse + n, mask=nmask, other=0.0)
+        g_loss = tl.load(GLoss + n, mask=nmask, other=0.0).to(tl.float32)
+        g_lse = tl.load(GLse + n, mask=nmask, other=0.0).to(tl.float32)
+        z = _tile(h, W, Bias, v, vmask, d, dmask, swv, swd, HAS_BIAS, PREC)
+        dz = _dz(z, lse, tgt, tgt != ignore_index, g_loss, g_lse, v, V, EPS)
+        dw += tl.dot(tl.trans(dz.to(h.dtype)), h, input_precision=PREC, out_dtype=tl.float32)
+        db += tl.reduce(dz, 0, _add)
+    tl.store(DW + v[:, None] * sdv + d[None, :] * sdd, dw.to(DW.dtype.element_ty),
+             mask=vmask[:, None] & dmask[None, :])
+    if HAS_BIAS:
+        tl.store(DB + v, db.to(DB.dtype.element_ty), mask=vmask)
+
+
+def precision() -> str:
+    """The products' input precision, from torch's float32 matmul precision (as cuBLAS follows it)."""
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
+
+
+def _blocks(D: int) -> tuple[int, int, int]:
+    return 64, 64, max(16, triton.next_power_of_2(D))
+
+
+def _dot(h: Tensor):
+    # NB: Triton's interpreter multiplies bf16 tiles wrongly (it reads their raw bits): there they are upcast first
+    interp = h.device.type != "cuda"
+    return {torch.float32: tl.float32, torch.float16: tl.float16,
+            torch.bfloat16: tl.float32 if interp else tl.bfloat16}[h.dtype]
+
+
+def _prec(h: Tensor) -> str:
+    # NB: tf32 applies to fp32 inputs only; half inputs multiply exactly into fp32 accumulators
+    return precision() if h.dtype == torch.float32 else "ieee"
+
+
+def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int,
+                       label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """(loss [N], lse [N]) in fp32 (see :func:`.ref.lce_forward_ref`)."""
+    N, D = h.shape
+    V = weight.shape[0]
+    loss = torch.empty(N, dtype=acc_dtype(h), device=h.device)
+    lse = torch.empty_like(loss)
+    BN, BV, BD = _blocks(D)
+    _lce_fwd_kernel[(triton.cdiv(N, BN),)](
+        h, weight, h if bias is None else bias, target, loss, lse, N, V, D, *h.stride(), *weight.stride(),
+        ignore_index, EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h),
+        BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD)
+    return loss, lse
+
+
+def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, weight: Tensor, bias: Tensor | None,
+                        target: Tensor, lse: Tensor, ignore_index: int,
+                        label_smoothing: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(∂h, ∂weight, ∂bias) (see :func:`.ref.lce_backward_ref`)."""
+    N, D = h.shape
+    V = weight.shape[0]
+    zero = lse.new_zeros(())
+    g_loss = zero.expand(N) if g_loss is None else g_loss
+    g_lse = zero.expand(N) if g_lse is None else g_lse
+    # NB: strides of a 0-stride expand: the kernels read the rows' cotangents as contiguous [N]
+    g_loss, g_lse = g_loss.contiguous(), g_lse.contiguous()
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device)
+    db = None if bias is None else torch.empty(V, dtype=bias.dtype, device=h.device)
+    BN, BV, BD = _blocks(D)
+    common = dict(EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h),
+                  BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD)
+    b = h if bias is None else bias
+    _lce_dh_kernel[(triton.cdiv(N, BN),)](
+        h, weight, b, target, lse, g_loss, g_lse, dh, N, V, D, *h.stride(), *weight.stride(), *dh.stride(),
+        ignore_index, **common)
+    _lce_dw_kernel[(triton.cdiv(V, BV),)](
+        h, weight, b, target, lse, g_loss, g_lse, dw, dh if db is None else db, N, V, D, *h.stride(),
+        *weight.stride(), *dw.stride(), ignore_index, **common)
+    return dh, dw, db

@@ -1,0 +1,161 @@
+"""The fused vocabulary head + cross-entropy op (adjoint_compile.loss_ops) and its kernels.
+
+Chain of trust: the torch reference against eager ``F.linear`` + ``F.cross_entropy`` + ``torch.logsumexp`` under
+autograd (fp64, every gradient by name), then the Triton kernels (under TRITON_INTERPRET=1) against the reference
+with per-dtype tolerances. Awkward sizes: one row, rows and vocabularies that are not multiples of the kernels'
+blocks, a hidden size that is not a power of two.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from adjoint_compile.kernels import linear_ce  # noqa: E402
+from adjoint_compile.kernels.linear_ce import ref as lce_ref  # noqa: E402
+from adjoint_compile.loss_ops import linear_cross_entropy  # noqa: E402
+
+SIZES = [(1, 5, 3), (7, 16, 97), (130, 40, 200)]  # (N, D, V)
+
+
+def _case(N, D, V, bias=True, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g, dtype=dtype).requires_grad_()
+    W = (torch.randn(V, D, generator=g, dtype=dtype) / D ** 0.5).requires_grad_()
+    b = torch.randn(V, generator=g, dtype=dtype).requires_grad_() if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::3] = -100
+    return h, W, b, t
+
+
+def _eager(h, W, b, t, eps, ignore_index=-100):
+    z = F.linear(h, W, b)
+    return (F.cross_entropy(z, t, ignore_index=ignore_index, label_smoothing=eps, reduction="none"),
+            torch.logsumexp(z, -1))
+
+
+def _grads(loss, lse, params, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    cl, cs = torch.randn(loss.shape, generator=g, dtype=loss.dtype), torch.randn(lse.shape, generator=g,
+                                                                                 dtype=lse.dtype)
+    return torch.autograd.grad((loss * cl).sum() + (lse * cs).sum(), params)
+
+
+@pytest.mark.parametrize("N, D, V", SIZES)
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_op_matches_eager_in_fp64(N, D, V, eps, bias):
+    h, W, b, t = _case(N, D, V, bias)
+    params = [h, W] + ([b] if bias else [])
+    loss, lse = linear_cross_entropy(h, W, b, t, label_smoothing=eps)
+    ref_loss, ref_lse = _eager(h, W, b, t, eps)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    for name, got, want in zip(("h", "weight", "bias"), _grads(loss, lse, params), _grads(ref_loss, ref_lse, params)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_op_reference_blocks_rows(monkeypatch):
+    # NB: 16 rows per block of logits: the 130 rows run in 9 blocks
+    monkeypatch.setattr(lce_ref, "ROWS", 16 * 200)
+    h, W, b, t = _case(130, 40, 200)
+    loss, lse = linear_cross_entropy(h, W, b, t, label_smoothing=0.2)
+    ref_loss, ref_lse = _eager(h, W, b, t, 0.2)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for got, want in zip(_grads(loss, lse, [h, W, b]), _grads(ref_loss, ref_lse, [h, W, b])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_op_gradcheck_and_only_one_cotangent():
+    h, W, b, t = _case(6, 4, 9)
+    assert torch.autograd.gradcheck(lambda h, W, b: linear_cross_entropy(h, W, b, t, label_smoothing=0.3), (h, W, b))
+    # the loss alone (lse's cotangent None) and the lse alone
+    loss, lse = linear_cross_entropy(h, W, b, t)
+    ref_loss, ref_lse = _eager(h, W, b, t, 0.0)
+    for a, r in [(loss.sum(), ref_loss.sum()), (lse.sum(), ref_lse.sum())]:
+        for got, want in zip(torch.autograd.grad(a, [h, W, b], retain_graph=True),
+                             torch.autograd.grad(r, [h, W, b], retain_graph=True)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_all_targets_ignored_and_custom_ignore_index():
+    h, W, b, t = _case(5, 4, 7)
+    t[:] = 3
+    loss, _ = linear_cross_entropy(h, W, b, t, ignore_index=3)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    (gh,) = torch.autograd.grad(loss.sum(), [h])
+    assert torch.equal(gh, torch.zeros_like(gh))
+
+
+def test_bad_arguments_are_refused():
+    h, W, b, t = _case(5, 4, 7)
+    with pytest.raises(IndexError, match="out of bounds"):
+        linear_cross_entropy(h, W, b, torch.full((5,), 7))
+    with pytest.raises(ValueError, match=r"h \[N, D\] and weight \[V, D\]"):
+        linear_cross_entropy(h, W.T, b, t)
+    with pytest.raises(ValueError, match="target"):
+        linear_cross_entropy(h, W, b, t[:4])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(h, W, b, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="impl"):
+        linear_ce.lce_forward(h, W, b, t, impl="cuda")
+    with pytest.raises(ValueError, match="fp32 / bf16 / fp16"):
+        linear_ce.lce_forward(h, W, b, t, impl="triton")  # fp64
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    h, W, b, t = _case(5, 4, 7, dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        linear_ce.lce_forward(h.detach(), W.detach(), b.detach(), t, impl="triton")
+
+
+def test_the_default_picks_the_kernels_on_cuda_only():
+    h = torch.zeros(2, 8)
+    assert not linear_ce.kernel_serves(h, torch.zeros(5, 8))  # CPU
+    assert not linear_ce.kernel_serves(torch.zeros(2, 8, device="meta"), torch.zeros(5, 8, device="meta"))
+
+
+# ------------------------------------------------------------------------------------ kernels against the reference
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+@pytest.mark.parametrize("N, D, V", SIZES + [(65, 24, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps, bias", [(0.0, True), (0.1, False)])
+def test_triton_matches_the_reference(N, D, V, dtype, eps, bias):
+    h, W, b, t = (x.detach() if x is not None and x.is_floating_point() else x
+                  for x in _case(N, D, V, bias, dtype=torch.float32))
+    if N > 1:
+        t[1] = 5  # a target that is not ignored
+    h, W = h.to(dtype), W.to(dtype)
+    b = None if b is None else b.to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    gl, gs = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    want = linear_ce.lce_forward(h, W, b, t, -100, eps, impl="reference")
+    got = linear_ce.lce_forward(h, W, b, t, -100, eps, impl="triton")
+    for name, x, y in zip(("loss", "lse"), got, want):
+        torch.testing.assert_close(x, y, **TOL[dtype], msg=name)
+    want_g = linear_ce.lce_backward(gl, gs, h, W, b, t, want[1], -100, eps, impl="reference")
+    got_g = linear_ce.lce_backward(gl, gs, h, W, b, t, want[1], -100, eps, impl="triton")
+    for name, x, y in zip(("h", "weight", "bias"), got_g, want_g):
+        if y is None:
+            assert x is None, name
+            continue
+        assert x.dtype == y.dtype == dtype, name
+        torch.testing.assert_close(x.float(), y.float(), **TOL[dtype], msg=name)
+
+
+def test_triton_one_cotangent_and_a_bad_target():
+    h, W, b, t = (x.detach() for x in _case(9, 8, 33, dtype=torch.float32))
+    loss, lse = linear_ce.lce_forward(h, W, b, t, impl="reference")
+    for gl, gs in [(torch.ones(9), None), (None, torch.ones(9))]:
+        want = linear_ce.lce_backward(gl, gs, h, W, b, t, lse, impl="reference")
+        got = linear_ce.lce_backward(gl, gs, h, W, b, t, lse, impl="triton")
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)
+    t[2] = 40  # outside [0, 33): the kernels cannot raise without a sync; the row's loss is NaN, the others exact
+    got, _ = linear_ce.lce_forward(h, W, b, t, impl="triton")
+    assert torch.isnan(got[2]) and not torch.isnan(got[torch.arange(9) != 2]).any()
