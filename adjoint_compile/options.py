@@ -59,6 +59,11 @@ class Options:
     #: instead of letting dynamo unroll it (polyfills/loops.py); False: dynamo unrolls it and the backend re-rolls
     #: the unrolled graph.
     roll_loops: bool = True
+    #: a loss split off a sharded region (runtime/loss_tail.py) whose vocabulary head feeds only cross-entropy:
+    #: "auto" runs head and loss as one fused op that never makes the logits where its Triton kernels serve (CUDA,
+    #: fp32 / bf16 / fp16, hidden size <= 256); True everywhere it matches (the torch reference elsewhere); False never
+    #: (runtime/fused_loss.py).
+    fused_loss: bool | str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -85,6 +90,7 @@ SUMMARY = {
     "batch_dim": "the example axis of the inputs, for per_sample_clip (default 0)",
     "cuda_graphs": "on CUDA with inner='inductor': replay shard programs from CUDA graphs (default true)",
     "roll_loops": "trace a loop over range in called code once, as torch's scan, not unrolled (default true)",
+    "fused_loss": "head + cross-entropy as one op without logits: 'auto' (default: where the kernels serve), true, false",
 }
 
 
@@ -224,4 +230,8 @@ def validate(options: Mapping[str, Any] | Options | None) -> Options:
     if not isinstance(roll_loops, bool):
         raise _bad("roll_loops", roll_loops, "expected True or False")
     kw["roll_loops"] = roll_loops
+    fused = options.get("fused_loss", "auto")
+    if not (fused is True or fused is False or fused == "auto"):
+        raise _bad("fused_loss", fused, "expected 'auto', True or False")
+    kw["fused_loss"] = fused
     return Options(**kw)

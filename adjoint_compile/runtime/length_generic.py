@@ -116,7 +116,7 @@ class LengthGenericRegion(torch.nn.Module):
             return r
         t = self.template
         r = ShardedRegion(retarget(t, T, self.stops), t.in_step_dims, t.out_step_dims, self.shard_size, inner=t._plan.inner,
-                          window=t.window, cuda_graphs=t.cuda_graphs)
+                          window=t.window, cuda_graphs=t.cuda_graphs, fused_loss=t.fused_loss)
         r.label = t.label
         r._plan.length_free, r._plan.shared = True, self.shared
         self.regions[key] = r

@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -32,13 +33,17 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .. import timing
 from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
 from ..inner import COMPILE_LOCK, compile_inner
+from ..kernels.linear_ce import kernel_serves
 from .first_order import first_order
+from .fused_loss import find_head_losses, fuse_head_losses
 from .graphed import captured, graphable, replayed
 from .shard_parts import (accumulate, accumulated, arg_layout, autocast_as, autocast_off, autocast_state,
                           min_chunk_bytes, serial_kernels, wanted_shard_size)
@@ -65,6 +70,8 @@ class TailSplit:
     rest_pos: list[int]
     #: the tail's activations per step (its values along time that are not views)
     step_bytes: int = 0
+    #: the heads whose cross-entropy runs fused, without their logits (:mod:`.fused_loss`)
+    fused_heads: int = 0
 
     def chunk(self, shard_size: int | None, device: torch.device | None) -> int | None:
         """The tail's steps per chunk: None (chosen by the tail from its own activations) when ``shard_size`` is
@@ -74,8 +81,9 @@ class TailSplit:
         return min(shard_size, wanted_shard_size(shard_size, 0, max(1, self.step_bytes), min_chunk_bytes(device)))
 
 
-def split_tail(plan: ShardProgram) -> TailSplit | str:
-    """The loss tail of the prepared region ``plan`` as a :class:`TailSplit`, or why there is none (a string)."""
+def split_tail(plan: ShardProgram, fused: bool | str = False) -> TailSplit | str:
+    """The loss tail of the prepared region ``plan`` as a :class:`TailSplit`, or why there is none (a string);
+    ``fused``: the ``fused_loss`` option (its heads and cross-entropies fused where it applies)."""
     info, gm = plan.info, plan.region_gm
     outs = plan.out_nodes
     tail_pos = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and o in info.sums and _scalar(o)]
@@ -106,7 +114,16 @@ def split_tail(plan: ShardProgram) -> TailSplit | str:
     n_rest = len(outs) - len(tail_pos)
     sources = [("input", plan.placeholders.index(f)) if f.op == "placeholder" else ("rest", n_rest + inner.index(f))
                for f in frontier]
-    return TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos], made)
+    split = TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos], made)
+    heads = [hl for hl in find_head_losses(gm, _ev) if hl.logits in tail] if fused else []
+    if heads and (fused is True or all(kernel_serves(_ev(hl.h), _ev(hl.weight)) for hl in heads)):
+        # NB: the chunks are then sized without the logits (a chunk holds its rows' hidden states and their gradient)
+        gone = {n for hl in heads for n in hl.chain}
+        split.step_bytes = tail_prog.fused_step_bytes = max(1, sum(
+            _nbytes(_ev(n)) for n in tail if n not in gone and info.step_dim.get(n) is not None
+            and not is_view_op(n)) + sum(_nbytes(_ev(hl.h)) for hl in heads)) // plan.T
+        split.fused_heads = tail_prog.fused_heads = len(heads)
+    return split
 
 
 def _min_cut(plan: ShardProgram, tail_outs: list[fx.Node],
@@ -337,8 +354,31 @@ def value_and_grad(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int]
     return vals, grads
 
 
+#: the fused op's implementation in loss chunks (None: the kernels where they serve; tests set "triton")
+FUSED_IMPL: str | None = None
+
+
+def _fused(tail: ShardProgram, prog: fx.GraphModule, example: list[Any], fwd: tuple) -> fx.GraphModule:
+    """``prog`` with its heads and cross-entropies fused (:mod:`.fused_loss`), as many as the split counted."""
+    g = fx.Graph()
+    g.output(g.graph_copy(prog.graph, {}))
+    gm = fx.GraphModule(prog, g)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example)
+    dev = next(x.device.type for x in example if isinstance(x, torch.Tensor))
+    cast = next((dt for d, on, dt in fwd if on and d == dev), None)
+    got = fuse_head_losses(gm, lambda n: n.meta.get("val") if isinstance(n, fx.Node) else n, FUSED_IMPL, cast)
+    if got != tail.fused_heads:
+        # NB: the chunks were sized without these logits: a head left as written holds more than planned
+        warnings.warn(f"adjoint-compile: a loss chunk's program has {got} fusable vocabulary heads where its region "
+                      f"had {tail.fused_heads}: the others keep their logits, in chunks sized without them")
+    return gm
+
+
 def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: tuple) -> tuple[Any, list]:
     prog = tail.program(L)
+    if getattr(tail, "fused_heads", 0):
+        prog = _fused(tail, prog, example, fwd)
     n_x = len(tail.placeholders)
     off = tuple((d, False, dt) for d, _, dt in fwd)
     pairs: list[tuple[int, int]] = []

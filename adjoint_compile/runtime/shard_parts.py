@@ -70,7 +70,9 @@ def least_shard_steps(prog: Any, device: torch.device | None) -> int:
     GPU, anything else by :func:`min_shard_bytes`."""
     if not prog.loss_chunks:
         return wanted_shard_size(prog.T, prog.boundary_bytes(), prog.step_bytes(), min_shard_bytes(device))
-    S = wanted_shard_size(prog.T, prog.boundary_bytes(), prog.step_bytes(), min_chunk_bytes(device))
+    # NB: a chunk whose head runs fused (runtime/fused_loss.py) holds no logits
+    step = getattr(prog, "fused_step_bytes", None) or prog.step_bytes()
+    S = wanted_shard_size(prog.T, prog.boundary_bytes(), step, min_chunk_bytes(device))
     return S - S % CHUNK_ROWS_GPU if S >= CHUNK_ROWS_GPU and _gpu(device) else S
 
 

@@ -182,7 +182,7 @@ class ShardedRegion(torch.nn.Module):
     def __init__(self, region_gm: fx.GraphModule, in_step_dims: Sequence[int | None],
                  out_step_dims: Sequence[int | None] | None = None, shard_size: int | None = None,
                  verify: bool = False, inner: str = "eager", window: int | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused_loss: bool | str = "auto") -> None:
         super().__init__()
         for key, v in (("shard_size", shard_size), ("window", window)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -195,6 +195,8 @@ class ShardedRegion(torch.nn.Module):
         self.verify = verify
         #: replay the shard programs from CUDA graphs where they can be (runtime/graphed.py)
         self.cuda_graphs = cuda_graphs
+        #: a split-off loss's head and cross-entropy as one fused op: "auto", True or False (runtime/fused_loss.py)
+        self.fused_loss = fused_loss
         #: the shard programs (named _plan for the tests and tools that look into a region)
         self._plan = ShardProgram(region_gm, self.in_step_dims, self.out_step_dims, inner, window)
         self.last_verify_error: float | None = None
@@ -238,7 +240,7 @@ class ShardedRegion(torch.nn.Module):
     def _split_tail(self) -> TailSplit | str:
         if self.per_sample is not None:
             return "per-example clipping records the loss's parameters shard by shard"
-        got = split_tail(self._plan)
+        got = split_tail(self._plan, self.fused_loss)
         if isinstance(got, str):
             log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, got)
         return got

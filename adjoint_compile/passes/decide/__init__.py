@@ -189,6 +189,8 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
         # NB: the loss ends the graph: its gradient is known up to the scalar cotangent (runtime/loss_tail.py)
         why += (f"; its loss runs once, with its gradient, in the forward, {tail['chunk']} of {tail['steps']} steps "
                 f"at a time")
+        if tail.get("fused_heads"):
+            why += " (vocabulary head and cross-entropy fused: no logits kept)"
     if returned := out.details.get("returned_whole"):
         # NB: a graph's outputs exist whole whatever the region does: the logits a model returns with its loss
         what = ", ".join(f"{o['name']} {o['shape']}" for o in returned)

@@ -131,7 +131,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
                                     f"or slice in the region")
     rewrite, window = _rewrite(opts)
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window,
-                        cuda_graphs=opts.cuda_graphs)
+                        cuda_graphs=opts.cuda_graphs, fused_loss=opts.fused_loss)
     if ps_kinds is not None:
         mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
@@ -175,7 +175,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
             "members": [n.name for n in nodes],
             "memory": memory}
     if mod.tail is not None:  # the loss, with its gradient, in the forward (runtime/loss_tail.py)
-        prov["loss_tail"] = {"chunk": mod.tail.tail.shard_size, "steps": T,
+        prov["loss_tail"] = {"chunk": mod.tail.tail.shard_size, "steps": T, "fused_heads": mod.tail.fused_heads,
                              "nodes": len([n for n in mod.tail.tail.region_gm.graph.nodes
                                            if n.op not in ("placeholder", "output")])}
     with gm.graph.inserting_after(nodes[-1]):
