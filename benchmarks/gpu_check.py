@@ -5,11 +5,13 @@ any case is off its tolerance.
     python benchmarks/gpu_check.py                  # about two minutes on one GPU
     python benchmarks/gpu_check.py --backend-only   # the backend cases alone
     python benchmarks/gpu_check.py --backend-only --graphs   # ... with options={"cuda_graphs": True}
+    python benchmarks/gpu_check.py --lce-only       # the fused head + cross-entropy kernels alone
 
 Kernels: forward and every gradient of ``scan_triton`` / ``scan_backward_triton`` against ``scan_ref`` /
 ``scan_backward_ref`` run in fp64 on the same inputs, at awkward sizes (T = 1, odd, non-powers of two, 2^20), both
 directions, with and without h0, a window, and fp32 / bf16 / fp16 inputs (normwise relative error; tolerances per
-dtype). Backend: the shipped SSM stack with its loss, and an LM with cross-entropy in the region, compiled with
+dtype). The fused head + cross-entropy kernels (``kernels/linear_ce``) against their reference in fp64 the same way,
+up to V = 50257. Backend: the shipped SSM stack with its loss, and an LM with cross-entropy in the region, compiled with
 ``backend="adjoint"`` on CUDA, loss and every parameter gradient against eager autograd (fp32).
 """
 from __future__ import annotations
@@ -54,6 +56,30 @@ def kernel_cases() -> list[tuple[str, float, float]]:
                     err = max(rel(h, want), rel(da, wa), rel(db, wb), rel(dh0, wh0) if h0 is not None else 0.0)
                     name = f"scan {str(dtype)[6:]} B={B} T={T} D={D} rev={reverse} h0={use_h0} window={window}"
                     out.append((name, err, TOL[dtype]))
+    return out
+
+
+def lce_cases() -> list[tuple[str, float, float]]:
+    """The fused head + cross-entropy kernels against the torch reference in fp64 (loss, lse and every gradient)."""
+    from adjoint_compile.kernels import linear_ce as LCE
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for (N, D, V) in ((1, 5, 3), (7, 16, 97), (4097, 64, 50257), (333, 256, 32000), (1000, 40, 130)):
+            for eps, bias in ((0.0, False), (0.1, True)):
+                h = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+                W = (torch.randn(V, D, device="cuda", generator=g) / D ** 0.5).to(dtype)
+                b = torch.randn(V, device="cuda", generator=g).to(dtype) if bias else None
+                t = torch.randint(0, V, (N,), device="cuda", generator=g)
+                t[::5] = -100
+                gl, gs = torch.randn(N, device="cuda", generator=g), torch.randn(N, device="cuda", generator=g)
+                d = [x.double() if x is not None else None for x in (h, W, b)]
+                want = LCE.lce_forward(*d, t, -100, eps, impl="reference")
+                got = LCE.lce_forward(h, W, b, t, -100, eps, impl="triton")
+                wg = LCE.lce_backward(gl.double(), gs.double(), *d, t, want[1], -100, eps, impl="reference")
+                gg = LCE.lce_backward(gl, gs, h, W, b, t, got[1], -100, eps, impl="triton")
+                err = max([rel(x, y) for x, y in zip(got, want)] + [rel(x, y) for x, y in zip(gg, wg) if y is not None])
+                out.append((f"linear_ce {str(dtype)[6:]} N={N} D={D} V={V} eps={eps} bias={bias}", err, TOL[dtype]))
     return out
 
 
@@ -113,14 +139,17 @@ def backend_cases() -> list[tuple[str, float, float]]:
         from adjoint_compile.runtime import graphed, loss_tail
         loops = sum(isinstance(e[0], graphed.GraphedCall) for e in loss_tail._LOOPS.values())
         out.append((f"backend LM V={V} T={T} shard 64{tag} (fallbacks: {len(rep.fallbacks)}, loss run in the forward: "
-                    f"{bool(tail and tail[0])}, chunk loops captured: {loops})", err, 1e-4))
+                    f"{bool(tail and tail[0])}, fused heads: {tail[0].get('fused_heads') if tail and tail[0] else 0}, "
+                    f"chunk loops captured: {loops})", err, 1e-4))
     return out
 
 
 def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     bad = 0
-    groups = (backend_cases,) if "--backend-only" in sys.argv[1:] else (kernel_cases, backend_cases)
+    groups = (backend_cases,) if "--backend-only" in sys.argv[1:] else (kernel_cases, lce_cases, backend_cases)
+    if "--lce-only" in sys.argv[1:]:
+        groups = (lce_cases,)
     for group in groups:
         try:
             cases = group()

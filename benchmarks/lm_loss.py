@@ -15,6 +15,9 @@ untied vocabulary head. The loss is written as training scripts write it:
   options=nn.LinearCrossEntropyOptions())`` (torch's chunked head + loss, written by hand) under ``torch.compile``;
 * ``checkpoint``: eager, each SSM layer under ``torch.utils.checkpoint``, the head and loss as written;
 * ``adjoint-graphs`` (not run by default): ``adjoint`` with ``options={"cuda_graphs": False}``;
+* ``adjoint-unfused`` / ``adjoint-fused`` (not run by default): ``adjoint`` with ``fused_loss=False`` (the head and
+  cross-entropy as written, chunk by chunk) / ``True`` (fused also on a CPU, with the op's torch reference); the
+  default (``"auto"``) fuses them on CUDA only;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
   (per thread on a CPU) instead of the defaults (8 MiB per thread on a CPU; on a GPU 64 MiB per shard and 128 MiB
   per loss chunk), to see the trade between peak and step time; ``adjoint@R/C``: R MiB per shard, C per loss chunk
@@ -95,7 +98,9 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                                           options=nn.LinearCrossEntropyOptions())
 
         if method.startswith("adjoint"):
-            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "-graphs" not in method})
+            fused = False if "-unfused" in method else True if "-fused" in method else "auto"
+            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "-graphs" not in method,
+                                                                 "fused_loss": fused})
         elif method == "compile":
             fn = torch.compile(step)
         elif method == "compile_lce":
@@ -154,6 +159,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
                 if here:
                     row["shard_size"] = here[-1].details.get("shard_size")
                     row["loss_chunk"] = here[-1].details.get("loss_tail", {}).get("chunk")
+                    row["fused_heads"] = here[-1].details.get("loss_tail", {}).get("fused_heads", 0)
             rows.append(row)
             print(f"  {method} V={V} T={T}: peak {row['peak_bytes'] / 2**20:9.1f} MiB  step {step_s:7.3f} s  "
                   f"first {first:6.1f} s" + (f"  graphs' pool {m['graph_pool'] / 2**20:.0f} MiB  first-step peak "

@@ -159,3 +159,19 @@ def test_triton_one_cotangent_and_a_bad_target():
     t[2] = 40  # outside [0, 33): the kernels cannot raise without a sync; the row's loss is NaN, the others exact
     got, _ = linear_ce.lce_forward(h, W, b, t, impl="triton")
     assert torch.isnan(got[2]) and not torch.isnan(got[torch.arange(9) != 2]).any()
+
+
+def test_triton_reads_strided_targets():
+    """A target that is a strided view (labels[..., 0] of [N, 2] labels) reads its own rows."""
+    h, W, b, t = (x.detach() for x in _case(70, 8, 33, dtype=torch.float32))
+    labels = torch.stack([t, torch.randint(0, 33, (70,))], -1)
+    strided = labels[:, 0]
+    assert strided.stride() == (2,)
+    want = linear_ce.lce_forward(h, W, b, t, impl="reference")
+    got = linear_ce.lce_forward(h, W, b, strided, impl="triton")
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)
+    g = torch.ones(70)
+    for x, y in zip(linear_ce.lce_backward(g, g, h, W, b, strided, want[1], impl="triton"),
+                    linear_ce.lce_backward(g, g, h, W, b, t, want[1], impl="reference")):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)

@@ -51,9 +51,11 @@ def _run(model: nn.Module, shard: int | None, data, fused=True, tol: float = 1e-
     torch._dynamo.reset()
     opts = {"inner": inner, "fused_loss": fused, **({"shard_size": shard} if shard else {})}
     f = torch.compile(model, backend="adjoint", options=opts)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = f(*data)
+    # NB: the split and the chunk's program must agree on what is fused (the chunks are sized by it)
+    assert not [w for w in caught if "fusable vocabulary heads" in str(w.message)]
     want = ref(*data)
     assert abs(got.item() - want.item()) <= tol * abs(want.item()), (got.item(), want.item())
     got.backward()
@@ -147,6 +149,31 @@ class ArgmaxToo(nn.Module):
         # an accuracy read from the same logits: the head has another reader, so it stays as written
         hits = (lg.argmax(-1) == tg).sum()
         return F.cross_entropy(lg.flatten(0, 1), tg.flatten()) + 0 * hits
+
+
+#: more z-loss forms: (loss, whether fused)
+Z_FORMS = {
+    # a logsumexp of the flattened logits, keepdim: its own shape ([B·T, 1]), not the hidden states' leading dims
+    "flat, keepdim": (lambda lg, t: F.cross_entropy(lg.view(-1, V), t.view(-1))
+                      + 1e-2 * torch.logsumexp(lg.view(-1, V), -1, keepdim=True).pow(2).mean(), True),
+    "[B, V, T] and lse of the upcast": (lambda lg, t: F.cross_entropy(lg.float().transpose(1, 2), t, reduction="sum")
+                                        / 7 + 1e-2 * torch.logsumexp(lg.float(), dim=(-1,)).square().sum(), True),
+    # a masked z-loss per row of the flattened logits: the rows' lse must keep the [B·T] shape it is multiplied in
+    "flat, masked per row": (lambda lg, t: F.cross_entropy(lg.view(-1, V), t.view(-1))
+                             + 1e-2 * (torch.logsumexp(lg.view(-1, V), -1).pow(2) * (t.view(-1) % 2)).sum(), True),
+    # the logsumexp computed before the loss: the op would run after it, so the head stays as written
+    "lse first": (lambda lg, t: 1e-2 * torch.logsumexp(lg, -1).pow(2).mean()
+                  + F.cross_entropy(lg.flatten(0, 1), t.flatten()), False),
+}
+
+
+@pytest.mark.parametrize("form", list(Z_FORMS))
+def test_z_loss_forms(form, op_calls):
+    torch.manual_seed(0)
+    loss, fused = Z_FORMS[form]
+    step = Step(loss)
+    rep = _run(step if "upcast" in form else step.double(), 4, _data(), tol=2e-6 if "upcast" in form else 1e-10)
+    assert bool(_tail(rep).get("fused_heads")) == fused and (op_calls[0] > 0) == fused
 
 
 @pytest.mark.parametrize("model", [Softcapped, ArgmaxToo])

@@ -9,7 +9,7 @@ registers on a GPU)::
                                   └─►  logsumexp(·, -1)                        (a z-loss, optional)
     after:   loss_rows, lse_rows = linear_cross_entropy(h.reshape(-1, D), W, b, t.reshape(-1), …)
              cross_entropy  ─►  loss_rows.sum() | loss_rows.sum() / (t != ignore_index).sum() | loss_rows.view_as(t)
-             logsumexp      ─►  lse_rows.reshape(h.shape[:-1])
+             logsumexp      ─►  lse_rows.reshape(its shape)
 
 The head is ``linear(h, W, b)`` or ``h @ Wt`` (a tied embedding's ``weight.T``); between it and the losses only
 casts, views that keep the vocabulary as the last dim, and one ``transpose`` / ``movedim`` that puts it at dim 1
@@ -39,7 +39,7 @@ __all__ = ["HeadLoss", "find_head_losses", "fuse_head_losses"]
 
 _LINEAR = {torch._C._nn.linear, F.linear}
 _MATMUL = {operator.matmul, torch.matmul}
-_CASTS = {"float", "to", "contiguous", "type"}
+_CASTS = {"float", "double", "to", "contiguous", "type"}
 _REGROUPS_METHOD = {"view", "reshape", "flatten"}
 _REGROUPS_FN = {torch.reshape, torch.flatten}
 _LSE = {torch.logsumexp, "logsumexp"}
@@ -57,8 +57,8 @@ class HeadLoss:
     bias: fx.Node | None
     #: the cross_entropy nodes, with their arguments by name
     losses: list[tuple[fx.Node, dict[str, Any]]]
-    #: logsumexp nodes over the vocabulary, with keepdim
-    lses: list[tuple[fx.Node, bool]]
+    #: logsumexp nodes over the vocabulary
+    lses: list[fx.Node]
     #: every node between the head and the losses (the head included): gone after the rewrite
     chain: list[fx.Node]
 
@@ -104,7 +104,7 @@ def _moves_vocab_to_1(n: fx.Node, nd: int) -> bool:
 def _follow(logits: fx.Node, V: int, val: Callable[[Any], Any]) -> tuple[list, list, list] | None:
     """(losses, lses, chain) when every use of ``logits`` is an allowed path to a loss, else None."""
     losses: list[tuple[fx.Node, dict[str, Any]]] = []
-    lses: list[tuple[fx.Node, bool]] = []
+    lses: list[fx.Node] = []
     chain = [logits]
     todo = [(logits, False)]  # (node, whether its vocabulary is at dim 1)
     while todo:
@@ -133,11 +133,11 @@ def _follow(logits: fx.Node, V: int, val: Callable[[Any], Any]) -> tuple[list, l
                     any(a is x for a in [*u.args[1:], *u.kwargs.values()]) or not isinstance(vu, torch.Tensor):
                 return None
             if name in _LSE and not moved:
-                dim, keep = _dims(u, ("dim", "keepdim"))
+                (dim,) = _dims(u, ("dim",))
                 dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
                 if not isinstance(dim, int) or dim % vx.dim() != vx.dim() - 1:
                     return None
-                lses.append((u, bool(keep)))
+                lses.append(u)
                 continue
             if name in _CASTS and vu.shape == vx.shape and vu.dtype.is_floating_point:
                 pass
@@ -159,6 +159,7 @@ def find_head_losses(gm: fx.GraphModule, val: Callable[[Any], Any]) -> list[Head
     """The heads of ``gm`` that feed only losses (module docstring); ``val(node)``: its example value."""
     given = val
     val = lambda x: given(x) if isinstance(x, fx.Node) else None  # noqa: E731
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     found = []
     for n in gm.graph.nodes:
         head = _head(n, val)
@@ -169,7 +170,8 @@ def find_head_losses(gm: fx.GraphModule, val: Callable[[Any], Any]) -> list[Head
         if vw.dtype != vh.dtype or (b is not None and val(b).dtype != vh.dtype):
             continue
         got = _follow(n, vw.shape[1] if transposed else vw.shape[0], val)
-        if got is not None:
+        # NB: the op runs where the first loss was: a logsumexp before it keeps the head as written
+        if got is not None and all(order[lse] > order[got[0][0][0]] for lse in got[1]):
             found.append(HeadLoss(n, h, w, transposed, b, *got))
     return found
 
@@ -179,9 +181,6 @@ def fuse_head_losses(gm: fx.GraphModule, val: Callable[[Any], Any], impl: str | 
     """Rewrite the heads :func:`find_head_losses` finds in ``gm`` to the fused op, in place; the number rewritten.
     ``autocast_dtype``: the dtype ``linear`` would run in under the autocast in effect (None: none)."""
     heads = find_head_losses(gm, val)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    # NB: the op runs where the first loss was; a logsumexp before it, or a target made after it, keeps the head
-    heads = [hl for hl in heads if all(order[lse] > order[hl.losses[0][0]] for lse, _ in hl.lses)]
     g = gm.graph
     op = torch.ops.adjoint_compile.linear_cross_entropy.default
     for hl in heads:
@@ -210,12 +209,11 @@ def fuse_head_losses(gm: fx.GraphModule, val: Callable[[Any], Any], impl: str | 
                 out = g.call_method("to", (out, val(ce).dtype))
             ce.replace_all_uses_with(out)
             g.erase_node(ce)
-        for lse, keep in hl.lses:
+        for lse in hl.lses:
             with g.inserting_before(lse):
-                lead = g.call_function(operator.getitem, (g.call_method("size", (hl.h,)), slice(None, -1)))
-                out = g.call_function(torch.reshape, (first_lse, lead))
-                if keep:
-                    out = g.call_method("unsqueeze", (out, -1))
+                # NB: the logsumexp may read regrouped logits ([B·T, V]): its own shape, keepdim's 1 included (a
+                # loss chunk's program is traced for one length, so the sizes are literal)
+                out = g.call_function(torch.reshape, (first_lse, tuple(val(lse).shape)))
                 out = g.call_method("to", (out, val(lse).dtype))
             lse.replace_all_uses_with(out)
             g.erase_node(lse)

@@ -184,6 +184,7 @@ def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: T
     """(loss [N], lse [N]) in fp32 (see :func:`.ref.lce_forward_ref`)."""
     N, D = h.shape
     V = weight.shape[0]
+    target = target.contiguous()  # NB: the kernels read the targets as [N] rows one apart
     loss = torch.empty(N, dtype=acc_dtype(h), device=h.device)
     lse = torch.empty_like(loss)
     BN, BV, BD = _blocks(D)
@@ -204,7 +205,7 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     g_loss = zero.expand(N) if g_loss is None else g_loss
     g_lse = zero.expand(N) if g_lse is None else g_lse
     # NB: strides of a 0-stride expand: the kernels read the rows' cotangents as contiguous [N]
-    g_loss, g_lse = g_loss.contiguous(), g_lse.contiguous()
+    g_loss, g_lse, target, lse = g_loss.contiguous(), g_lse.contiguous(), target.contiguous(), lse.contiguous()
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device)
     db = None if bias is None else torch.empty(V, dtype=bias.dtype, device=h.device)
