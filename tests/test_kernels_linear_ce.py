@@ -175,3 +175,26 @@ def test_triton_reads_strided_targets():
     for x, y in zip(linear_ce.lce_backward(g, g, h, W, b, strided, want[1], impl="triton"),
                     linear_ce.lce_backward(g, g, h, W, b, t, want[1], impl="reference")):
         torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)
+
+
+def test_kernels_that_fail_where_the_default_picked_them_fall_back_to_the_reference_with_a_warning(monkeypatch):
+    import types
+
+    from adjoint_compile.errors import AdjointCompileWarning
+
+    def broken(*a, **k):
+        raise RuntimeError("no such GPU feature")
+    monkeypatch.setattr(linear_ce, "kernel_serves", lambda h, w: True)
+    monkeypatch.setattr(linear_ce, "KERNEL_FAILED", None)
+    monkeypatch.setattr(linear_ce, "_triton", lambda: types.SimpleNamespace(lce_forward_triton=broken,
+                                                                           lce_backward_triton=broken))
+    h, W, b, t = _case(9, 4, 7)
+    with pytest.warns(AdjointCompileWarning, match="no such GPU feature"):
+        loss, lse = linear_cross_entropy(h, W, b, t)
+    ref_loss, _ = _eager(h, W, b, t, 0.0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    assert "no such GPU feature" in linear_ce.KERNEL_FAILED
+    loss.sum().backward()  # the reference from then on, without another warning
+    with pytest.raises(RuntimeError, match="no such GPU feature"):  # asked for by name: raised
+        monkeypatch.setattr(linear_ce, "KERNEL_FAILED", None)
+        linear_ce.lce_forward(h.detach().float(), W.detach().float(), None, t, impl="triton")

@@ -10,14 +10,19 @@ Two implementations with one signature each:
 
 :func:`lce_forward` and :func:`lce_backward` are the one place that picks (``impl`` None / "triton" / "reference"):
 by default the kernels on CUDA for fp32 / bf16 / fp16 inputs with a hidden size of at most 256, the reference
-otherwise.
+otherwise. Where the default's kernels fail (a Triton that cannot compile them), it warns once and runs the reference
+from then on.
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import torch
 from torch import Tensor
+
+from ...errors import AdjointCompileWarning
 
 from .ref import ROWS, acc_dtype, check_targets, lce_backward_ref, lce_forward_ref
 
@@ -26,8 +31,13 @@ __all__ = ["lce_forward", "lce_backward", "lce_forward_ref", "lce_backward_ref",
 
 IMPLS = (None, "triton", "reference")
 
+log = logging.getLogger(__name__)
+
 #: the largest hidden size the kernels take (kept here too so that asking does not import Triton)
 MAX_D = 256
+
+#: why the kernels failed once where the default picked them (the reference runs from then on), or None
+KERNEL_FAILED: str | None = None
 
 
 def _triton():
@@ -59,14 +69,29 @@ def _use_triton(h: Tensor, weight: Tensor, impl: str | None) -> bool:
             raise ValueError(f"impl='triton' on {h.device.type} tensors needs TRITON_INTERPRET=1 (set before Triton is "
                              f"imported) or CUDA tensors")
         return True
-    return impl is None and kernel_serves(h, weight)
+    return impl is None and KERNEL_FAILED is None and kernel_serves(h, weight)
+
+
+def _failed(e: Exception) -> None:
+    # NB: the default picked the kernels: a machine where they do not compile still trains, on the reference, said
+    global KERNEL_FAILED
+    KERNEL_FAILED = f"{type(e).__name__}: {e}"
+    log.warning("adjoint-compile: the fused head + cross-entropy kernels failed (%s); the torch reference runs instead",
+                KERNEL_FAILED)
+    warnings.warn(AdjointCompileWarning(f"adjoint-compile: the fused head + cross-entropy kernels failed "
+                                        f"({KERNEL_FAILED[:300]}); the torch reference runs instead"), stacklevel=3)
 
 
 def lce_forward(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int = -100,
                 label_smoothing: float = 0.0, impl: str | None = None) -> tuple[Tensor, Tensor]:
     """(loss [N], lse [N]) for h [N, D], weight [V, D], bias [V] or None, target [N] (int64)."""
     if _use_triton(h, weight, impl):
-        return _triton().lce_forward_triton(h, weight, bias, target, ignore_index, label_smoothing)
+        try:
+            return _triton().lce_forward_triton(h, weight, bias, target, ignore_index, label_smoothing)
+        except Exception as e:  # noqa: BLE001 - any failure of a kernel the default picked: said, then the reference
+            if impl is not None:
+                raise
+            _failed(e)
     return lce_forward_ref(h, weight, bias, target, ignore_index, label_smoothing)
 
 
@@ -75,6 +100,11 @@ def lce_backward(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, weight:
                  impl: str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(∂h, ∂weight, ∂bias) for the cotangents of loss and lse (None: zero)."""
     if _use_triton(h, weight, impl):
-        return _triton().lce_backward_triton(g_loss, g_lse, h, weight, bias, target, lse, ignore_index,
-                                             label_smoothing)
+        try:
+            return _triton().lce_backward_triton(g_loss, g_lse, h, weight, bias, target, lse, ignore_index,
+                                                 label_smoothing)
+        except Exception as e:  # noqa: BLE001 - as in lce_forward
+            if impl is not None:
+                raise
+            _failed(e)
     return lce_backward_ref(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing)

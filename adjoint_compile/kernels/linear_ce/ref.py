@@ -26,8 +26,8 @@ from torch import Tensor
 
 __all__ = ["acc_dtype", "check_targets", "lce_forward_ref", "lce_backward_ref", "ROWS"]
 
-#: the most logits (elements) the reference makes at once: a block of ROWS // V rows (at least 16)
-ROWS = 1 << 22
+#: the most logits (elements) the reference makes at once (4 MiB in fp32): a block of ROWS // V rows, at least 16
+ROWS = 1 << 20
 
 
 def _rows(V: int) -> int:

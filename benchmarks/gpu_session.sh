@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One short GPU session, in order of importance: the fused head + cross-entropy kernels compiled for real against
+# their reference; the backend end to end on the GPU (CUDA graphs on, the default); then the LM loss benchmark
+# (adjoint with the fused head by default, as written, and torch.compile). Each step has its own time limit so that
+# a slow one leaves the others their turn; logs and JSON go to $OUT (the device tool's folder) or benchmarks/results.
+#
+#     OUT=/some/dir bash benchmarks/gpu_session.sh        # about 8 minutes on one H200
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu_session.log"
+timeout 120 $PY benchmarks/gpu_check.py --lce-only 2>&1 | tee "$OUT/gpu_check_lce.log"
+timeout 150 $PY benchmarks/gpu_check.py --backend-only --graphs 2>&1 | tee "$OUT/gpu_check_fused_graphs.log"
+timeout 300 $PY benchmarks/lm_loss.py --device cuda --repeats 3 --methods adjoint,adjoint-unfused,compile \
+    --vocab 32000,50257 --lengths 2048,8192,16384,32768 --out "$OUT" 2>&1 | tee "$OUT/lm_loss_fused.log"
