@@ -175,8 +175,8 @@ def _through_embedding(n: fx.Node, d: int) -> dict[fx.Node, int] | None:
     return {m[0]: d}
 
 
-def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
-                    extra: dict[fx.Node, int] | None = None, halo: bool = False) -> dict[fx.Node, int]:
+def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], extra: dict[fx.Node, int] | None = None,
+                    halo: bool = False, ends: bool | None = None) -> dict[fx.Node, int]:
     """The scans (at their ``dim``) and the sources of their ``a`` and ``b`` (and of ``extra``: node -> step dim)
     along the step axis, by the walk :func:`infer_seeds` describes."""
     seeds: dict[fx.Node, int] = {}
@@ -214,7 +214,7 @@ def _backward_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node],
             continue
         done.add(n)
         d = want[n]
-        inv = (halo and (_through_conv(n, d) or _through_embedding(n, d))) or (
+        inv = (halo and _through_conv(n, d)) or ((halo if ends is None else ends) and _through_embedding(n, d)) or (
             _inverse(n, d, T) if n.op in ("call_function", "call_method") else None)
         if not inv:
             if (sn := step_shape(n)) is None or sn[d] == T:  # NB: a value with the batch folded in is no seed
@@ -260,7 +260,8 @@ def _readout_operands(gm: fx.GraphModule, info: TimeLocalInfo) -> dict[fx.Node, 
     return found
 
 
-def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], halo: bool = False) -> dict[fx.Node, int]:
+def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], halo: bool = False,
+                ends: bool | None = None) -> dict[fx.Node, int]:
     """Seeds for :func:`analyze` found from the scans alone: the scans (at their ``dim``) and the sources of their
     ``a`` and ``b`` along the step axis (:func:`_backward_seeds`), then the sources of the step-free operands that
     readouts broadcast against the steps (:func:`_readout_operands`), until none is left (at most 4 rounds).
@@ -272,13 +273,13 @@ def infer_seeds(gm: fx.GraphModule, scan_nodes: list[fx.Node], halo: bool = Fals
     everything; a node asked for at two different dims keeps the first and is logged.
     """
     extra: dict[fx.Node, int] = {}
-    seeds = _backward_seeds(gm, scan_nodes, halo=halo)
+    seeds = _backward_seeds(gm, scan_nodes, halo=halo, ends=ends)
     for _ in range(4):
-        more = {a: k for a, k in _readout_operands(gm, analyze(gm, seeds, halo)).items() if a not in extra}
+        more = {a: k for a, k in _readout_operands(gm, analyze(gm, seeds, halo, ends=ends)).items() if a not in extra}
         if not more:
             break
         extra.update(more)
-        seeds = _backward_seeds(gm, scan_nodes, extra, halo)
+        seeds = _backward_seeds(gm, scan_nodes, extra, halo, ends)
     return seeds
 
 

@@ -399,7 +399,8 @@ class _PendingSlices:
                 and not any(sh.sliced is node for sh in self.info.shifts.values()))
 
 
-def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, folds: bool = True) -> TimeLocalInfo:
+def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, folds: bool = True,
+            ends: bool | None = None) -> TimeLocalInfo:
     """Propagate the step axis through ``gm`` from ``seeds`` (``{node: step dim}``); classify every node.
 
     Seeded placeholders are sources; a seeded op (e.g. a linear_scan) takes the seed's dim as its output step dim and
@@ -410,10 +411,13 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
     step-carrying indices is time-local; a sum or mean over the step dim of a time-local value is recorded in
     ``info.sums`` (a region may end in it), and so is a loss's sum or mean over rows (:mod:`.losses`); with ``folds``
     too, a reshape that merges the batch in front of the steps keeps the step axis (``info.folds``).  Linear in the
-    size of the graph.  Raises ValueError when the seeds are not nodes of tensors or disagree on the number of steps.
+    size of the graph.  ``ends`` (default: ``halo``) turns the embeddings, sums and folds on or off apart from the
+    convs and shifts (a truncated sweep takes a region's loss but carries no halos).  Raises ValueError when the seeds
+    are not nodes of tensors or disagree on the number of steps.
     """
     T = _length_of_seeds(seeds)
-    info = TimeLocalInfo(step_dim={}, mixing={}, length=T, fold_ok=halo and folds)
+    ends = halo if ends is None else ends
+    info = TimeLocalInfo(step_dim={}, mixing={}, length=T, fold_ok=ends and folds)
     pending_slices = _PendingSlices(info)
     for node in gm.graph.nodes:
         seed = seeds.get(node)
@@ -446,12 +450,12 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
         if halo and (m := padded_causal_conv(node)) is not None and m[0] not in info.mixing:
             info.step_dim[m[0]] = None  # NB: the tentatively local pad before a conv that does not join
             info.mixing[m[0]] = "pad along the step dim (before a conv that cannot join a region)"
-        if halo and (ts := (_time_sum(node, info) or loss_sum(node, info))) is not None:
+        if ends and (ts := (_time_sum(node, info) or loss_sum(node, info))) is not None:
             # NB: no step axis and not mixing: a region may end in it (analysis/grow.py), summing its shards' sums
             info.step_dim[node] = None
             info.sums[node] = ts
             continue
-        if halo and (d := _embedding_in_region(node, info)) is not None:
+        if ends and (d := _embedding_in_region(node, info)) is not None:
             info.step_dim[node] = d
             continue
         if (node.op == "call_function" and node.target is operator.getitem and node.args

@@ -198,7 +198,7 @@ class ShardProgram:
         seeds = {p: d for p, d in zip(self.placeholders, self.in_step_dims) if d is not None}
         seeds.update(scan_seeds(self.scans))  # the scans, and a constant decay expanded over the steps
         # NB: causal convs are carried by the exact sweep only; the truncated adjoint's ν carries scans alone
-        info = analyze(self.region_gm, seeds, halo=self.window is None)
+        info = analyze(self.region_gm, seeds, halo=self.window is None, ends=True)
         for n in self.region_gm.graph.nodes:
             if n in info.mixing and n.op != "placeholder":
                 raise UnsupportedRegion(f"node {n.name} mixes steps: {info.mixing[n]}")

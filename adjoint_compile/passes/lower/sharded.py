@@ -372,9 +372,11 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         # NB: causal convs and token shifts join regions in the exact sweep only (runtime/sharded.py carries their
         # halos); the other sweeps (truncated, per-example, sequence-parallel) carry scan states alone
         halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
-        info = analyze(gm, infer_seeds(gm, scans, halo), halo)
-        if halo and unshift_losses(gm, info):  # NB: a loss of logits[:, :-1]: the logits whole, the labels padded
-            info = analyze(gm, infer_seeds(gm, scans, halo), halo)
+        # NB: the truncated sweep takes in embeddings and the loss too (they hold no carries between shards)
+        ends = halo or (opts.mode == "truncated" and opts.sequence_parallel is None and opts.per_sample_clip is None)
+        info = analyze(gm, infer_seeds(gm, scans, halo, ends), halo, ends=ends)
+        if ends and unshift_losses(gm, info):  # NB: a loss of logits[:, :-1]: the logits whole, the labels padded
+            info = analyze(gm, infer_seeds(gm, scans, halo, ends), halo, ends=ends)
     except ValueError as e:
         info, why = None, f"step analysis failed: {e}"
     else:
@@ -390,7 +392,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         # NB: a region through a merge of the batch and the steps that cannot be sharded (e.g. a literal size it cannot
         # rewrite): the regions are grown without such merges, as they were before merges joined regions
         log.info("adjoint-compile: regions without merges of batch and steps: %s", e)
-        info = analyze(gm, infer_seeds(gm, scans, halo), halo, folds=False)
+        info = analyze(gm, infer_seeds(gm, scans, halo, ends), halo, folds=False, ends=ends)
     done: dict[fx.Node, Lowered | NotLowered] = {}
     for s in scans:
         if s in done:
