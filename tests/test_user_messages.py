@@ -89,7 +89,8 @@ def test_an_options_error_says_only_our_message():
     assert isinstance(info.value, ac.OptionsError)
     assert str(info.value) == ("unknown adjoint-compile option 'shard_sise'=3 (did you mean 'shard_size'?); allowed "
                                "keys: mode, window, iterations, shard_size, sequence_parallel, reduce_grads, inner, "
-                               "verify, check_forward, tolerance, per_sample_clip, batch_dim, cuda_graphs, roll_loops")
+                               "verify, check_forward, tolerance, per_sample_clip, batch_dim, cuda_graphs, roll_loops, "
+                               "fused_loss")
     assert "TORCHDYNAMO_VERBOSE" in info.value.args[0]  # dynamo did append it: __str__ is what hides it
 
 
