@@ -62,6 +62,24 @@ def _dz(z, lse, tgt, valid, g_loss, g_lse, v, V, EPS: tl.constexpr):
 
 
 @triton.jit
+def _rows(H, Tgt, n, nmask, d, dmask, shn, shd, ignore_index, DOT: tl.constexpr):
+    """The rows n of h ([BLOCK_N, BLOCK_D], in DOT) and their targets ([BLOCK_N]; ignored past N)."""
+    h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :], other=0.0).to(DOT)
+    tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
+    return h, tgt
+
+
+@triton.jit
+def _cotangents(Lse, GLoss, GLse, n, nmask):
+    """lse, g_loss, g_lse of the rows n ([BLOCK_N] each, fp32); past N, lse = inf and no cotangent, so ∂z = 0 there
+    whatever the bias."""
+    lse = tl.load(Lse + n, mask=nmask, other=float("inf"))
+    g_loss = tl.load(GLoss + n, mask=nmask, other=0.0).to(tl.float32)
+    g_lse = tl.load(GLse + n, mask=nmask, other=0.0).to(tl.float32)
+    return lse, g_loss, g_lse
+
+
+@triton.jit
 def _lce_fwd_kernel(H, W, Bias, Tgt, Loss, Lse, N, V, D, shn, shd, swv, swd, ignore_index,
                     EPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -69,10 +87,7 @@ def _lce_fwd_kernel(H, W, Bias, Tgt, Loss, Lse, N, V, D, shn, shd, swv, swd, ign
     nmask = n < N
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     dmask = d < D
-    # h: [BLOCK_N, BLOCK_D]
-    h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :], other=0.0).to(DOT)
-    # tgt: [BLOCK_N]
-    tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
+    h, tgt = _rows(H, Tgt, n, nmask, d, dmask, shn, shd, ignore_index, DOT)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.full([BLOCK_N], 0.0, tl.float32)
     zt = tl.full([BLOCK_N], 0.0, tl.float32)
@@ -104,13 +119,8 @@ def _lce_dh_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DH, N, V, D, shn, shd, swv
     nmask = n < N
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     dmask = d < D
-    # h: [BLOCK_N, BLOCK_D]
-    h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :], other=0.0).to(DOT)
-    # tgt, lse, g_loss, g_lse: [BLOCK_N]
-    tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
-    lse = tl.load(Lse + n, mask=nmask, other=0.0)
-    g_loss = tl.load(GLoss + n, mask=nmask, other=0.0).to(tl.float32)
-    g_lse = tl.load(GLse + n, mask=nmask, other=0.0).to(tl.float32)
+    h, tgt = _rows(H, Tgt, n, nmask, d, dmask, shn, shd, ignore_index, DOT)
+    lse, g_loss, g_lse = _cotangents(Lse, GLoss, GLse, n, nmask)
     valid = tgt != ignore_index
     dh = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -138,14 +148,8 @@ def _lce_dw_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DW, DB, N, V, D, shn, shd,
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         nmask = n < N
-        # h: [BLOCK_N, BLOCK_D]
-        h = tl.load(H + n[:, None] * shn + d[None, :] * shd, mask=nmask[:, None] & dmask[None, :],
-                    other=0.0).to(DOT)
-        # tgt, lse, g_loss, g_lse: [BLOCK_N] (rows past N: no cotangent, so their ∂z is 0)
-        tgt = tl.load(Tgt + n, mask=nmask, other=ignore_index)
-        lse = tl.load(Lse + n, mask=nmask, other=0.0)
-        g_loss = tl.load(GLoss + n, mask=nmask, other=0.0).to(tl.float32)
-        g_lse = tl.load(GLse + n, mask=nmask, other=0.0).to(tl.float32)
+        h, tgt = _rows(H, Tgt, n, nmask, d, dmask, shn, shd, ignore_index, DOT)
+        lse, g_loss, g_lse = _cotangents(Lse, GLoss, GLse, n, nmask)
         z = _tile(h, W, Bias, v, vmask, d, dmask, swv, swd, HAS_BIAS, PREC)
         dz = _dz(z, lse, tgt, tgt != ignore_index, g_loss, g_lse, v, V, EPS)
         dw += tl.dot(tl.trans(dz.to(h.dtype)), h, input_precision=PREC, out_dtype=tl.float32)
