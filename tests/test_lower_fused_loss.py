@@ -221,3 +221,32 @@ def test_the_option_is_checked():
     for bad in ("yes", 1, None, 1.0):
         with pytest.raises(ac.OptionsError, match="fused_loss"):
             validate({"fused_loss": bad})
+
+
+def test_under_autocast_no_worse_than_eager_autocast(op_calls):
+    """bf16 autocast on a CPU: the head's inputs are cast as ``linear`` would cast them, the logits made in fp32. Both
+    the fused step and eager autocast are compared with the fp64 step; the fused error stays within 2x eager's +
+    1e-2 (loss and every gradient)."""
+    torch.manual_seed(0)
+    # NB: a vocabulary large enough that the bf16 logits outweigh the fp32 hidden state (else the loss is not split)
+    model = BigVocab(200)
+    exact = copy.deepcopy(model).double()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, V, (2, 13), generator=g), torch.randint(0, 200, (2, 13), generator=g)
+    want = exact(*data)
+    want.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        e = eager(*data)
+    e.backward()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"inner": "aot_eager", "fused_loss": True, "shard_size": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = f(*data)
+    got.backward()
+    assert op_calls[0] > 0
+    assert abs(got.item() - want.item()) <= 2 * abs(e.item() - want.item()) + 1e-2 * abs(want.item())
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        assert _rel(p.grad.double(), r.grad) <= 2 * _rel(q.grad.double(), r.grad) + 1e-2, name
