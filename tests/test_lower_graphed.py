@@ -218,18 +218,24 @@ def test_a_process_keeps_a_few_chunk_loops(stand_in):
     assert _loops_captured(stand_in) == 2 * (loss_tail.MAX_LOOPS + 2)   # each: its capture and one replay
 
 
-def test_every_loss_form_through_the_replayed_chunk_loop(stand_in):
+@pytest.mark.parametrize("fused", [False, True], ids=["as-written", "fused"])
+def test_every_loss_form_through_the_replayed_chunk_loop(stand_in, fused):
     """All the loss forms of one forward (several losses, means over valid targets with their counts, a z-loss, label
     smoothing, shifts) through the captured chunk loop: three calls at one length (the loop captured at the second,
-    replayed at the third), each loss and the gradients of a random combination against autograd in fp64."""
+    replayed at the third), each loss and the gradients of a random combination against autograd in fp64; also with
+    the heads fused (the default on a GPU)."""
+    from test_lower_fused_loss import FUSED
     from test_lower_lm_loss import FORMS, AllForms
     torch.manual_seed(0)
     model = AllForms().double()
+    if fused:  # NB: only the forms the op takes: another reader of the logits (a log_softmax) keeps them as written
+        model.forms = [f for k, (f, _) in FORMS.items() if k in FUSED]
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 5, "inner": "aot_eager", "cuda_graphs": True})
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 5, "inner": "aot_eager", "cuda_graphs": True,
+                                                         "fused_loss": fused})
     for seed in range(3):
-        c = torch.rand(len(FORMS), generator=torch.Generator().manual_seed(seed)).add(0.5).tolist()
+        c = torch.rand(len(FORMS), generator=torch.Generator().manual_seed(seed)).add(0.5).tolist()[:len(model.forms)]
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         data = _data(seed)
@@ -244,6 +250,8 @@ def test_every_loss_form_through_the_replayed_chunk_loop(stand_in):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert (p.grad - q.grad).norm() <= 1e-10 * q.grad.norm(), (seed, name)
     assert _loops_captured(stand_in) == 3, [fn.__name__ for fn in stand_in]   # captured, replayed twice
+    (tail,) = {str(r.details.get("loss_tail")) for r in ac.report(f).regions if r.rewrite == "adjoint"}
+    assert ("'fused_heads': 1" in tail) == fused, tail
 
 
 def test_eval_calls_and_a_frozen_head_between_replays(stand_in):

@@ -170,9 +170,12 @@ def find_head_losses(gm: fx.GraphModule, val: Callable[[Any], Any]) -> list[Head
         if vw.dtype != vh.dtype or (b is not None and val(b).dtype != vh.dtype):
             continue
         got = _follow(n, vw.shape[1] if transposed else vw.shape[0], val)
-        # NB: the op runs where the first loss was: a logsumexp before it keeps the head as written
-        if got is not None and all(order[lse] > order[got[0][0][0]] for lse in got[1]):
-            found.append(HeadLoss(n, h, w, transposed, b, *got))
+        if got is None:
+            continue
+        losses = sorted(got[0], key=lambda la: order[la[0]])
+        # NB: the logsumexps read the op of the first loss in the graph: one before it keeps the head as written
+        if all(order[lse] > order[losses[0][0]] for lse in got[1]):
+            found.append(HeadLoss(n, h, w, transposed, b, losses, *got[1:]))
     return found
 
 
