@@ -167,8 +167,13 @@ def precision() -> str:
     return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
 
 
-def _blocks(D: int) -> tuple[int, int, int]:
-    return 64, 64, max(16, triton.next_power_of_2(D))
+#: rows and vocabulary columns per tile, and the launch's warps and pipeline stages (not tuned on a GPU yet:
+#: benchmarks/lce_kernels.py sweeps them)
+CONFIG = {"BLOCK_N": 64, "BLOCK_V": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _blocks(D: int) -> dict:
+    return {**CONFIG, "BLOCK_D": max(16, triton.next_power_of_2(D))}
 
 
 def _dot(h: Tensor):
@@ -191,11 +196,11 @@ def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: T
     target = target.contiguous()  # NB: the kernels read the targets as [N] rows one apart
     loss = torch.empty(N, dtype=acc_dtype(h), device=h.device)
     lse = torch.empty_like(loss)
-    BN, BV, BD = _blocks(D)
-    _lce_fwd_kernel[(triton.cdiv(N, BN),)](
+    blocks = _blocks(D)
+    _lce_fwd_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
         h, weight, h if bias is None else bias, target, loss, lse, N, V, D, *h.stride(), *weight.stride(),
         ignore_index, EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h),
-        BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD)
+        **blocks)
     return loss, lse
 
 
@@ -213,9 +218,8 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device)
     db = None if bias is None else torch.empty(V, dtype=bias.dtype, device=h.device)
-    BN, BV, BD = _blocks(D)
-    common = dict(EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h),
-                  BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD)
+    common = dict(EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h), **_blocks(D))
+    BN, BV = common["BLOCK_N"], common["BLOCK_V"]
     b = h if bias is None else bias
     _lce_dh_kernel[(triton.cdiv(N, BN),)](
         h, weight, b, target, lse, g_loss, g_lse, dh, N, V, D, *h.stride(), *weight.stride(), *dh.stride(),
