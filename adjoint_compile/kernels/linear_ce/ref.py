@@ -85,20 +85,23 @@ def lce_backward_ref(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, wei
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
     db = None if bias is None else torch.zeros(V, dtype=acc, device=h.device)
     R = _rows(V)
+    w = weight.to(acc)
     for s in range(0, h.shape[0], R):
         hs = h[s:s + R].to(acc)
         t = target[s:s + R]
-        p = torch.exp(_logits(hs, weight, bias, acc) - lse[s:s + R, None])
-        dz = torch.zeros_like(p)
+        # NB: in place on the block of logits: p, then ∂z = (c + g_lse)·p − c·ε/V − (1 − ε)·c·onehot
+        dz = _logits(hs, weight, bias, acc).sub_(lse[s:s + R, None]).exp_()
+        c = torch.zeros(dz.shape[0], 1, dtype=acc, device=h.device)
         if g_loss is not None:
-            hit = (t != ignore_index) & (t >= 0) & (t < V)
             c = (g_loss[s:s + R].to(acc) * (t != ignore_index))[:, None]
-            dz += c * (p - label_smoothing / V)
+        dz.mul_(c + (0 if g_lse is None else g_lse[s:s + R].to(acc)[:, None]))
+        if g_loss is not None:
+            if label_smoothing:
+                dz.sub_(c * (label_smoothing / V))
+            hit = (t != ignore_index) & (t >= 0) & (t < V)
             dz.scatter_add_(1, torch.where(hit, t, 0)[:, None], -(1 - label_smoothing) * c * hit[:, None])
-        if g_lse is not None:
-            dz += g_lse[s:s + R].to(acc)[:, None] * p
-        dh[s:s + R] = dz @ weight.to(acc)
-        dw += dz.T @ hs
+        torch.mm(dz, w, out=dh[s:s + R])
+        dw.addmm_(dz.T, hs)
         if db is not None:
             db += dz.sum(0)
     return dh.to(h.dtype), dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
