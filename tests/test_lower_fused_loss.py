@@ -250,3 +250,13 @@ def test_under_autocast_no_worse_than_eager_autocast(op_calls):
     assert abs(got.item() - want.item()) <= 2 * abs(e.item() - want.item()) + 1e-2 * abs(want.item())
     for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
         assert _rel(p.grad.double(), r.grad) <= 2 * _rel(q.grad.double(), r.grad) + 1e-2, name
+
+
+def test_f_linear_cross_entropy_reference_path(op_calls):
+    """``F.linear_cross_entropy`` without options (torch traces it as the head's linear and cross_entropy)."""
+    if not hasattr(F, "linear_cross_entropy"):
+        pytest.skip("F.linear_cross_entropy is new in torch 2.13")
+    from test_lower_lm_loss import Fused
+    torch.manual_seed(0)
+    rep = _run(Fused().double(), 5, _data())
+    assert _tail(rep).get("fused_heads") == 1 and op_calls[0] > 0
