@@ -269,3 +269,20 @@ def test_forms_it_cannot_attribute_are_refused(what):
         "per-row losses over a batch count": lambda lg, t: (_ce("none")(lg, t) / mask(t).sum()).pow(2).sum(),
     }[what]
     _refused(loss, r"per_sample_clip: \w+ .*reduced over the batch axis before the loss")
+
+
+def test_the_report_says_the_logits_are_made_whole_for_the_loss():
+    """Under per_sample_clip the region ends before the loss: its row names the logits handed to it whole, with their
+    size (without the option the loss joins the region and the row says so instead)."""
+    from test_lower_lm_loss import Step as LossStep
+    torch.manual_seed(0)
+    step = LossStep(FORMS["flatten(0, 1)"][0]).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = ac.explain(step, *_data(), options={"shard_size": 4, "per_sample_clip": 1.0})
+        plain = ac.explain(step, *_data(), options={"shard_size": 4})
+    (row, *_) = [r for r in rep.regions if r.rewrite == "adjoint"]
+    assert row.details["before_loss"][0]["shape"] == [2, 13, V], row.details
+    assert "ends before the loss under per_sample_clip" in row.reason and f"[2, 13, {V}]" in row.reason, row.reason
+    (row, *_) = [r for r in plain.regions if r.rewrite == "adjoint"]
+    assert not row.details.get("before_loss") and "ends before the loss" not in row.reason, row.reason

@@ -26,6 +26,7 @@ from ...analysis.fx import fresh_name, is_convex, is_linear_scan
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import moved_across_modes, stable_toposort as _toposort
 from ...analysis.grow import infer_seeds, region_around
+from ...analysis.losses import loss_args
 from ...analysis.resets import find_resets
 from ...analysis.shifted_losses import unshift_losses
 from ...analysis.time_local import TimeLocalInfo, analyze, embedding_ids
@@ -169,8 +170,14 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     # NB: for the report only: with the loss inside, a full-length output the graph returns (the logits) stays whole
     returned = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o))}
                 for o in outputs if sums and _returned(o, set(nodes), info)]
+    # NB: for the report only: the modes whose regions end before the loss hand the logits to it whole
+    why_outside = ("per_sample_clip" if opts.per_sample_clip is not None else
+                   "sequence_parallel" if opts.sequence_parallel is not None else None)
+    before_loss = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o)), "mode": why_outside}
+                   for o in outputs if why_outside and _feeds_loss(o, set(nodes), info)]
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
             "sums_over_time": sums, "embeddings": lookups, "resets": resets, "returned_whole": returned,
+            "before_loss": before_loss,
             "shard_size": S, "steps": T, "inputs": [a.name for a in inputs], "outputs": [o.name for o in outputs],
             "members": [n.name for n in nodes],
             "memory": memory}
@@ -244,6 +251,24 @@ def _tensor_inputs(inputs: list[fx.Node]) -> None:
 def _rewrite(opts: Options) -> tuple[str, int | None]:
     """The rewrite a lowered region gets in ``opts.mode`` and its window: ("adjoint", None) or ("truncated", W)."""
     return ("truncated", opts.window) if opts.mode == "truncated" else ("adjoint", None)
+
+
+def _feeds_loss(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
+    """True when region output ``o`` reaches a cross-entropy or nll_loss outside the region through ops that keep
+    its step axis (a view, a cast, the shift by one)."""
+    if info.step_dim.get(o) is None:
+        return False
+    todo, seen = [o], {o}
+    while todo:
+        for u in todo.pop().users:
+            if u in members or u in seen:
+                continue
+            if loss_args(u) is not None:
+                return True
+            seen.add(u)
+            if u.op != "output" and isinstance(_ev(u), torch.Tensor) and _ev(u).dim() >= 2:
+                todo.append(u)
+    return False
 
 
 def _returned(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
@@ -419,6 +444,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                                  nodes=p["nodes"], shard_size=p["shard_size"], steps=p["steps"], window=p["window"],
                                  memory=dict(p["memory"]), bounds=list(bounds),
                                  details={k: p[k] for k in ("sums_over_time", "embeddings", "resets", "returned_whole",
+                                                            "before_loss",
                                                             "loss_tail") if p.get(k)})
             for x in scans_of:
                 done[x] = result
