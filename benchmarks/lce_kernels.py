@@ -1,5 +1,5 @@
 """The vocabulary head + cross-entropy alone, forward and backward: the fused op's Triton kernels at several tile
-configurations, its torch reference, and ``F.linear`` + ``F.cross_entropy`` eager and under ``torch.compile``, side
+configurations (the backward in two passes or one with atomics), its torch reference, and ``F.linear`` + ``F.cross_entropy`` eager and under ``torch.compile``, side
 by side in one run: step time (median) and peak memory, and each fused configuration's error against the eager loss
 and gradients. For tuning the kernels on a GPU (``kernels/linear_ce/triton.py`` ``CONFIG``).
 
@@ -20,8 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: (BLOCK_N, BLOCK_V, num_warps, num_stages) tried for the kernels
-CONFIGS = [(64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2)]
+#: (BLOCK_N, BLOCK_V, num_warps, num_stages, backward) tried for the kernels
+CONFIGS = [(64, 64, 4, 2, "two-pass"), (64, 128, 4, 2, "two-pass"), (128, 64, 8, 2, "two-pass"),
+           (128, 128, 8, 2, "two-pass"), (64, 64, 4, 3, "two-pass"), (64, 64, 4, 2, "atomic"),
+           (128, 64, 8, 2, "atomic")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
     sizes = [(96, 130)] if args.tiny else [(N, V) for V in (32000, 50257) for N in (4096, 16384, 32768)]
-    configs = CONFIGS[:2] if args.tiny else CONFIGS
+    configs = [CONFIGS[0], CONFIGS[-1]] if args.tiny else CONFIGS
     compiled = torch.compile(lambda h, W, t: F.cross_entropy(F.linear(h, W), t, reduction="sum"))
     rows = []
     for N, V in sizes:
@@ -74,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         methods += [(f"triton {c}", fused("triton"), c) for c in configs]
         for name, fn, *cfg in methods:
             if cfg:
-                b_n, b_v, warps, stages = cfg[0]
-                lce_triton.CONFIG.update(BLOCK_N=b_n, BLOCK_V=b_v, num_warps=warps, num_stages=stages)
+                b_n, b_v, warps, stages, backward = cfg[0]
+                lce_triton.CONFIG.update(BLOCK_N=b_n, BLOCK_V=b_v, num_warps=warps, num_stages=stages,
+                                         backward=backward)
             try:
                 got = fn()
                 if name.startswith(("triton", "reference")):

@@ -213,3 +213,20 @@ def test_triton_large_logits_in_a_partial_block_of_rows():
                     linear_ce.lce_backward(g, g, h, W, b, t, lse, impl="reference")):
         assert torch.isfinite(x).all()
         torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_atomic_backward_matches_the_reference(monkeypatch, dtype):
+    """The one-pass backward (∂W and ∂b added with atomics), for the GPU's tuning: same values to rounding."""
+    from adjoint_compile.kernels.linear_ce import triton as lce_triton
+    monkeypatch.setitem(lce_triton.CONFIG, "backward", "atomic")
+    h, W, b, t = (x.detach().to(dtype) if x.is_floating_point() else x for x in _case(130, 40, 200))
+    loss, lse = linear_ce.lce_forward(h, W, b, t, -100, 0.1, impl="reference")
+    gen = torch.Generator().manual_seed(3)
+    gl, gs = torch.randn(130, generator=gen), torch.randn(130, generator=gen)
+    want = linear_ce.lce_backward(gl, gs, h, W, b, t, lse, -100, 0.1, impl="reference")
+    got = linear_ce.lce_backward(gl, gs, h, W, b, t, lse, -100, 0.1, impl="triton")
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=4e-3, atol=4e-3)
+    for name, x, y in zip(("h", "weight", "bias"), got, want):
+        assert x.dtype == y.dtype == dtype, name
+        torch.testing.assert_close(x.float(), y.float(), **tol, msg=name)

@@ -7,7 +7,8 @@ against). No kernel writes a logit to memory: each makes its [BLOCK_N, BLOCK_V] 
 * ``_lce_dw_kernel``: one program per BLOCK_V columns walks the rows: ∂W += ∂zᵀ h, ∂b += Σ_rows ∂z.
 
 Two backward kernels instead of one with atomic adds: each writes its own block, so the gradients do not depend on
-the order programs run in (deterministic), for one more product per tile. The hidden size is one block (D ≤
+the order programs run in (deterministic), for one more product per tile. ``_lce_dh_kernel`` with ``ATOMIC`` is the
+one-pass variant (``CONFIG["backward"] = "atomic"``), kept for measuring the trade on a GPU. The hidden size is one block (D ≤
 :data:`MAX_D`); loads are upcast to fp32 and products use ``input_precision`` (``"ieee"``, ``"tf32x3"`` or
 ``"tf32"``, from torch's float32 matmul precision). Offsets are int64.
 
@@ -112,9 +113,12 @@ def _lce_fwd_kernel(H, W, Bias, Tgt, Loss, Lse, N, V, D, shn, shd, swv, swd, ign
 
 
 @triton.jit
-def _lce_dh_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DH, N, V, D, shn, shd, swv, swd, sdn, sdd, ignore_index,
+def _lce_dh_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DH, DW, DB, N, V, D, shn, shd, swv, swd, sdn, sdd, ignore_index,
                    EPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                   ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """∂h of BLOCK_N rows; with ATOMIC, also ∂W and ∂b of the same tiles added to fp32 [V, D] and [V] buffers with
+    atomics (one pass: one product fewer per tile than the two-pass backward; the sums' order, so their last bits,
+    vary from run to run)."""
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     d = tl.arange(0, BLOCK_D).to(tl.int64)
@@ -131,6 +135,11 @@ def _lce_dh_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DH, N, V, D, shn, shd, swv
         # w: [BLOCK_V, BLOCK_D]
         w = tl.load(W + v[:, None] * swv + d[None, :] * swd, mask=vmask[:, None] & dmask[None, :], other=0.0)
         dh += tl.dot(dz.to(h.dtype), w.to(h.dtype), input_precision=PREC, out_dtype=tl.float32)
+        if ATOMIC:
+            dw = tl.dot(tl.trans(dz.to(h.dtype)), h, input_precision=PREC, out_dtype=tl.float32)
+            tl.atomic_add(DW + v[:, None] * D + d[None, :], dw, mask=vmask[:, None] & dmask[None, :])
+            if HAS_BIAS:
+                tl.atomic_add(DB + v, tl.reduce(dz, 0, _add), mask=vmask)
     tl.store(DH + n[:, None] * sdn + d[None, :] * sdd, dh.to(DH.dtype.element_ty),
              mask=nmask[:, None] & dmask[None, :])
 
@@ -167,9 +176,10 @@ def precision() -> str:
     return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
 
 
-#: rows and vocabulary columns per tile, and the launch's warps and pipeline stages (not tuned on a GPU yet:
-#: benchmarks/lce_kernels.py sweeps them)
-CONFIG = {"BLOCK_N": 64, "BLOCK_V": 64, "num_warps": 4, "num_stages": 2}
+#: rows and vocabulary columns per tile, the launch's warps and pipeline stages, and the backward: "two-pass" (∂h
+#: over rows, ∂W and ∂b over the vocabulary: deterministic) or "atomic" (one pass, ∂W and ∂b added with atomics).
+#: Not tuned on a GPU yet: benchmarks/lce_kernels.py sweeps them.
+CONFIG = {"BLOCK_N": 64, "BLOCK_V": 64, "num_warps": 4, "num_stages": 2, "backward": "two-pass"}
 
 
 def _blocks(D: int) -> dict:
@@ -197,6 +207,7 @@ def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: T
     loss = torch.empty(N, dtype=acc_dtype(h), device=h.device)
     lse = torch.empty_like(loss)
     blocks = _blocks(D)
+    del blocks["backward"]
     _lce_fwd_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
         h, weight, h if bias is None else bias, target, loss, lse, N, V, D, *h.stride(), *weight.stride(),
         ignore_index, EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h),
@@ -219,11 +230,19 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device)
     db = None if bias is None else torch.empty(V, dtype=bias.dtype, device=h.device)
     common = dict(EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h), **_blocks(D))
+    atomic = common.pop("backward") == "atomic"
     BN, BV = common["BLOCK_N"], common["BLOCK_V"]
     b = h if bias is None else bias
+    if atomic:
+        dw32 = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        db32 = torch.zeros(V, dtype=torch.float32, device=h.device)
+        _lce_dh_kernel[(triton.cdiv(N, BN),)](
+            h, weight, b, target, lse, g_loss, g_lse, dh, dw32, db32, N, V, D, *h.stride(), *weight.stride(),
+            *dh.stride(), ignore_index, ATOMIC=True, **common)
+        return dh, dw32.to(weight.dtype), None if bias is None else db32.to(bias.dtype)
     _lce_dh_kernel[(triton.cdiv(N, BN),)](
-        h, weight, b, target, lse, g_loss, g_lse, dh, N, V, D, *h.stride(), *weight.stride(), *dh.stride(),
-        ignore_index, **common)
+        h, weight, b, target, lse, g_loss, g_lse, dh, dh, dh, N, V, D, *h.stride(), *weight.stride(), *dh.stride(),
+        ignore_index, ATOMIC=False, **common)
     _lce_dw_kernel[(triton.cdiv(V, BV),)](
         h, weight, b, target, lse, g_loss, g_lse, dw, dh if db is None else db, N, V, D, *h.stride(),
         *weight.stride(), *dw.stride(), ignore_index, **common)
