@@ -260,3 +260,17 @@ def test_f_linear_cross_entropy_reference_path(op_calls):
     torch.manual_seed(0)
     rep = _run(Fused().double(), 5, _data())
     assert _tail(rep).get("fused_heads") == 1 and op_calls[0] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True], ids=["as-written", "fused"])
+def test_the_language_model_example_trains(fused):
+    """examples/language_model.py (inductor): its gradient check, a falling loss, and the report's row."""
+    import runpy
+    from pathlib import Path
+    main = runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "language_model.py"))["main"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = main(["--steps", "12"] + (["--fused"] if fused else []))
+    assert got["max_rel_err"] <= 1e-5 and got["losses"][-1] < got["losses"][0] - 0.5, got
+    assert "its loss runs once" in got["reason"] and ("no logits kept" in got["reason"]) == fused, got["reason"]
