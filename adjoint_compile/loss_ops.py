@@ -17,8 +17,9 @@ Ops (the contract the loss rewrite codes against):
   -> (Tensor loss, Tensor lse)``
 * ``torch.ops.adjoint_compile.linear_cross_entropy_backward.default``
   ``(Tensor? g_loss, Tensor? g_lse, Tensor h, Tensor weight, Tensor? bias, Tensor target, Tensor lse,
-  int ignore_index, float label_smoothing, str? impl) -> (Tensor, Tensor, Tensor)``: (∂h, ∂weight, ∂bias; an empty
-  tensor without bias). Double backward is not supported.
+  int ignore_index, float label_smoothing, str? impl, bool need_weight=True) -> (Tensor, Tensor, Tensor)``: (∂h,
+  ∂weight, ∂bias; an empty tensor without bias, and both empty without ``need_weight``: a frozen head). Double
+  backward is not supported.
 
 A target outside [0, V) that is not ``ignore_index`` raises on the reference path, as eager does; the kernels give
 a NaN loss for its row instead (a check would synchronize the GPU).
@@ -53,19 +54,20 @@ def _lce_fake(h, weight, bias, target, ignore_index, label_smoothing, impl):
 @torch.library.custom_op(
     "adjoint_compile::linear_cross_entropy_backward", mutates_args=(),
     schema="(Tensor? g_loss, Tensor? g_lse, Tensor h, Tensor weight, Tensor? bias, Tensor target, Tensor lse, "
-           "int ignore_index, float label_smoothing, str? impl) -> (Tensor, Tensor, Tensor)")
+           "int ignore_index, float label_smoothing, str? impl, bool need_weight=True) -> (Tensor, Tensor, Tensor)")
 def _lce_backward_op(g_loss: Optional[Tensor], g_lse: Optional[Tensor], h: Tensor, weight: Tensor,
                      bias: Optional[Tensor], target: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float,
-                     impl: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+                     impl: Optional[str], need_weight: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     dh, dw, db = _lce.lce_backward(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing,
-                                   impl)
-    return dh, dw, (h.new_empty(0) if db is None else db)
+                                   impl, need_weight)
+    return dh, (h.new_empty(0) if dw is None else dw), (h.new_empty(0) if db is None else db)
 
 
 @_lce_backward_op.register_fake
-def _lce_backward_fake(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing, impl):
-    return (torch.empty_like(h), torch.empty_like(weight),
-            h.new_empty(0) if bias is None else torch.empty_like(bias))
+def _lce_backward_fake(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing, impl,
+                       need_weight=True):
+    return (torch.empty_like(h), torch.empty_like(weight) if need_weight else h.new_empty(0),
+            h.new_empty(0) if bias is None or not need_weight else torch.empty_like(bias))
 
 
 def _setup_context(ctx, inputs, output):
@@ -76,9 +78,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_loss, g_lse):
     h, weight, bias, target, lse = ctx.saved_tensors
+    # NB: a frozen head (no gradient for its weight or bias) skips the products that make them
+    need_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     dh, dw, db = torch.ops.adjoint_compile.linear_cross_entropy_backward.default(
-        g_loss, g_lse, h, weight, bias, target, lse, *ctx.args)
-    return dh, dw, (db if bias is not None else None), None, None, None, None
+        g_loss, g_lse, h, weight, bias, target, lse, *ctx.args, need_weight)
+    return (dh, dw if need_weight else None, db if bias is not None and need_weight else None,
+            None, None, None, None)
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)

@@ -230,3 +230,31 @@ def test_triton_atomic_backward_matches_the_reference(monkeypatch, dtype):
     for name, x, y in zip(("h", "weight", "bias"), got, want):
         assert x.dtype == y.dtype == dtype, name
         torch.testing.assert_close(x.float(), y.float(), **tol, msg=name)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_frozen_head_skips_its_weight_gradient(impl, monkeypatch):
+    """``need_weight=False`` gives ∂h alone; through the op, a head that requires no gradient asks for no ∂W."""
+    h, W, b, t = (x.detach() for x in _case(70, 8, 33, dtype=torch.float32))
+    _, lse = linear_ce.lce_forward(h, W, b, t, impl="reference")
+    g = torch.ones(70)
+    dh, dw, db = linear_ce.lce_backward(g, g, h, W, b, t, lse, impl=impl, need_weight=False)
+    want = linear_ce.lce_backward(g, g, h, W, b, t, lse, impl="reference")
+    assert dw is None and db is None
+    torch.testing.assert_close(dh, want[0], rtol=2e-5, atol=2e-5)
+
+    asked = []
+    real = linear_ce.lce_backward
+
+    def spy(*a, **k):
+        asked.append(a[-1] if len(a) > 10 else k.get("need_weight", True))
+        return real(*a, **k)
+    monkeypatch.setattr(linear_ce, "lce_backward", spy)
+    h64, W64, b64, t64 = _case(9, 4, 7)
+    W64.requires_grad_(False)
+    b64.requires_grad_(False)
+    loss, _ = linear_cross_entropy(h64, W64, b64, t64, label_smoothing=0.1)
+    (gh,) = torch.autograd.grad(loss.sum(), [h64])
+    ref_loss, _ = _eager(h64, W64, b64, t64, 0.1)
+    torch.testing.assert_close(gh, torch.autograd.grad(ref_loss.sum(), [h64])[0], rtol=1e-10, atol=1e-12)
+    assert asked == [False]

@@ -274,3 +274,12 @@ def test_the_language_model_example_trains(fused):
         got = main(["--steps", "12"] + (["--fused"] if fused else []))
     assert got["max_rel_err"] <= 1e-5 and got["losses"][-1] < got["losses"][0] - 0.5, got
     assert "its loss runs once" in got["reason"] and ("no logits kept" in got["reason"]) == fused, got["reason"]
+
+
+def test_a_frozen_head(op_calls):
+    """A head whose weight and bias require no gradient (fine-tuning the rest): exact, and the head's grads None."""
+    torch.manual_seed(0)
+    model = Step(FORMS["label smoothing"][0]).double()
+    model.lm.head.requires_grad_(False)
+    _run(model, 4, _data())
+    assert op_calls[0] > 0 and model.lm.head.weight.grad is None

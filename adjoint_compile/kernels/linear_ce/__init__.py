@@ -97,14 +97,15 @@ def lce_forward(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, 
 
 def lce_backward(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, weight: Tensor, bias: Tensor | None,
                  target: Tensor, lse: Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
-                 impl: str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(∂h, ∂weight, ∂bias) for the cotangents of loss and lse (None: zero)."""
+                 impl: str | None = None, need_weight: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(∂h, ∂weight, ∂bias) for the cotangents of loss and lse (None: zero); ``need_weight=False`` (a frozen head)
+    gives (∂h, None, None) without the products that make ∂weight."""
     if _use_triton(h, weight, impl):
         try:
             return _triton().lce_backward_triton(g_loss, g_lse, h, weight, bias, target, lse, ignore_index,
-                                                 label_smoothing)
+                                                 label_smoothing, need_weight)
         except Exception as e:  # noqa: BLE001 - as in lce_forward
             if impl is not None:
                 raise
             _failed(e)
-    return lce_backward_ref(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing)
+    return lce_backward_ref(g_loss, g_lse, h, weight, bias, target, lse, ignore_index, label_smoothing, need_weight)

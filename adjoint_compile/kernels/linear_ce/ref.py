@@ -76,14 +76,15 @@ def lce_forward_ref(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tens
 
 
 def lce_backward_ref(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, weight: Tensor, bias: Tensor | None,
-                     target: Tensor, lse: Tensor, ignore_index: int,
-                     label_smoothing: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(∂h, ∂weight, ∂bias) for the cotangents of loss and lse (None: zero), from the kept lse (module docstring)."""
+                     target: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float,
+                     need_weight: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(∂h, ∂weight, ∂bias) for the cotangents of loss and lse (None: zero), from the kept lse (module docstring);
+    without ``need_weight``, (∂h, None, None)."""
     acc = acc_dtype(h)
     V = weight.shape[0]
     dh = torch.empty(h.shape, dtype=acc, device=h.device)
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    db = None if bias is None else torch.zeros(V, dtype=acc, device=h.device)
+    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_weight else None
+    db = None if bias is None or not need_weight else torch.zeros(V, dtype=acc, device=h.device)
     R = _rows(V)
     w = weight.to(acc)
     for s in range(0, h.shape[0], R):
@@ -101,7 +102,8 @@ def lce_backward_ref(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, wei
             hit = (t != ignore_index) & (t >= 0) & (t < V)
             dz.scatter_add_(1, torch.where(hit, t, 0)[:, None], -(1 - label_smoothing) * c * hit[:, None])
         torch.mm(dz, w, out=dh[s:s + R])
-        dw.addmm_(dz.T, hs)
+        if dw is not None:
+            dw.addmm_(dz.T, hs)
         if db is not None:
             db += dz.sum(0)
-    return dh.to(h.dtype), dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+    return dh.to(h.dtype), None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)

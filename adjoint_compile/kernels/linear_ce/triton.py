@@ -216,8 +216,8 @@ def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: T
 
 
 def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, weight: Tensor, bias: Tensor | None,
-                        target: Tensor, lse: Tensor, ignore_index: int,
-                        label_smoothing: float) -> tuple[Tensor, Tensor, Tensor | None]:
+                        target: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float,
+                        need_weight: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(∂h, ∂weight, ∂bias) (see :func:`.ref.lce_backward_ref`)."""
     N, D = h.shape
     V = weight.shape[0]
@@ -227,10 +227,10 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     # NB: strides of a 0-stride expand: the kernels read the rows' cotangents as contiguous [N]
     g_loss, g_lse, target, lse = g_loss.contiguous(), g_lse.contiguous(), target.contiguous(), lse.contiguous()
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device)
-    db = None if bias is None else torch.empty(V, dtype=bias.dtype, device=h.device)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device) if need_weight else None
+    db = None if bias is None or not need_weight else torch.empty(V, dtype=bias.dtype, device=h.device)
     common = dict(EPS=float(label_smoothing), HAS_BIAS=bias is not None, PREC=_prec(h), DOT=_dot(h), **_blocks(D))
-    atomic = common.pop("backward") == "atomic"
+    atomic = common.pop("backward") == "atomic" and need_weight
     BN, BV = common["BLOCK_N"], common["BLOCK_V"]
     b = h if bias is None else bias
     if atomic:
@@ -243,6 +243,8 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     _lce_dh_kernel[(triton.cdiv(N, BN),)](
         h, weight, b, target, lse, g_loss, g_lse, dh, dh, dh, N, V, D, *h.stride(), *weight.stride(), *dh.stride(),
         ignore_index, ATOMIC=False, **common)
+    if not need_weight:  # NB: a frozen head: the products that make ∂W are skipped
+        return dh, None, None
     _lce_dw_kernel[(triton.cdiv(V, BV),)](
         h, weight, b, target, lse, g_loss, g_lse, dw, dh if db is None else db, N, V, D, *h.stride(),
         *weight.stride(), *dw.stride(), ignore_index, **common)
