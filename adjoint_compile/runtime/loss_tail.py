@@ -367,7 +367,7 @@ def _fused(tail: ShardProgram, prog: fx.GraphModule, example: list[Any], fwd: tu
     FakeTensorProp(gm, mode).propagate(*example)
     dev = next(x.device.type for x in example if isinstance(x, torch.Tensor))
     cast = next((dt for d, on, dt in fwd if on and d == dev), None)
-    got = fuse_head_losses(gm, lambda n: n.meta.get("val") if isinstance(n, fx.Node) else n, FUSED_IMPL, cast)
+    got = fuse_head_losses(gm, lambda n: n.meta.get("val"), FUSED_IMPL, cast)
     if got != tail.fused_heads:
         # NB: the chunks were sized without these logits: a head left as written holds more than planned
         warnings.warn(f"adjoint-compile: a loss chunk's program has {got} fusable vocabulary heads where its region "

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ...errors import AdjointCompileWarning
+from ..scan import triton_available
 
 from .ref import ROWS, acc_dtype, check_targets, lce_backward_ref, lce_forward_ref
 
@@ -33,7 +34,7 @@ IMPLS = (None, "triton", "reference")
 
 log = logging.getLogger(__name__)
 
-#: the largest hidden size the kernels take (kept here too so that asking does not import Triton)
+#: the largest hidden size the kernels take (here, so that asking does not import Triton)
 MAX_D = 256
 
 #: why the kernels failed once where the default picked them (the reference runs from then on), or None
@@ -49,13 +50,7 @@ def kernel_serves(h: Tensor, weight: Tensor) -> bool:
     """Whether the default picks the Triton kernels for these inputs (CUDA, fp32 / bf16 / fp16, D ≤ 256)."""
     if h.device.type != "cuda" or h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if h.shape[-1] > MAX_D:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return h.shape[-1] <= MAX_D and triton_available()
 
 
 def _use_triton(h: Tensor, weight: Tensor, impl: str | None) -> bool:

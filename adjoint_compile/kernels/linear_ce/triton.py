@@ -8,9 +8,9 @@ against). No kernel writes a logit to memory: each makes its [BLOCK_N, BLOCK_V] 
 
 Two backward kernels instead of one with atomic adds: each writes its own block, so the gradients do not depend on
 the order programs run in (deterministic), for one more product per tile. ``_lce_dh_kernel`` with ``ATOMIC`` is the
-one-pass variant (``CONFIG["backward"] = "atomic"``), kept for measuring the trade on a GPU. The hidden size is one block (D ≤
-:data:`MAX_D`); loads are upcast to fp32 and products use ``input_precision`` (``"ieee"``, ``"tf32x3"`` or
-``"tf32"``, from torch's float32 matmul precision). Offsets are int64.
+one-pass variant (``CONFIG["backward"] = "atomic"``), kept for measuring the trade on a GPU. The hidden size is one
+block (D ≤ the package's ``MAX_D``); products take the inputs' dtype into fp32 accumulators, fp32 ones with
+``input_precision`` ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` from torch's float32 matmul precision. Offsets are int64.
 
 On a machine without a GPU these run under ``TRITON_INTERPRET=1`` (set before this module is imported). This
 module is imported lazily by the dispatcher.
@@ -23,9 +23,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .ref import acc_dtype
-
-#: the largest hidden size the kernels hold in one block
-MAX_D = 256
 
 
 # NB: only core builtins and our own @jit helpers inside kernels (see kernels/scan/triton.py): tl.sum / tl.max /
