@@ -80,10 +80,11 @@ def clipped(per: list[dict[str, torch.Tensor]], clip: float) -> tuple[dict[str, 
 
 
 def check(model: Step, ids: torch.Tensor, tg: torch.Tensor, shard: int, weights=None,
-          clip: float | None = None) -> ac.Report:
+          clip: float | None = None, inside: bool = True) -> ac.Report:
     """Compile ``model`` with per_sample_clip (half-way between the least and the largest nonzero oracle norm, so
     some examples are clipped and some not, unless ``clip`` is given), one backward, p.grad and the norms against the
-    oracle; returns the report."""
+    oracle; ``inside``: the sharded region takes in the loss (its report row lists it among its sums over time, and
+    no logits are handed out whole). Returns the report."""
     per = oracle(model, ids, tg, weights)
     _, norms = clipped(per, math.inf)
     pos = norms[norms > 0]
@@ -108,6 +109,10 @@ def check(model: Step, ids: torch.Tensor, tg: torch.Tensor, shard: int, weights=
     rep = ac.report(f)
     assert not rep.fallbacks, str(rep)
     assert any(r.rewrite == "adjoint" for r in rep.regions), str(rep)
+    if inside:
+        rows = [r for r in rep.regions if r.rewrite == "adjoint"]
+        assert any(r.details.get("sums_over_time") for r in rows), str(rep)
+        assert not any(r.details.get("before_loss") for r in rows), str(rep)
     return rep
 
 
@@ -198,7 +203,8 @@ class FlatHead(nn.Module):
                                            ("linear_cross_entropy", "sum"), ("view @ W", "mean")])
 def test_a_head_on_flattened_rows(how, reduction):
     """``head(h.flatten(0, 1))``, ``F.linear_cross_entropy(h.flatten(0, 1), W, ...)`` (its reference path) and
-    ``h.view(-1, D) @ W``: the rows of [B·T, D] are attributed to their examples (the use is lowered on h)."""
+    ``h.view(-1, D) @ W``: the head joins the region, its rows of [B·T, D] attributed to their examples (the
+    product made per example on h, the examples first)."""
     if how == "linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
         pytest.skip("F.linear_cross_entropy is new in torch 2.13")
     torch.manual_seed(3)
@@ -207,8 +213,9 @@ def test_a_head_on_flattened_rows(how, reduction):
         p.requires_grad_(False)  # NB: the head this form does not use
     rep = check(model, *_data3(), shard=4)
     uses = [u for c in rep.compiled if c.per_sample is not None for u in c.per_sample.uses]
-    head = [u for u in uses if u["kind"] in ("linear", "matmul") and u["steps"] == T3]
-    assert head and head[0]["d_out"] == V, uses
+    assert not [u for u in uses if u["kind"] in ("linear", "matmul")], uses
+    region = [p for u in uses if u["kind"] == "sharded region" for p in u["params"]]
+    assert any(("w" if how == "view @ W" else "head") in p for p in region), uses
 
 
 @pytest.mark.parametrize("shard", [4])
@@ -271,18 +278,32 @@ def test_forms_it_cannot_attribute_are_refused(what):
     _refused(loss, r"per_sample_clip: \w+ .*reduced over the batch axis before the loss")
 
 
-def test_the_report_says_the_logits_are_made_whole_for_the_loss():
-    """Under per_sample_clip the region ends before the loss: its row names the logits handed to it whole, with their
-    size (without the option the loss joins the region and the row says so instead)."""
-    from test_lower_lm_loss import Step as LossStep
+class NormalizedHead(nn.Module):
+    """An LM whose head's rows are normalized to unit length (nGPT's head): the weight's norm over each row, made
+    of the parameter alone, cannot be made per example in the region, so the region ends before the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = LM()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.lm.norm(self.lm.layers(self.lm.emb(ids)))
+        w = self.lm.head.weight
+        return F.linear(h, w / w.norm(dim=1, keepdim=True), self.lm.head.bias)
+
+
+def test_a_head_it_cannot_make_per_example_stays_outside_and_the_report_says_why():
+    """The region ends before the loss, exact as before (the head lowered on the logits' rows outside), and its row
+    names the logits handed to the loss whole, their size and the cause; without per_sample_clip the loss joins."""
     torch.manual_seed(0)
-    step = LossStep(FORMS["flatten(0, 1)"][0]).double()
+    model = Step(NormalizedHead(), _ce("sum")).double()
+    rep = check(model, *_data3(), shard=4, inside=False)
+    (row, *_) = [r for r in rep.regions if r.rewrite == "adjoint"]
+    assert row.details["before_loss"][0]["shape"] == [3, 13, V], row.details
+    assert "ends before the loss under per_sample_clip" in row.reason and f"[3, 13, {V}]" in row.reason, row.reason
+    assert "cannot be split by example" in row.reason, row.reason
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rep = ac.explain(step, *_data(), options={"shard_size": 4, "per_sample_clip": 1.0})
-        plain = ac.explain(step, *_data(), options={"shard_size": 4})
-    (row, *_) = [r for r in rep.regions if r.rewrite == "adjoint"]
-    assert row.details["before_loss"][0]["shape"] == [2, 13, V], row.details
-    assert "ends before the loss under per_sample_clip" in row.reason and f"[2, 13, {V}]" in row.reason, row.reason
+        plain = ac.explain(model, *_data3(), options={"shard_size": 4})
     (row, *_) = [r for r in plain.regions if r.rewrite == "adjoint"]
     assert not row.details.get("before_loss") and "ends before the loss" not in row.reason, row.reason

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from ..analysis.time_local import embedding_ids
 from .per_sample import DirectRecord, Site, _record
 from .shard_program import ShardProgram, autocast_as
 
@@ -40,10 +41,16 @@ class PerSampleRegion:
 
     #: the region inputs that are parameters (their gradients are per example, recorded, not returned)
     params: tuple[int, ...]
-    #: per region output and per scan state, the axis of the examples (batch_dim, moved by a scan's step axis)
-    out_bdims: tuple[int, ...]
+    #: per region output and per scan state, the axis of the examples (batch_dim, moved by a scan's step axis); None
+    #: for an output summed over the examples too (the loss taken into the region)
+    out_bdims: tuple[int | None, ...]
     carry_bdims: tuple[int, ...]
     site: Site | None = None
+    #: the number of examples
+    batch: int = 0
+    #: per output without the examples' axis, its per-example kind (passes/lower/per_sample.py): "R", a sum of
+    #: per-example terms made from parameters (the loss), or "D", a constant of the gradient (a count of targets)
+    loss_kinds: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
@@ -54,10 +61,14 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
     if not want:
         return {}
     # NB: kept on the program: ``ps`` is a fresh copy per call (the parameters wanted this time)
-    if _EXPANDED[0] and getattr(prog, "ps_expandable", None) is not False:
+    summed = any(d is None for d in ps.out_bdims)
+    if (_EXPANDED[0] or summed) and getattr(prog, "ps_expandable", None) is not False:
         try:
             got = _expanded_grads(prog, ps, L, xs, carries, first_shard, gos, adjs, t0, autocast, want)
         except _NotExpandable as e:
+            if summed:  # NB: expandable_reason() let the region take in its loss: every length's program expands
+                raise RuntimeError(f"adjoint-compile per_sample_clip: the region's loss cannot be split by example "
+                                   f"at {L} steps ({e}); please report the model") from e
             prog.ps_expandable = False
             log.info("per_sample_clip: region parameters not expandable per example (%s); masked VJPs", e)
         else:
@@ -123,6 +134,18 @@ def _target_name(n: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
+def expandable_reason(prog: ShardProgram, ps: PerSampleRegion, L: int) -> str:
+    """Why the region's parameters cannot be made per example in its ``L``-step program ("" when they can). A region
+    whose loss sums over the examples needs that: its masked VJPs could not tell the examples apart."""
+    if any(d not in (0, None) for d in (*ps.out_bdims, *ps.carry_bdims)):
+        return "the examples are not on axis 0"
+    try:
+        _expanded_program(prog, ps, L, ps.batch)
+    except _NotExpandable as e:
+        return str(e)
+    return ""
+
+
 def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -> fx.GraphModule:
     """The L-step program with every parameter p replaced by ``p + z_p`` (z_p: a zero [B, *p.shape] input) and
     re-viewed as [B, 1, ..., *shape] where it meets the examples: the gradient of z_p is the per-example gradient
@@ -167,14 +190,17 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
             todo += list(u.users)
             continue
         out = u.meta.get("val", u.meta.get("example_value"))
+        if (prod := _product(u, chain)) is not None:
+            _batched_product(g, u, *prod, B)
+            continue
+        if (m := embedding_ids(u)) is not None and m[1] in chain:
+            _batched_embedding(g, u, chain, m, B)
+            continue
         if not isinstance(out, Tensor) or int(out.shape[0]) != B:
             raise _NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
         if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
             u = _split_affine(g, u, chain)
             ins = [a for a in u.all_input_nodes]
-        elif u.target in (torch.nn.functional.linear, torch._C._nn.linear) and u.args[0] not in chain:
-            _batched_linear(g, u, chain, B)
-            continue
         elif name not in _MEET or not (u.op == "call_method" or u.target in _MEET_FNS) or len(u.args) != 2:
             raise _NotExpandable(f"{u.name} ({name}) uses a parameter value")
         for a in ins:
@@ -192,6 +218,7 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
     return gm
 
 
+_LINEARS = (torch.nn.functional.linear, torch._C._nn.linear)
 _NORMS = {torch.rms_norm: 2, torch.nn.functional.rms_norm: 2, torch.layer_norm: 3, torch.nn.functional.layer_norm: 3}
 
 
@@ -222,19 +249,99 @@ def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
     return out
 
 
-def _batched_linear(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int) -> None:
-    """``linear(x, W, b)`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched matmul."""
-    args = list(u.args) + [u.kwargs.get("bias")] * (3 - len(u.args))
-    x, w, b = args[:3]
-    out = u.meta.get("val", u.meta.get("example_value"))
-    if w not in chain or (b is not None and b not in chain) or out.dim() < 3:
-        raise _NotExpandable(f"{u.name}: a linear whose weight is not a parameter value, or on vectors")
-    pad = [1] * (out.dim() - 3)
+def _product(u: fx.Node, chain: set[fx.Node]) -> tuple[fx.Node, fx.Node, Any, bool] | None:
+    """``(x, W, b, transposed)`` when ``u`` applies a parameter value W to an example value x: ``linear(x, W, b)``
+    (transposed) or ``x @ W``; else None."""
+    if u.target in _LINEARS:
+        args = list(u.args) + [u.kwargs.get("bias")] * (3 - len(u.args))
+        if set(u.kwargs) - {"bias"} or len(u.args) > 3:
+            raise _NotExpandable(f"{u.name}: a linear with arguments it cannot follow")
+        x, w, b, t = *args[:3], True
+    elif (u.target in (operator.matmul, torch.matmul) or u.op == "call_method" and _target_name(u) == "matmul") and \
+            len(u.args) == 2 and not u.kwargs:
+        (x, w), b, t = u.args, None, False
+    else:
+        return None
+    if x in chain or w not in chain or (b is not None and b not in chain):
+        return None if w not in chain and b not in chain else _refuse_product(u)
+    return x, w, b, t
+
+
+def _refuse_product(u: fx.Node) -> None:
+    raise _NotExpandable(f"{u.name}: a product of two parameter values, or an example value as its weight")
+
+
+def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, B: int) -> None:
+    """``linear(x, W, b)`` or ``x @ W`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched matmul. When
+    x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on that value."""
+    out, wv = _val(u), _val(w)
+    rows = _merged_rows(x, B)
+    if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
+            rows is None and int(out.shape[0]) != B):
+        raise _NotExpandable(f"{u.name}: a product with a parameter matrix whose rows are not the examples'")
+    dim = 3 if rows is not None else out.dim()
+    pad = [1] * (dim - 3)
     with g.inserting_before(u):
-        wt = g.call_method("transpose", (g.call_method("view", (w, B, *pad, *w.meta["val"].shape)), -1, -2))
+        if rows is not None:
+            x = g.call_method("reshape", (rows, B, -1, _val(rows).shape[-1]))
+        wt = g.call_method("view", (w, B, *pad, *wv.shape))
+        if transposed:
+            wt = g.call_method("transpose", (wt, -1, -2))
         y = g.call_function(torch.matmul, (x, wt))
         if b is not None:
-            y = g.call_function(operator.add, (y, g.call_method("view", (b, B, *pad, 1, b.meta["val"].shape[0]))))
+            y = g.call_function(operator.add, (y, g.call_method("view", (b, B, *pad, 1, _val(b).shape[0]))))
+        if rows is not None:
+            y = g.call_method("reshape", (y, *out.shape))
+    y.meta = dict(u.meta)
+    u.replace_all_uses_with(y)
+    g.erase_node(u)
+
+
+def _val(n: fx.Node) -> Any:
+    return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _merged_rows(x: Any, B: int) -> fx.Node | None:
+    """The [B, ..., d] value whose leading axes ``x`` ([rows, d]) merges (``view(-1, d)``, ``flatten(0, 1)``,
+    ``reshape``), the examples first, so each example's rows are one block; else None."""
+    if not (isinstance(x, fx.Node) and x.op in ("call_method", "call_function") and _target_name(x) in _MERGES and
+            x.args and isinstance(x.args[0], fx.Node)):
+        return None
+    src, v, xv = x.args[0], _val(x.args[0]), _val(x)
+    if not (isinstance(v, Tensor) and isinstance(xv, Tensor) and xv.dim() == 2 and v.dim() >= 3 and
+            int(v.shape[0]) == B and xv.shape[1] == v.shape[-1] and xv.shape[0] == v.numel() // v.shape[-1]):
+        return None
+    return src
+
+
+_MERGES = frozenset("view reshape flatten".split())
+
+
+def _example_rows(ids: Tensor, V: int) -> Tensor:
+    """``ids`` [B, ...] moved to example n's copy of a [V, d] table: rows of the [B·V, d] table the copies make."""
+    off = torch.arange(ids.shape[0], device=ids.device, dtype=ids.dtype) * V
+    return ids + off.view(-1, *([1] * (ids.dim() - 1)))
+
+
+def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int) -> None:
+    """``embedding(ids, W)`` with W per example ([B, V, d]): a lookup in the [B·V, d] table of the examples'
+    copies; a padding index's rows get no gradient, as in ``embedding``."""
+    ids, w = m
+    pad = ({**dict(zip(("input", "weight", "padding_idx"), u.args)), **u.kwargs} if u.target is not torch.embedding
+           else dict(zip(("weight", "input", "padding_idx"), u.args))).get("padding_idx")
+    if u.target is torch.embedding and pad == -1:  # NB: its -1 means none (F.embedding's -1 is row V - 1)
+        pad = None
+    iv, wv = _val(ids), _val(w)
+    if w not in chain or ids in chain or not isinstance(iv, Tensor) or iv.dim() == 0 or int(iv.shape[0]) != B or \
+            not isinstance(wv, Tensor) or wv.dim() != 2:
+        raise _NotExpandable(f"{u.name}: an embedding that is not a lookup of the examples' indices in a parameter")
+    V, d = (int(s) for s in wv.shape)
+    with g.inserting_before(u):
+        table = g.call_method("reshape", (w, B * V, d))
+        y = g.call_function(torch.nn.functional.embedding, (g.call_function(_example_rows, (ids, V)), table))
+        if pad is not None:
+            keep = g.call_method("unsqueeze", (g.call_function(operator.eq, (ids, pad % V)), -1))
+            y = g.call_function(torch.where, (keep, g.call_method("detach", (y,)), y))
     y.meta = dict(u.meta)
     u.replace_all_uses_with(y)
     g.erase_node(u)
@@ -250,9 +357,10 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
 def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any], carries: Sequence[Any],
                     first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any], t0: int, autocast: tuple,
                     want: list[int]) -> dict[int, Tensor]:
-    if ps.out_bdims and any(d != 0 for d in (*ps.out_bdims, *ps.carry_bdims)):
+    if ps.out_bdims and any(d not in (0, None) for d in (*ps.out_bdims, *ps.carry_bdims)):
         raise _NotExpandable("the examples are not on axis 0")
-    B = next(g.shape[0] for g in [*gos, *adjs] if g is not None)
+    B = ps.batch or next(g.shape[0] for g, d in zip([*gos, *adjs], [*ps.out_bdims, *ps.carry_bdims])
+                         if g is not None and d is not None)
     gm = _expanded_program(prog, ps, L, B)
     with torch.enable_grad():
         x_in = [x.detach() if isinstance(x, Tensor) else x for x in xs]

@@ -198,10 +198,12 @@ def _lowered_reason(r: Region, out: Lowered) -> str:
                 f"the loss (the logits, when it returns them), and the compiled function's outputs are never "
                 f"sharded; return the loss alone (transformers' ...ForCausalLM: adjoint_compile.loss_only(model))")
     if before := out.details.get("before_loss"):
-        # NB: under per-example clipping or sequence parallelism the region ends before the loss (the logits whole)
-        what = ", ".join(f"{o['name']} {o['shape']}" for o in before)
-        why += (f"; ends before the loss under {before[0]['mode']}, so {what} ({mib(sum(o['bytes'] for o in before))})"
-                f" is made whole for it (without {before[0]['mode']} the loss joins the region)")
+        # NB: under sequence parallelism (or per-example clipping of a loss it cannot split by example) the region
+        # ends before the loss: the logits whole
+        what, mode = ", ".join(f"{o['name']} {o['shape']}" for o in before), before[0]["mode"]
+        cause = f" ({before[0]['cause']})" if before[0].get("cause") else ""
+        why += (f"; ends before the loss under {mode}{cause}, so {what} ({mib(sum(o['bytes'] for o in before))}) is "
+                f"made whole for it (without {mode} the loss joins the region)")
     if out.details.get("resets"):
         # NB: packed sequences (analysis/resets.py): the decay is zeroed where a document starts
         why += f"; resets the state at document boundaries ({len(out.details['resets'])} mask(s))"

@@ -41,13 +41,13 @@ from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_axes import check_batched as _check_batched
 from .per_sample_axes import moved_batch_axes, origin as _origin, refuse as _refuse, use_name as _name
-from .per_sample_loss import flat_rows, param_dependent, tail_kind, warn_data_divisor
+from .per_sample_loss import flat_rows, param_dependent, region_loss_kind, tail_kind, warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds"]
+__all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds", "warn_batch_mean"]
 
 #: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
 REDUCTIONS = frozenset("sum mean nansum nanmean".split())
@@ -157,8 +157,8 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
         if n.op == "get_attr":
             kind_of[n] = "P" if _is_param(n, gm, None) else "C"
             continue
-        if n.op == "output":
-            continue
+        if n.op == "output" or (k := region_loss_kind(n, gm)) and kind_of.setdefault(n, k):
+            continue  # NB: a loss a sharded region took in: a sum over the examples
         ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
         v = _val(n)
         tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
@@ -467,7 +467,7 @@ class _Lowerer:
 _MEANS_WARNED: set[str] = set()  # the batch means warned about (their source lines): once each
 
 
-def _warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, clip: float) -> None:
+def warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, clip: float) -> None:
     """A loss that is a mean over the examples divides each example's gradient by the N values averaged: the bound
     C then acts as N·C on the summed loss's per-example norms (C = 1 clips nothing of a typical model)."""
     for n in gm.graph.nodes:
@@ -501,7 +501,7 @@ def lower_per_sample(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Op
         if kind_of.get(a) == "P":
             raise _refuse(a, "is a parameter value returned by the graph without meeting an example: its gradient "
                              "could not be attributed to examples")
-    _warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
+    warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
     warn_data_divisor(gm, kind_of, float(opts.per_sample_clip or float("inf")), source_at)
     low = _Lowerer(gm, kind_of, opts, batch)
     for n in uses:

@@ -26,7 +26,7 @@ from ...analysis.fx import example_value as _val
 from ...analysis.optable import target_name as _name
 from ...errors import AdjointCompileWarning
 
-__all__ = ["flat_rows", "param_dependent", "tail_kind", "warn_data_divisor"]
+__all__ = ["flat_rows", "param_dependent", "region_loss_kind", "tail_kind", "warn_data_divisor"]
 
 #: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
 LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
@@ -69,6 +69,16 @@ def flat_rows(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> t
             int(xv.shape[bd]) == batch):
         return None
     return x, w, b, transposed
+
+
+def region_loss_kind(n: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The kind ("R" or "D") of ``n`` when it is an output of a sharded region that sums over the examples (the loss
+    the region took in; runtime/sharded_ps.py), else None."""
+    call = n.args[0] if n.target is operator.getitem and n.args else None
+    if not (isinstance(call, fx.Node) and call.op == "call_module"):
+        return None
+    ps = getattr(gm.get_submodule(str(call.target)), "per_sample", None)
+    return None if ps is None else ps.loss_kinds.get(n.args[1])
 
 
 def param_dependent(n: fx.Node, kind_of: dict[fx.Node, str]) -> bool:

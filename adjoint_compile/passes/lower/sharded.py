@@ -36,6 +36,7 @@ from ...regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ...runtime.shard_parts import own_bytes
 from ...runtime.sharded import ShardedRegion
 from ..decide import declines
+from ...runtime.sharded_ps import expandable_reason
 from .sharded_ps import per_sample_region, pull_in_parameter_math
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,12 @@ def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, 
         return None
 
 
-def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, opts: Options) -> fx.Node:
+class _LossNotPerExample(UnsupportedRegion):
+    """Under per_sample_clip, a region's loss that its expanded parameters cannot split by example."""
+
+
+def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, opts: Options,
+                  outside: str = "") -> fx.Node:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     if not nodes:
         raise UnsupportedRegion("empty region")
@@ -140,6 +146,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
     # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
     S_all = mod._plan.shard_size if mod.tail is not None else S
+    if ps_kinds is not None and mod.per_sample.loss_kinds and (why := expandable_reason(mod._plan, mod.per_sample, S)):
+        raise _LossNotPerExample(f"per_sample_clip: the loss cannot be split by example in the region ({why})")
     memory = expected_memory(nodes, scans, info, T, S_all, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
@@ -171,10 +179,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     returned = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o))}
                 for o in outputs if sums and _returned(o, set(nodes), info)]
     # NB: for the report only: the modes whose regions end before the loss hand the logits to it whole
-    why_outside = ("per_sample_clip" if opts.per_sample_clip is not None else
-                   "sequence_parallel" if opts.sequence_parallel is not None else None)
-    before_loss = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o)), "mode": why_outside}
-                   for o in outputs if why_outside and _feeds_loss(o, set(nodes), info)]
+    why_outside = ("sequence_parallel" if opts.sequence_parallel is not None else
+                   "per_sample_clip" if outside else None)
+    before_loss = [{"name": o.name, "shape": list(_ev(o).shape), "bytes": _nbytes(_ev(o)), "mode": why_outside,
+                    "cause": outside} for o in outputs if why_outside and _feeds_loss(o, set(nodes), info)]
     prov = {"rewrite": rewrite, "window": window, "scans": [s.name for s in scans], "nodes": len(nodes),
             "sums_over_time": sums, "embeddings": lookups, "resets": resets, "returned_whole": returned,
             "before_loss": before_loss,
@@ -397,8 +405,10 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         # NB: causal convs and token shifts join regions in the exact sweep only (runtime/sharded.py carries their
         # halos); the other sweeps (truncated, per-example, sequence-parallel) carry scan states alone
         halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
-        # NB: the truncated sweep takes in embeddings and the loss too (they hold no carries between shards)
-        ends = halo or (opts.mode == "truncated" and opts.sequence_parallel is None and opts.per_sample_clip is None)
+        # NB: the truncated and per-example sweeps take in embeddings and the loss too (they hold no carries between
+        # shards; per example, the loss is told apart by the expanded parameters: runtime/sharded_ps.py)
+        ends = halo or (opts.sequence_parallel is None and (opts.mode == "truncated" or
+                                                            opts.per_sample_clip is not None))
         info = analyze(gm, infer_seeds(gm, scans, halo, ends), halo, ends=ends)
         if ends and unshift_losses(gm, info):  # NB: a loss of logits[:, :-1]: the logits whole, the labels padded
             info = analyze(gm, infer_seeds(gm, scans, halo, ends), halo, ends=ends)
@@ -432,7 +442,19 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
             try:
                 if not part:
                     raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
-                call = _lower_region(gm, part, info, opts)
+                try:
+                    call = _lower_region(gm, part, info, opts)
+                except _LossNotPerExample as e:
+                    # NB: the region as it was before it took in the loss: ending before it, the logits whole
+                    log.info("adjoint-compile: %s; the region around %s ends before it", e, s.name)
+                    cause = str(e).split("(", 1)[-1].rstrip(")")
+                    left = [x for x in scans if x not in done and x in gm.graph.nodes]
+                    plain = analyze(gm, infer_seeds(gm, left, False, False), False, ends=False)
+                    part, bounds = region_around(gm, [s], plain)
+                    call = _lower_region(gm, part, plain, opts, outside=f"its parameters cannot be split by "
+                                                                         f"example there: {cause}")
+                    # NB: the step axes of the call's outputs, for the regions lowered after it
+                    info.step_dim.update({n: d for n, d in plain.step_dim.items() if n not in info.step_dim})
             except UnsupportedRegion as e:
                 log.info("adjoint-compile: scan %s keeps ordinary autograd: %s", scans_of[0].name, e)
                 result: Lowered | NotLowered = NotLowered(str(e), memory=getattr(e, "memory", None))

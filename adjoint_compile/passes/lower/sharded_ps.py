@@ -21,7 +21,7 @@ from ...analysis.rules import TimeLocalInfo
 from ...errors import UnsupportedRegion
 from ...options import Options
 from ...runtime.sharded_ps import PerSampleRegion
-from .per_sample import classify_kinds
+from .per_sample import classify_kinds, warn_batch_mean
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ def pull_in_parameter_math(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeL
     kind_of, batch = classify_kinds(gm, opts.batch_dim)
     if batch is None:
         raise UnsupportedRegion(f"per_sample_clip: no graph input has an example axis batch_dim={opts.batch_dim}")
+    # NB: now, while the loss is in the graph: the region may take it in
+    warn_batch_mean(gm, kind_of, opts.batch_dim, float(opts.per_sample_clip or float("inf")))
     members = set(nodes)
     chain: list[fx.Node] = []
     todo = [a for n in nodes for a in n.all_input_nodes
@@ -77,6 +79,16 @@ def per_sample_region(inputs: list[fx.Node], outputs: list[fx.Node], scans: list
                       kind_of: dict[fx.Node, Any], opts: Options, batch: int) -> PerSampleRegion:
     bd = opts.batch_dim
     params = tuple(i for i, a in enumerate(inputs) if kind_of.get(a) == "P")
-    outs = tuple(_bdim(o, info, bd, batch, "output") for o in outputs)
+    # NB: a loss taken into the region sums over the examples too: a scalar whose per-example parts the expanded
+    # parameters tell apart (runtime/sharded_ps.py)
+    losses = {k: kind_of.get(o) for k, o in enumerate(outputs) if o in info.sums and _scalar(o)}
+    if any(kd not in ("R", "D") for kd in losses.values()):
+        raise UnsupportedRegion("per_sample_clip: a sum over time the region ends in is not a sum over examples")
+    outs = tuple(None if k in losses else _bdim(o, info, bd, batch, "output") for k, o in enumerate(outputs))
     carries = tuple(_bdim(s, info, bd, batch, "scan state", carry=True) for s in scans)
-    return PerSampleRegion(params, outs, carries)
+    return PerSampleRegion(params, outs, carries, batch=batch, loss_kinds=losses)
+
+
+def _scalar(n: fx.Node) -> bool:
+    v = _ev(n)
+    return isinstance(v, torch.Tensor) and v.dim() == 0
