@@ -18,6 +18,8 @@ untied vocabulary head. The loss is written as training scripts write it:
 * ``adjoint-unfused`` / ``adjoint-fused`` (not run by default): ``adjoint`` with ``fused_loss=False`` (the head and
   cross-entropy as written, chunk by chunk) / ``True`` (fused also on a CPU, with the op's torch reference); the
   default (``"auto"``) fuses them on CUDA only;
+* ``adjoint-dp`` (not run by default): ``adjoint`` with ``per_sample_clip=1.0`` (DP-SGD's clipped step: every
+  example's gradient clipped, then summed), the head and loss inside the region, made per example there;
 * ``adjoint@M`` (not run by default): ``adjoint`` with at least M MiB of activations per shard and loss chunk
   (per thread on a CPU) instead of the defaults (8 MiB per thread on a CPU; on a GPU 64 MiB per shard and 128 MiB
   per loss chunk), to see the trade between peak and step time; ``adjoint@R/C``: R MiB per shard, C per loss chunk
@@ -99,8 +101,10 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
 
         if method.startswith("adjoint"):
             fused = False if "-unfused" in method else True if "-fused" in method else "auto"
-            fn = torch.compile(step, backend="adjoint", options={"cuda_graphs": "-graphs" not in method,
-                                                                 "fused_loss": fused})
+            opts = {"cuda_graphs": "-graphs" not in method, "fused_loss": fused}
+            if "-dp" in method:
+                opts["per_sample_clip"] = 1.0
+            fn = torch.compile(step, backend="adjoint", options=opts)
         elif method == "compile":
             fn = torch.compile(step)
         elif method == "compile_lce":

@@ -51,6 +51,9 @@ class PerSampleRegion:
     #: per output without the examples' axis, its per-example kind (passes/lower/per_sample.py): "R", a sum of
     #: per-example terms made from parameters (the loss), or "D", a constant of the gradient (a count of targets)
     loss_kinds: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: the bytes of the parameters' per-example gradients (B copies): the least activations of a shard
+    #: (runtime/shard_parts.py), whose expanded recompute makes and sums that many every time
+    example_bytes: int = 0
 
 
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],

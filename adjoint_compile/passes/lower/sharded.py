@@ -146,14 +146,14 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
     # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
     S_all = mod._plan.shard_size if mod.tail is not None else S
-    if ps_kinds is not None and mod.per_sample.loss_kinds and (why := expandable_reason(mod._plan, mod.per_sample, S)):
+    if ps_kinds is not None and mod.per_sample.loss_kinds and (
+            why := expandable_reason(mod._plan, mod.per_sample, S)):
         raise _LossNotPerExample(f"per_sample_clip: the loss cannot be split by example in the region ({why})")
     memory = expected_memory(nodes, scans, info, T, S_all, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
         # too: at short T they outweigh what sharding saves
-        memory["per_example"] = ps_kinds[1] * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size()
-                                                  for i in mod.per_sample.params)
+        memory["per_example"] = mod.per_sample.example_bytes
         memory["sharded"] += memory["per_example"]
     # NB: in truncated mode a window shorter than T changes the gradients the user asked for: a region that would
     # not save memory is still rewritten (declined, it would give the exact gradients without a word)

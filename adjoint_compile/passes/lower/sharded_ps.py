@@ -86,7 +86,8 @@ def per_sample_region(inputs: list[fx.Node], outputs: list[fx.Node], scans: list
         raise UnsupportedRegion("per_sample_clip: a sum over time the region ends in is not a sum over examples")
     outs = tuple(None if k in losses else _bdim(o, info, bd, batch, "output") for k, o in enumerate(outputs))
     carries = tuple(_bdim(s, info, bd, batch, "scan state", carry=True) for s in scans)
-    return PerSampleRegion(params, outs, carries, batch=batch, loss_kinds=losses)
+    per_example = batch * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size() for i in params)
+    return PerSampleRegion(params, outs, carries, batch=batch, loss_kinds=losses, example_bytes=per_example)
 
 
 def _scalar(n: fx.Node) -> bool:
