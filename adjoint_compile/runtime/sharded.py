@@ -132,15 +132,19 @@ class _ShardedFn(torch.autograd.Function):
                    for g, d in zip(gouts, prog.out_step_dims)]
             # NB: the first shard's carry grads are wanted as the others' are (one program); unused ones are dropped
             needs_c = [c is not None and (k > 0 or zeros or needs[prog.h0_input[j]]) for j, c in enumerate(carries)]
+            res = None
             if ps_want:
                 assert ps is not None
-                got = per_example_param_grads(prog, dataclasses.replace(ps, params=tuple(ps_want)), L, xs, carries,
-                                              k == 0, gos, adj, s, ctx.autocast)
+                # NB: where the parameters are expanded per example, that backward is the shard's VJP too (res)
+                got, res = per_example_param_grads(prog, dataclasses.replace(ps, params=tuple(ps_want)), L, xs,
+                                                   carries, k == 0, gos, adj, s, ctx.autocast,
+                                                   *(([], []) if trunc else (needs_vjp, needs_c)))
                 for i, g in got.items():
                     accumulate(ps_acc, i, g)
             # NB: graphs: gx is copied or added up below, the carries are inputs of the next call (which copies them)
-            res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,
-                           nus=nus, graphs=ctx.graphs)
+            if res is None:
+                res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,
+                               nus=nus, graphs=ctx.graphs)
             gx, adj, nus = res if trunc else (*res, None)
             for i, (g, d) in enumerate(zip(gx, prog.in_step_dims)):
                 if g is not None and d is not None:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..analysis.time_local import embedding_ids
 from .per_sample import DirectRecord, Site, _record
+from .shard_parts import differentiable
 from .shard_program import ShardProgram, autocast_as
 
 log = logging.getLogger(__name__)
@@ -58,16 +59,24 @@ class PerSampleRegion:
 
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
                             carries: Sequence[Any], first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any],
-                            t0: int, autocast: tuple) -> dict[int, Tensor]:
-    """Per parameter input i of the region, its [B, *p.shape] per-example gradient over this shard."""
+                            t0: int, autocast: tuple, needs_x: Sequence[bool] = (),
+                            needs_c: Sequence[bool] = ()) -> tuple[dict[int, Tensor], Any]:
+    """Per parameter input i of the region, its [B, *p.shape] per-example gradient over this shard; and, when the
+    parameters were expanded (one backward for everything), the shard's VJP as :meth:`ShardProgram.vjp` gives it
+    (grads of the inputs with ``needs_x``, of the carries with ``needs_c``), else None."""
     want = [i for i in ps.params if isinstance(xs[i], Tensor)]
     if not want:
-        return {}
+        return {}, None
     # NB: kept on the program: ``ps`` is a fresh copy per call (the parameters wanted this time)
     summed = any(d is None for d in ps.out_bdims)
     if (_EXPANDED[0] or summed) and getattr(prog, "ps_expandable", None) is not False:
+        # NB: the expanded program is the region's own with p + 0: its pullback to the inputs and carries is the
+        # shard's VJP, so the shard needs no other backward (the cotangents scaled as the VJP scales them)
+        wrt_x = [i for i, n in enumerate(needs_x) if n and i not in ps.params and differentiable(xs[i])]
+        wrt_c = [j for j, n in enumerate(needs_c) if n and differentiable(carries[j])]
         try:
-            got = _expanded_grads(prog, ps, L, xs, carries, first_shard, gos, adjs, t0, autocast, want)
+            got = _expanded_grads(prog, ps, L, xs, carries, first_shard, prog._mean_scaled(gos), adjs, t0, autocast,
+                                  want, wrt_x, wrt_c)
         except _NotExpandable as e:
             if summed:  # NB: expandable_reason() let the region take in its loss: every length's program expands
                 raise RuntimeError(f"adjoint-compile per_sample_clip: the region's loss cannot be split by example "
@@ -76,7 +85,7 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
             log.info("per_sample_clip: region parameters not expandable per example (%s); masked VJPs", e)
         else:
             prog.ps_expandable = True
-            return got
+            return got if (needs_x or needs_c) else (got[0], None)
     with torch.enable_grad():
         x_in = [x.detach().requires_grad_(i in want) if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
         cs = [None if c is None else c.detach() for c in carries]
@@ -87,7 +96,7 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
                  if g is not None and y.requires_grad]
         wrt = [x_in[i] for i in want]
         if not pairs:
-            return {}
+            return {}, None
         B = pairs[0][0].shape[pairs[0][2]]
         ys = [y for y, _, _ in pairs]
         step = EXAMPLES_PER_VJP if _BATCHED[0] else 1
@@ -118,7 +127,7 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
     for k, (i, w) in enumerate(zip(want, wrt)):
         chunks = [got[k] if got[k] is not None else w.new_zeros((m, *w.shape)) for m, got in parts]
         out[i] = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-    return out
+    return out, None
 
 
 class _NotExpandable(Exception):
@@ -359,26 +368,33 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
 
 def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any], carries: Sequence[Any],
                     first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any], t0: int, autocast: tuple,
-                    want: list[int]) -> dict[int, Tensor]:
+                    want: list[int], wrt_x: list[int], wrt_c: list[int]) -> tuple[dict[int, Tensor], Any]:
     if ps.out_bdims and any(d not in (0, None) for d in (*ps.out_bdims, *ps.carry_bdims)):
         raise _NotExpandable("the examples are not on axis 0")
     B = ps.batch or next(g.shape[0] for g, d in zip([*gos, *adjs], [*ps.out_bdims, *ps.carry_bdims])
                          if g is not None and d is not None)
     gm = _expanded_program(prog, ps, L, B)
     with torch.enable_grad():
-        x_in = [x.detach() if isinstance(x, Tensor) else x for x in xs]
+        x_in = [x.detach().requires_grad_(i in wrt_x) if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
         zs = [torch.zeros(B, *x_in[i].shape, dtype=x_in[i].dtype, device=x_in[i].device, requires_grad=i in want)
               for i in ps.params]
-        cs = [None if c is None else c.detach() for c in carries]
+        cs = [None if c is None else c.detach().requires_grad_(j in wrt_c) for j, c in enumerate(carries)]
         prevs = [None if first_shard else cs[k] for k in prog.shift_scans]
         with autocast_as(autocast):
             res = gm(*x_in, *cs, *prevs, *prog._offset(t0), *zs)
         pairs = [(y, g) for y, g in zip(res, [*gos, *adjs]) if g is not None and y.requires_grad]
         wrt = [z for i, z in zip(ps.params, zs) if i in want]
         if not pairs:
-            return {}
-        got = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-    return {i: (g if g is not None else torch.zeros_like(z)) for i, z, g in zip(want, wrt, got)}
+            return {}, None
+        got = torch.autograd.grad([y for y, _ in pairs], [*wrt, *(x_in[i] for i in wrt_x), *(cs[j] for j in wrt_c)],
+                                  [g for _, g in pairs], allow_unused=True)
+    gx: list[Any] = [None] * len(xs)
+    gc: list[Any] = [None] * len(carries)
+    for i, g in zip(wrt_x, got[len(wrt):]):
+        gx[i] = g
+    for j, g in zip(wrt_c, got[len(wrt) + len(wrt_x):]):
+        gc[j] = g
+    return {i: (g if g is not None else torch.zeros_like(z)) for i, z, g in zip(want, wrt, got)}, (gx, gc)
 
 
 #: whether the per-example expansion of the parameters is tried (tests switch it off to reach the masked VJPs)
