@@ -2,11 +2,17 @@
 
 Each shard's backward recomputes the shard once with every parameter p made per example: p + z_p with z_p a zero
 [B, *p.shape] input, re-viewed as [B, 1, ..., *p.shape] where it meets the examples (element-wise ops, a norm's
-affine, a linear's weight as one batched matmul): one backward with the whole cotangents gives the gradient of z_p,
-the per-example gradients of p (examples do not interact inside a region: batch-mixing ops are refused by
-passes/lower/per_sample.py). The [B, *p.shape] gradients are summed over the shards (the direct form adds up over
-shards; the Gram form would not), so nothing of length T is kept, and handed to runtime/per_sample.py as one
-:class:`~.per_sample.DirectRecord` per parameter.
+affine, a linear's weight or ``x @ W`` as one batched matmul, also on rows merged from [B, ..., d] with the examples
+first, an embedding's table as a lookup in its B copies): one backward with the whole cotangents gives the gradient
+of z_p, the per-example gradients of p (examples do not interact inside a region: batch-mixing ops are refused by
+passes/lower/per_sample.py), and the shard's pullback to its inputs and carries, so it is the shard's only backward.
+The [B, *p.shape] gradients are summed over the shards (the direct form adds up over shards; the Gram form would
+not), so nothing of length T is kept, and handed to runtime/per_sample.py as one :class:`~.per_sample.DirectRecord`
+per parameter.
+
+A loss the region takes in is a scalar summed over the examples too: its cotangent is one number, and the expanded
+parameters alone tell the examples' parts apart, so such a region must expand (:func:`expandable_reason`, checked
+by the lowering, which otherwise ends the region before the loss).
 
 A region whose parameters meet the examples any other way (the rewrite is checked op by op; :class:`_NotExpandable`)
 takes masked VJPs instead: per example n, the cotangents masked to example n, one backward each (B backward passes

@@ -6,7 +6,9 @@ parameters get per-example gradients (runtime/sharded_ps.py).
 - The examples' axis of every region output and scan state is found and checked: ``batch_dim`` with the batch size
   there and not the step axis (a scan state loses its step axis: the examples' axis moves down by one when the step
   axis came before it). A region that does not carry the examples there keeps ordinary autograd (with per-example
-  book-keeping of its parameters), and explain() says why.
+  book-keeping of its parameters), and explain() says why. A scalar sum over time the region ends in (the loss)
+  sums over the examples too: it has no examples' axis, and its kind ("R" or "D") is recorded for the per-example
+  analysis of the graph around the region.
 """
 from __future__ import annotations
 
