@@ -25,7 +25,7 @@ import adjoint_compile as ac
 from adjoint_compile.models.selective_ssm import SSMStack
 from adjoint_compile.passes.lower import per_sample as lower_per_sample
 from adjoint_compile.passes.lower import per_sample_loss as lower_per_sample_loss
-from test_lower_lm_loss import FORMS, LM, D, V, _data
+from test_lower_lm_loss import FORMS, LM, D, V, RMSNorm, _data
 
 TOL = 1e-8
 T3 = 13
@@ -302,6 +302,31 @@ def test_an_embedding_with_a_padding_index_in_the_region(padding_idx, batch):
     else:
         check(model, ids, tg, shard=4)
     assert float(model.lm.emb.weight.grad[padding_idx].abs().max()) == 0.0
+
+
+class IndexedLayer(nn.Module):
+    """A layer whose parameters meet the examples through ``W @ x`` (transformers' Mamba's ``dt_proj.weight @
+    time_step.T``), an index with leading new axes (``g[None, None, :]``, Mamba-2's ``D[None, :, None]``) and an
+    integer index (``c[0]``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.inp, self.out = RMSNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+        self.wd, self.g, self.c = (nn.Parameter(0.5 * torch.randn(*s)) for s in ((d, d), (d,), (2, d)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.norm(x)
+        a = torch.sigmoid((self.wd @ u.transpose(1, 2)).transpose(1, 2))
+        return x + self.out(ac.ops.linear_scan(a, self.inp(u), dim=1)) * self.g[None, None, :] + self.c[0]
+
+
+def test_parameters_indexed_or_on_the_left_of_a_product_in_the_region():
+    """The region with such a layer still takes in the loss: the parameter values indexed after their per-example
+    copies and ``W @ x`` made one batched product."""
+    torch.manual_seed(7)
+    lm = LM()
+    lm.layers = nn.Sequential(IndexedLayer(D), IndexedLayer(D))
+    check(Step(lm, _ce("sum")).double(), *_data3(), shard=4)
 
 
 class NormalizedHead(nn.Module):

@@ -90,6 +90,38 @@ def test_loss_and_gradients_equal_the_unpatched_eager_model(make, items, fused):
     assert bool(tail) == (make is _mamba) and bool(tail and tail["fused_heads"]) == (fused and make is _mamba), tail
 
 
+@pytest.mark.parametrize("make", [_mamba, _mamba2], ids=["mamba", "mamba2"])
+def test_per_sample_clip_with_loss_only(make):
+    """DP-SGD's clipped step on transformers' Mamba and Mamba-2 with ``loss_only``: the last region takes in the head
+    and the loss (no logits handed out whole), and every p.grad and norm is that of a loop of the unpatched model run
+    eagerly on each example alone (its mean loss scaled to the batch's count of targets, as the batch's mean weighs
+    it), clipped and summed; to the fp32 rounding of their fp32 casts."""
+    ref = make().double()
+    ids, labels = _data()
+    n_all = int((labels[:, 1:] != -100).sum())
+    per = []
+    for n in range(B):
+        one = copy.deepcopy(ref)
+        out = one(input_ids=ids[n:n + 1], labels=labels[n:n + 1])
+        (out.loss * int((labels[n, 1:] != -100).sum()) / n_all).backward()
+        per.append(_grads(one))
+    norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in d.values())) for d in per])
+    clip = float(norms.min() + norms.max()) / 2
+    want = {k: sum(min(1.0, clip / float(m)) * d[k] for m, d in zip(norms, per)) for k in per[0]}
+    model = ac.loss_only(copy.deepcopy(ref))
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager",
+                                                         "per_sample_clip": clip})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(input_ids=ids, labels=labels).loss.backward()
+    assert _rel(ac.per_sample_grad_norms(f), norms) <= 1e-6
+    errs = {k: _rel(p.grad, want[k]) for k, p in model.named_parameters()}
+    assert max(errs.values()) <= 1e-6, errs
+    rows = [r for r in ac.report(f).regions if r.rewrite == "adjoint"]
+    assert rows and rows[-1].details.get("sums_over_time") and not any(r.details.get("before_loss") for r in rows), \
+        [r.reason for r in rows]
+
+
 def test_without_loss_only_the_report_says_the_logits_are_kept():
     """The same Mamba unpatched: its output object holds the logits, so the region that takes in the loss hands them
     out whole; the report names them with their size and the remedy."""

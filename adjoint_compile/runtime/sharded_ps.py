@@ -207,6 +207,11 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
             chain.add(u)
             todo += list(u.users)
             continue
+        if u.target is operator.getitem and u.args[0] in chain and (idx := _example_index(u.args[1])) is not None:
+            u.args = (u.args[0], idx)  # NB: the parameter value's copies come first: index after them
+            chain.add(u)
+            todo += list(u.users)
+            continue
         out = u.meta.get("val", u.meta.get("example_value"))
         if (prod := _product(u, chain)) is not None:
             _batched_product(g, u, *prod, B)
@@ -224,11 +229,13 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
         for a in ins:
             if a in chain:
                 pv = a.meta.get("val", a.meta.get("example_value"))
-                nd = pv.dim() if isinstance(pv, Tensor) else 0
-                if out.dim() - 1 < nd:
+                shape = list(pv.shape) if isinstance(pv, Tensor) else []
+                while len(shape) > out.dim() - 1 and shape[0] == 1:
+                    shape.pop(0)  # NB: a leading axis of 1 (``D[None, :, None]``) is broadcast over the examples
+                if out.dim() - 1 < len(shape):
                     raise _NotExpandable(f"{u.name}: the parameter value has more axes than an example")
                 with g.inserting_before(u):
-                    v = g.call_method("view", (a, B, *([1] * (out.dim() - 1 - nd)), *list(pv.shape)))
+                    v = g.call_method("view", (a, B, *([1] * (out.dim() - 1 - len(shape))), *shape))
                 u.replace_input_with(a, v)
     g.lint()
     gm.recompile()
@@ -269,7 +276,7 @@ def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
 
 def _product(u: fx.Node, chain: set[fx.Node]) -> tuple[fx.Node, fx.Node, Any, bool] | None:
     """``(x, W, b, transposed)`` when ``u`` applies a parameter value W to an example value x: ``linear(x, W, b)``
-    (transposed) or ``x @ W``; else None."""
+    (transposed True), ``x @ W`` (False) or ``W @ x`` (None); else None."""
     if u.target in _LINEARS:
         args = list(u.args) + [u.kwargs.get("bias")] * (3 - len(u.args))
         if set(u.kwargs) - {"bias"} or len(u.args) > 3:
@@ -278,6 +285,8 @@ def _product(u: fx.Node, chain: set[fx.Node]) -> tuple[fx.Node, fx.Node, Any, bo
     elif (u.target in (operator.matmul, torch.matmul) or u.op == "call_method" and _target_name(u) == "matmul") and \
             len(u.args) == 2 and not u.kwargs:
         (x, w), b, t = u.args, None, False
+        if w not in chain and x in chain:  # NB: W @ x (transformers' Mamba: dt_proj.weight @ time_step.T)
+            (w, x), t = u.args, None
     else:
         return None
     if x in chain or w not in chain or (b is not None and b not in chain):
@@ -289,11 +298,13 @@ def _refuse_product(u: fx.Node) -> None:
     raise _NotExpandable(f"{u.name}: a product of two parameter values, or an example value as its weight")
 
 
-def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool, B: int) -> None:
-    """``linear(x, W, b)`` or ``x @ W`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched matmul. When
+def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool | None,
+                     B: int) -> None:
+    """``linear(x, W, b)``, ``x @ W`` or ``W @ x`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched
+    matmul. When
     x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on that value."""
     out, wv = _val(u), _val(w)
-    rows = _merged_rows(x, B)
+    rows = _merged_rows(x, B) if transposed is not None else None
     if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
             rows is None and int(out.shape[0]) != B):
         raise _NotExpandable(f"{u.name}: a product with a parameter matrix whose rows are not the examples'")
@@ -305,7 +316,7 @@ def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, tr
         wt = g.call_method("view", (w, B, *pad, *wv.shape))
         if transposed:
             wt = g.call_method("transpose", (wt, -1, -2))
-        y = g.call_function(torch.matmul, (x, wt))
+        y = g.call_function(torch.matmul, (x, wt) if transposed is not None else (wt, x))
         if b is not None:
             y = g.call_function(operator.add, (y, g.call_method("view", (b, B, *pad, 1, _val(b).shape[0]))))
         if rows is not None:
@@ -317,6 +328,17 @@ def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, tr
 
 def _val(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _example_index(idx: Any) -> tuple | None:
+    """``idx`` (a parameter value's index: ints, slices, None, ...) for its B copies on a new leading axis, or None
+    when it holds anything else (a tensor)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool) for i in items):
+        return None
+    if isinstance(idx, slice) and idx == slice(None) or items and items[0] is Ellipsis:
+        return idx
+    return (slice(None), *items)
 
 
 def _merged_rows(x: Any, B: int) -> fx.Node | None:
