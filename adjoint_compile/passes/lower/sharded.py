@@ -146,8 +146,9 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
     # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
     S_all = mod._plan.shard_size if mod.tail is not None else S
-    if ps_kinds is not None and mod.per_sample.loss_kinds and (
-            why := expandable_reason(mod._plan, mod.per_sample, S)):
+    if ps_kinds is not None and mod.per_sample.loss_kinds and (why := next(filter(None, (
+            expandable_reason(mod._plan, mod.per_sample, L) for L in sorted({e - s for s, e in mod._plan.bounds()}))),
+            "")):
         raise _LossNotPerExample(f"per_sample_clip: the loss cannot be split by example in the region ({why})")
     memory = expected_memory(nodes, scans, info, T, S_all, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
