@@ -329,6 +329,31 @@ def test_parameters_indexed_or_on_the_left_of_a_product_in_the_region():
     check(Step(lm, _ce("sum")).double(), *_data3(), shard=4)
 
 
+class TimeMajorLayer(nn.Module):
+    """A layer that applies a Linear to its input time-major (``[L, B, D]`` inside a shard of L steps)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.decay, self.inp = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.inp(x.transpose(0, 1)).transpose(0, 1)
+        return x + ac.ops.linear_scan(torch.sigmoid(self.decay(x)), v, dim=1)
+
+
+@pytest.mark.parametrize("batch,steps,shard", [(2, 24, 2), (3, 23, 5)], ids=["every shard L == B", "last shard L == B"])
+def test_a_time_major_value_whose_shard_length_is_the_batch_size(batch, steps, shard):
+    """In a shard of L = B steps a [L, B, D] value has B at axis 0, but its steps are not the examples: the examples'
+    axis is followed through the transposes, so its parameter is not made per example by size (each step's gradient
+    would be given to an example: silently wrong norms). The region ends before the loss and stays exact."""
+    torch.manual_seed(8)
+    lm = LM()
+    lm.layers = nn.Sequential(TimeMajorLayer(D))
+    g = torch.Generator().manual_seed(1)
+    ids, tg = torch.randint(0, V, (batch, steps), generator=g), torch.randint(0, V, (batch, steps), generator=g)
+    check(Step(lm, _ce("sum")).double(), ids, tg, shard=shard, inside=False)
+
+
 class NormalizedHead(nn.Module):
     """An LM whose head's rows are normalized to unit length (nGPT's head): the weight's norm over each row, made
     of the parameter alone, cannot be made per example in the region, so the region ends before the loss."""

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from ..analysis.batch_axes import moved_batch_axes
 from ..analysis.time_local import embedding_ids
 from .per_sample import DirectRecord, Site, _record
 from .shard_parts import differentiable
@@ -61,6 +62,9 @@ class PerSampleRegion:
     #: the bytes of the parameters' per-example gradients (B copies): the least activations of a shard
     #: (runtime/shard_parts.py), whose expanded recompute makes and sums that many every time
     example_bytes: int = 0
+    #: per region input, the axis of the examples (None: an input without them, a parameter or a constant; -1: on an
+    #: axis a permutation lost), followed through the program made per example (analysis/batch_axes.py)
+    in_bdims: tuple[int | None, ...] = ()
 
 
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
@@ -175,6 +179,7 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
     gm = fx.GraphModule(prog.program(L), _copy_graph(prog.program(L)))
     g = gm.graph
     holders = [n for n in g.nodes if n.op == "placeholder"]
+    axis = _example_axes(gm, holders, ps, B)
     last = holders[-1]
     zs = []
     for i in ps.params:
@@ -214,12 +219,12 @@ def _expanded_program(prog: ShardProgram, ps: PerSampleRegion, L: int, B: int) -
             continue
         out = u.meta.get("val", u.meta.get("example_value"))
         if (prod := _product(u, chain)) is not None:
-            _batched_product(g, u, *prod, B)
+            _batched_product(g, u, *prod, B, axis)
             continue
         if (m := embedding_ids(u)) is not None and m[1] in chain:
-            _batched_embedding(g, u, chain, m, B)
+            _batched_embedding(g, u, chain, m, B, axis)
             continue
-        if not isinstance(out, Tensor) or int(out.shape[0]) != B:
+        if not isinstance(out, Tensor) or out.dim() == 0 or int(out.shape[0]) != B or axis(u) != 0:
             raise _NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
         if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
             u = _split_affine(g, u, chain)
@@ -299,14 +304,14 @@ def _refuse_product(u: fx.Node) -> None:
 
 
 def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool | None,
-                     B: int) -> None:
+                     B: int, axis: Any) -> None:
     """``linear(x, W, b)``, ``x @ W`` or ``W @ x`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched
     matmul. When
     x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on that value."""
     out, wv = _val(u), _val(w)
-    rows = _merged_rows(x, B) if transposed is not None else None
+    rows = _merged_rows(x, B, axis) if transposed is not None else None
     if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
-            rows is None and int(out.shape[0]) != B):
+            rows is None and (int(out.shape[0]) != B or axis(x) != 0 or axis(u) != 0)):
         raise _NotExpandable(f"{u.name}: a product with a parameter matrix whose rows are not the examples'")
     dim = 3 if rows is not None else out.dim()
     pad = [1] * (dim - 3)
@@ -330,6 +335,26 @@ def _val(n: fx.Node) -> Any:
     return n.meta.get("val", n.meta.get("example_value"))
 
 
+def _example_axes(gm: fx.GraphModule, holders: list[fx.Node], ps: PerSampleRegion, B: int) -> Any:
+    """``axis(n)``: the axis of the examples in the program's value n, followed from the region's inputs and carries
+    through the ops that move it (analysis/batch_axes.py); None for a value without them or where it is lost. NB: not
+    the size alone: a [L, B, d] value of a shard whose length L is B has B at axis 0, and its steps are not examples."""
+    if len(ps.in_bdims) + len(ps.carry_bdims) > len(holders):
+        raise _NotExpandable("the region's inputs do not match its program")
+    seeds: dict[fx.Node, int | None] = {}
+    for n, k in zip(holders, ps.in_bdims):
+        if k is not None:
+            seeds[n] = None if k < 0 else k
+    for n, k in zip(holders[len(ps.in_bdims):], ps.carry_bdims):
+        seeds[n] = k
+    acts = set(seeds)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and any(a in acts for a in n.all_input_nodes):
+            acts.add(n)
+    moved = moved_batch_axes(gm, acts, 0, B, seeds)
+    return lambda n: (moved.get(n, 0) if n in acts else None)
+
+
 def _example_index(idx: Any) -> tuple | None:
     """``idx`` (a parameter value's index: ints, slices, None, ...) for its B copies on a new leading axis, or None
     when it holds anything else (a tensor)."""
@@ -341,14 +366,14 @@ def _example_index(idx: Any) -> tuple | None:
     return (slice(None), *items)
 
 
-def _merged_rows(x: Any, B: int) -> fx.Node | None:
+def _merged_rows(x: Any, B: int, axis: Any) -> fx.Node | None:
     """The [B, ..., d] value whose leading axes ``x`` ([rows, d]) merges (``view(-1, d)``, ``flatten(0, 1)``,
     ``reshape``), the examples first, so each example's rows are one block; else None."""
     if not (isinstance(x, fx.Node) and x.op in ("call_method", "call_function") and _target_name(x) in _MERGES and
             x.args and isinstance(x.args[0], fx.Node)):
         return None
     src, v, xv = x.args[0], _val(x.args[0]), _val(x)
-    if not (isinstance(v, Tensor) and isinstance(xv, Tensor) and xv.dim() == 2 and v.dim() >= 3 and
+    if not (axis(src) == 0 and isinstance(v, Tensor) and isinstance(xv, Tensor) and xv.dim() == 2 and v.dim() >= 3 and
             int(v.shape[0]) == B and xv.shape[1] == v.shape[-1] and xv.shape[0] == v.numel() // v.shape[-1]):
         return None
     return src
@@ -363,7 +388,8 @@ def _example_rows(ids: Tensor, V: int) -> Tensor:
     return ids + off.view(-1, *([1] * (ids.dim() - 1)))
 
 
-def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int) -> None:
+def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int,
+                       axis: Any) -> None:
     """``embedding(ids, W)`` with W per example ([B, V, d]): a lookup in the [B·V, d] table of the examples'
     copies; a padding index's rows get no gradient, as in ``embedding``."""
     ids, w = m
@@ -372,7 +398,7 @@ def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx
     if u.target is torch.embedding and pad == -1:  # NB: its -1 means none (F.embedding's -1 is row V - 1)
         pad = None
     iv, wv = _val(ids), _val(w)
-    if w not in chain or ids in chain or not isinstance(iv, Tensor) or iv.dim() == 0 or int(iv.shape[0]) != B or \
+    if w not in chain or axis(ids) != 0 or not isinstance(iv, Tensor) or iv.dim() == 0 or int(iv.shape[0]) != B or \
             not isinstance(wv, Tensor) or wv.dim() != 2:
         raise _NotExpandable(f"{u.name}: an embedding that is not a lookup of the examples' indices in a parameter")
     V, d = (int(s) for s in wv.shape)

@@ -140,7 +140,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     mod = ShardedRegion(sub, in_dims, out_dims, opts.shard_size, verify=opts.verify, inner=opts.inner, window=window,
                         cuda_graphs=opts.cuda_graphs, fused_loss=opts.fused_loss)
     if ps_kinds is not None:
-        mod.per_sample = per_sample_region(inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
+        mod.per_sample = per_sample_region(gm, inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks

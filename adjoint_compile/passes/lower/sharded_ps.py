@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ...analysis.batch_axes import moved_batch_axes
 from ...analysis.fx import example_value as _ev
 from ...analysis.rules import TimeLocalInfo
 from ...errors import UnsupportedRegion
@@ -68,28 +69,39 @@ def pull_in_parameter_math(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeL
     return sorted([*env.values(), *nodes], key=order.__getitem__), kind_of, batch
 
 
-def _bdim(n: fx.Node, info: TimeLocalInfo, bd: int, batch: int, what: str, carry: bool = False) -> int:
+def _bdim(n: fx.Node, info: TimeLocalInfo, k: int | None, batch: int, what: str, carry: bool = False) -> int:
+    """The examples' axis ``k`` of region output or scan state ``n`` (followed from the graph's inputs: None where a
+    permutation lost it), checked: the batch size there and not the step axis; a scan state's with its step axis gone."""
     v, sd = _ev(n), info.step_dim.get(n)
-    if not (isinstance(v, torch.Tensor) and v.dim() > bd and int(v.shape[bd]) == batch and sd != bd):
+    if k is None or not (isinstance(v, torch.Tensor) and v.dim() > k and int(v.shape[k]) == batch and sd != k):
         shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        where = "an axis it lost" if k is None else f"axis {k}"
         raise UnsupportedRegion(f"per_sample_clip: {what} {n.name} {shape} does not carry the {batch} examples on "
-                                f"batch_dim={bd} (apart from its step axis {sd}); kept unsharded")
-    return bd - 1 if carry and sd is not None and sd < bd else bd
+                                f"{where} (apart from its step axis {sd}); kept unsharded")
+    return k - 1 if carry and sd is not None and sd < k else k
 
 
-def per_sample_region(inputs: list[fx.Node], outputs: list[fx.Node], scans: list[fx.Node], info: TimeLocalInfo,
-                      kind_of: dict[fx.Node, Any], opts: Options, batch: int) -> PerSampleRegion:
+def per_sample_region(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], scans: list[fx.Node],
+                      info: TimeLocalInfo, kind_of: dict[fx.Node, Any], opts: Options, batch: int) -> PerSampleRegion:
     bd = opts.batch_dim
     params = tuple(i for i, a in enumerate(inputs) if kind_of.get(a) == "P")
+    # NB: the examples' axis of every activation, followed through permutations (a [T, B, D] value where T == B has
+    # B at axis 0 but not the examples)
+    acts = {n for n, kd in kind_of.items() if kd in ("A", "M")}
+    moved = moved_batch_axes(gm, acts, bd, batch)
     # NB: a loss taken into the region sums over the examples too: a scalar whose per-example parts the expanded
     # parameters tell apart (runtime/sharded_ps.py)
     losses = {k: kind_of.get(o) for k, o in enumerate(outputs) if o in info.sums and _scalar(o)}
     if any(kd not in ("R", "D") for kd in losses.values()):
         raise UnsupportedRegion("per_sample_clip: a sum over time the region ends in is not a sum over examples")
-    outs = tuple(None if k in losses else _bdim(o, info, bd, batch, "output") for k, o in enumerate(outputs))
-    carries = tuple(_bdim(s, info, bd, batch, "scan state", carry=True) for s in scans)
+    outs = tuple(None if k in losses else _bdim(o, info, moved.get(o, bd), batch, "output")
+                 for k, o in enumerate(outputs))
+    carries = tuple(_bdim(s, info, moved.get(s, bd), batch, "scan state", carry=True) for s in scans)
+    # NB: -1: examples on an axis a permutation lost
+    ins = tuple(None if a not in acts else -1 if (k := moved.get(a, bd)) is None else k for a in inputs)
     per_example = batch * sum(_ev(inputs[i]).numel() * _ev(inputs[i]).element_size() for i in params)
-    return PerSampleRegion(params, outs, carries, batch=batch, loss_kinds=losses, example_bytes=per_example)
+    return PerSampleRegion(params, outs, carries, batch=batch, loss_kinds=losses, example_bytes=per_example,
+                           in_bdims=ins)
 
 
 def _scalar(n: fx.Node) -> bool:

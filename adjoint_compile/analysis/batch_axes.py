@@ -1,0 +1,140 @@
+"""Where the examples are in each activation of a graph, when a permutation moved them (``per_sample_clip``).
+
+A loop rolled into a scan runs its step time-first: ``x.movedim(1, 0)`` is ``[T, B, D]``, and a Linear of the step
+applies to that. Telling the examples' axis by its size alone (``shape[batch_dim] == B``) then fails (``T != B``: the
+use is refused) or, worse, succeeds where ``T == B`` and attributes each step's gradient to an example: clipped
+gradients silently wrong. So the axis is followed from the graph's inputs through the ops that move it
+(``movedim``, ``permute``, ``transpose``, ``t``) and the ops that keep every axis (same rank, the examples' size at
+the same place); anything else reading a moved activation leaves its axis unknown, and a parameter use of such a
+value is refused. Used on dynamo's graph (passes/lower/per_sample.py) and in a sharded region's program made per
+example (runtime/sharded_ps.py).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .fx import example_value, is_linear_scan, scan_args
+
+__all__ = ["permutation", "moved_batch_axes", "use_name"]
+
+
+_PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
+_RESHAPES = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as", "unfold", "as_strided", "expand",
+             "expand_as", "broadcast_to", "repeat", "squeeze", "unsqueeze"}
+
+
+def _dims(x: Any, nd: int) -> list[int] | None:
+    xs = list(x) if isinstance(x, (list, tuple)) else [x]
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in xs):
+        return None
+    return [d % nd for d in xs]
+
+
+def permutation(n: fx.Node) -> list[int] | None:
+    """For a node that permutes its first operand's axes: per output axis, the input axis it reads; else None."""
+    name = use_name(n)
+    if name not in _PERMUTES or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs:
+        return None
+    v = example_value(n.args[0])
+    if not isinstance(v, torch.Tensor):
+        return None
+    nd, args = v.dim(), n.args[1:]
+    if nd == 0:
+        return None
+    if name in ("movedim", "moveaxis") and len(args) == 2:
+        src, dst = _dims(args[0], nd), _dims(args[1], nd)
+        if src is None or dst is None or len(src) != len(dst):
+            return None
+        out: list[int | None] = [None] * nd
+        for s, d in zip(src, dst):
+            out[d] = s
+        rest = iter(d for d in range(nd) if d not in src)
+        return [next(rest) if o is None else o for o in out]
+    if name == "permute":
+        dims = _dims(args[0] if len(args) == 1 else args, nd)
+        return dims if dims is not None and sorted(dims) == list(range(nd)) else None
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 2:
+        ij = _dims(list(args), nd)
+        if ij is None:
+            return None
+        perm = list(range(nd))
+        perm[ij[0]], perm[ij[1]] = perm[ij[1]], perm[ij[0]]
+        return perm
+    if name == "t" and not args and nd <= 2:
+        return list(range(nd))[::-1]
+    return None
+
+
+def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, batch: int,
+                     seeds: dict[fx.Node, int | None] | None = None) -> dict[fx.Node, int | None]:
+    """Per activation whose examples are no longer on axis ``bd``: the axis they are on, or None where unknown
+    (module docstring). Activations not in the result keep them on ``bd``; ``seeds``: the axes of inputs (placeholders)
+    that have them elsewhere."""
+    moved: dict[fx.Node, int | None] = {n: k for n, k in (seeds or {}).items() if k != bd}
+    #: per tuple-valued activation reading a moved one, its elements' axes
+    elems: dict[fx.Node, list[int | None]] = {}
+    for n in gm.graph.nodes:
+        if n not in activations or n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if n.target is operator.getitem and n.args[0] in elems:
+            k = elems[n.args[0]][n.args[1]] if isinstance(n.args[1], int) else None
+            if k != bd:
+                moved[n] = k
+            continue
+        if n.target is F.multi_head_attention_forward:
+            # NB: it works on [T, B, E] whatever the model's layout (its lowering says so on its site); its output
+            # is [T, B, E], its weights [B, ...]
+            elems[n] = [1, 0]
+            continue
+        perm = permutation(n)
+        if perm is not None and n.args[0] in activations:
+            k = moved[n.args[0]] if n.args[0] in moved else bd
+            new = perm.index(k) if k is not None and k < len(perm) else None
+            if new != bd:
+                moved[n] = new
+            continue
+        ins = [a for a in n.all_input_nodes if a in activations and isinstance(example_value(a), torch.Tensor)]
+        if not any(a in moved for a in ins):
+            continue
+        if is_linear_scan(n):
+            moved[n] = _scan_axis(n, moved, activations, bd)
+            if moved[n] == bd:
+                del moved[n]
+            continue
+        if use_name(n) in _RESHAPES:  # NB: the same rank is not the same axes: [T, B, D] -> [B, T, D] where T == B
+            moved[n] = None
+            continue
+        axes = {moved.get(a, bd) for a in ins}
+        v = example_value(n)
+        if isinstance(v, (tuple, list)):
+            elems[n] = [None] * len(v)
+            continue
+        k = axes.pop() if len(axes) == 1 else None
+        same = isinstance(v, torch.Tensor) and all(example_value(a).dim() == v.dim() for a in ins)
+        moved[n] = k if k is not None and same and v.dim() > k and int(v.shape[k]) == batch else None
+    return moved
+
+
+def _scan_axis(n: fx.Node, moved: dict[fx.Node, int | None], activations: set[fx.Node], bd: int) -> int | None:
+    """The examples' axis of a scan's states: that of its ``a`` and ``b``, with its h0's the same axis of the state
+    (the step axis removed), or None."""
+    args = scan_args(n)
+    dim = args["dim"] % example_value(n).dim()
+    axes = {moved.get(x, bd) for x in (args["a"], args["b"]) if isinstance(x, fx.Node) and x in activations}
+    k = axes.pop() if len(axes) == 1 else None
+    if k is None or k == dim:
+        return None
+    h0 = args.get("h0")
+    if isinstance(h0, fx.Node) and h0 in activations and moved.get(h0, bd) != (k if k < dim else k - 1):
+        return None
+    return k
+
+
+def use_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
