@@ -263,6 +263,19 @@ def _refused(loss, match: str) -> None:
         f(*_data())
 
 
+def test_an_embedding_with_max_norm_is_refused():
+    """max_norm renormalizes the table in place in the forward: refused, naming the op and the remedy."""
+    class MaxNormLM(LM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(V, D, max_norm=1.0)
+    torch._dynamo.reset()
+    f = torch.compile(Step(MaxNormLM(), _ce("sum")).double(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "shard_size": 4, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match=r"embedding \(\w+\) has max_norm .*renormalize the weight yourself"):
+        f(*_data())
+
+
 @pytest.mark.parametrize("what", ["a loss in the divisor", "a product of losses", "logits over a batch count",
                                   "per-row losses over a batch count"])
 def test_forms_it_cannot_attribute_are_refused(what):
@@ -327,6 +340,37 @@ def test_parameters_indexed_or_on_the_left_of_a_product_in_the_region():
     lm = LM()
     lm.layers = nn.Sequential(IndexedLayer(D), IndexedLayer(D))
     check(Step(lm, _ce("sum")).double(), *_data3(), shard=4)
+
+
+class FormLayer(nn.Module):
+    """A layer whose parameters ``g``, ``b`` (vectors) and ``alpha`` (0-dim) meet the examples in the form ``how``."""
+
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.decay, self.out, self.how = nn.Linear(d, d), nn.Linear(d, d), how
+        self.g, self.b = nn.Parameter(1 + 0.3 * torch.randn(d)), nn.Parameter(0.3 * torch.randn(d))
+        self.alpha = nn.Parameter(torch.tensor(0.7))
+        unused = {"layer_norm without eps": [self.alpha], "a parameter summed": [self.alpha, self.b],
+                  "a 0-dim parameter": [self.g, self.b]}[how]
+        for p in unused:
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = {"layer_norm without eps": lambda: F.layer_norm(x, x.shape[-1:], self.g, self.b),
+             "a parameter summed": lambda: x * self.g.sum(),
+             "a 0-dim parameter": lambda: x * self.alpha}[self.how]()
+        return x + self.out(ac.ops.linear_scan(torch.sigmoid(self.decay(x)), v, dim=1))
+
+
+@pytest.mark.parametrize("how,inside", [("layer_norm without eps", True), ("a parameter summed", False),
+                                        ("a 0-dim parameter", True)])
+def test_parameter_forms_made_per_example_or_left_outside(how, inside):
+    """Exact either way: a norm's default eps kept when its affine is split off, a parameter reduced to a scalar (not
+    made per example: the loss stays outside), a 0-dim parameter's per-example gradients ([B])."""
+    torch.manual_seed(9)
+    lm = LM()
+    lm.layers = nn.Sequential(FormLayer(D, how), FormLayer(D, how))
+    check(Step(lm, _ce("sum")).double(), *_data3(), shard=4, inside=inside)
 
 
 class TimeMajorLayer(nn.Module):

@@ -88,14 +88,15 @@ class DirectRecord(Record):
         self.g = g  # [B, *p.shape]
 
     def sq_norms(self) -> Tensor:
-        return self.g.flatten(1).to(torch.promote_types(self.g.dtype, torch.float32)).pow(2).sum(1)
+        # NB: reshape, not flatten(1): a 0-dim parameter's gradients are [B]
+        return self.g.reshape(len(self.g), -1).to(torch.promote_types(self.g.dtype, torch.float32)).pow(2).sum(1)
 
     def per_example(self) -> Tensor:
         return self.g
 
     def clipped_sum(self, c: Tensor) -> Tensor:
         # NB: matmuls, not torch.einsum: on CPU einsum took ~30x longer for these contractions
-        return (c.to(self.g.dtype) @ self.g.flatten(1)).view(self.g.shape[1:])
+        return (c.to(self.g.dtype) @ self.g.reshape(len(self.g), -1)).view(self.g.shape[1:])
 
 
 class LinearRecord(Record):

@@ -261,7 +261,8 @@ def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
     if any(a is not None and a not in chain for a in (w, b)):
         raise _NotExpandable(f"{u.name}: a norm's affine mixes parameters and examples")
     with g.inserting_before(u):
-        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []), *args[2 + n_aff:]))
+        # NB: the arguments given after the affine ones only: a missing eps keeps its default
+        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []), *u.args[2 + n_aff:]))
         out = plain if w is None else g.call_function(operator.mul, (plain, w))
         if b is not None:
             out = g.call_function(operator.add, (out, b))

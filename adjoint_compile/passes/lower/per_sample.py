@@ -221,8 +221,7 @@ class _Lowerer:
                 continue
             seen.add(m)
             if m.op in ("placeholder", "get_attr"):
-                if self.kind_of.get(m) == "P":
-                    out.append(m)
+                out += [m] if self.kind_of.get(m) == "P" else []
                 continue
             todo += [a for a in m.all_input_nodes if self.kind_of.get(a) == "P"]
         return out
@@ -291,6 +290,9 @@ class _Lowerer:
             op = ELEMENTWISE[n.target if n.op == "call_function" else name]
             op = "rsub" if op == "sub" and args[0] is p else op
             new = self._elementwise(n, act, p, op)
+        if new is None and n.target is F.embedding and _arg(n, 3, "max_norm") is not None:
+            raise _refuse(n, "has max_norm (rows renormalized in place in the forward): per-example gradients cannot "
+                             "follow it; renormalize the weight yourself after the optimizer's step")
         if new is None:
             new = self._generic(n)
         if n in self.moved:
