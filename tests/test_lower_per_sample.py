@@ -607,7 +607,7 @@ def test_selective_ssm_parameters_inside_a_sharded_region(B, T, layers, monkeypa
 def test_sharded_region_parameters_not_expandable_fall_back_to_masked_vjps(monkeypatch):
     """A region whose parameter reaches the examples through an op the per-example expansion does not take (here:
     exp, taken out of its list) falls back to one masked VJP per example: the same exact result."""
-    from adjoint_compile.runtime import sharded_ps
+    from adjoint_compile.runtime import per_example_program, sharded_ps
 
     refused = []
     real = sharded_ps._expanded_grads
@@ -615,11 +615,11 @@ def test_sharded_region_parameters_not_expandable_fall_back_to_masked_vjps(monke
     def spy(*a):
         try:
             return real(*a)
-        except sharded_ps._NotExpandable as e:
+        except per_example_program.NotExpandable as e:
             refused.append(str(e))
             raise
     monkeypatch.setattr(sharded_ps, "_expanded_grads", spy)
-    monkeypatch.setattr(sharded_ps, "_CHAIN", sharded_ps._CHAIN - {"exp"})
+    monkeypatch.setattr(per_example_program, "_CHAIN", per_example_program._CHAIN - {"exp"})
     torch.manual_seed(3)
     model = _ssm_module().make(d_model=4, d_state=2, n_layers=1)
     x = torch.randn(3, 5, 4)

@@ -317,6 +317,29 @@ def test_an_embedding_with_a_padding_index_in_the_region(padding_idx, batch):
     assert float(model.lm.emb.weight.grad[padding_idx].abs().max()) == 0.0
 
 
+class TiedHead(nn.Module):
+    """The head tied to the embedding, written ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lm, self.how = LM(), how
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, w = self.lm.norm(self.lm.layers(self.lm.emb(ids))), self.lm.emb.weight
+        return {"h @ W.T": lambda: h @ w.T, "h @ W.t()": lambda: h @ w.t(),
+                "matmul(h, W.transpose(0, 1))": lambda: torch.matmul(h, w.transpose(0, 1)),
+                "h @ W.permute(1, 0)": lambda: h @ w.permute(1, 0)}[self.how]()
+
+
+@pytest.mark.parametrize("how", ["h @ W.T", "h @ W.t()", "matmul(h, W.transpose(0, 1))", "h @ W.permute(1, 0)"])
+def test_a_tied_head_through_a_transpose(how):
+    """A head tied to the embedding through a transpose of its table: the transpose made on the table's copies."""
+    torch.manual_seed(4)
+    model = Step(TiedHead(how), _ce("sum")).double()
+    model.lm.lm.head.requires_grad_(False)  # NB: the untied head, unused
+    check(model, *_data3(), shard=4)
+
+
 class IndexedLayer(nn.Module):
     """A layer whose parameters meet the examples through ``W @ x`` (transformers' Mamba's ``dt_proj.weight @
     time_step.T``), an index with leading new axes (``g[None, None, :]``, Mamba-2's ``D[None, :, None]``) and an
@@ -350,20 +373,23 @@ class FormLayer(nn.Module):
         self.decay, self.out, self.how = nn.Linear(d, d), nn.Linear(d, d), how
         self.g, self.b = nn.Parameter(1 + 0.3 * torch.randn(d)), nn.Parameter(0.3 * torch.randn(d))
         self.alpha = nn.Parameter(torch.tensor(0.7))
-        unused = {"layer_norm without eps": [self.alpha], "a parameter summed": [self.alpha, self.b],
-                  "a 0-dim parameter": [self.g, self.b]}[how]
+        unused = {"a parameter summed": [self.alpha, self.b], "a 0-dim parameter": [self.g, self.b]}.get(how, [self.alpha])
         for p in unused:
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = {"layer_norm without eps": lambda: F.layer_norm(x, x.shape[-1:], self.g, self.b),
              "a parameter summed": lambda: x * self.g.sum(),
-             "a 0-dim parameter": lambda: x * self.alpha}[self.how]()
+             "a 0-dim parameter": lambda: x * self.alpha,
+             "view, unsqueeze": lambda: x * self.g.view(1, 1, -1) + self.b.unsqueeze(0),
+             "1 + g, g * g, g ** 2": lambda: x * (1 + self.g) * (self.g * self.g) + self.b ** 2,
+             "reshape, detach": lambda: x * self.g.reshape(1, -1) + self.b.detach()}[self.how]()
         return x + self.out(ac.ops.linear_scan(torch.sigmoid(self.decay(x)), v, dim=1))
 
 
 @pytest.mark.parametrize("how,inside", [("layer_norm without eps", True), ("a parameter summed", False),
-                                        ("a 0-dim parameter", True)])
+                                        ("a 0-dim parameter", True), ("view, unsqueeze", True),
+                                        ("1 + g, g * g, g ** 2", True), ("reshape, detach", True)])
 def test_parameter_forms_made_per_example_or_left_outside(how, inside):
     """Exact either way: a norm's default eps kept when its affine is split off, a parameter reduced to a scalar (not
     made per example: the loss stays outside), a 0-dim parameter's per-example gradients ([B])."""

@@ -1,0 +1,362 @@
+"""A sharded region's program made per example, for ``per_sample_clip`` (runtime/sharded_ps.py runs it).
+
+Every parameter p of the region becomes ``p + z_p``, z_p a zero [B, *p.shape] input: B copies of p, one per example,
+on a new leading axis. Ops on the parameter values alone compute on the copies (element-wise ops, indexing and ops
+on the value's own axes shifted past the copies' axis). Where a parameter value meets an example's value, the copies
+are re-viewed as [B, 1, ..., *shape] against values that carry the examples on axis 0 (element-wise ops, a norm's
+affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul
+(also on rows merged from [B, ..., d] with the examples first), an embedding's table as a lookup in its B copies.
+The gradient of z_p is then each example's gradient of p.
+
+    before:  y = linear(x, W)                  x: [B, L, d], W: [o, d]
+    after:   y = matmul(x, (W + z).view(B, o, d).transpose(-1, -2))     z: [B, o, d], zeros
+
+Where the examples are is followed from the region's inputs through the ops that move them (analysis/
+batch_axes.py), never told by size: a [L, B, d] value of a shard of L = B steps has B at axis 0, and its steps are
+not examples. Anything else raises :class:`NotExpandable`, and the caller falls back (masked VJPs, or a region that
+ends before its loss).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from ..analysis.batch_axes import moved_batch_axes
+from ..analysis.time_local import embedding_ids
+from .shard_program import ShardProgram
+
+__all__ = ["NotExpandable", "expanded_program"]
+
+
+class NotExpandable(Exception):
+    """The region's parameters cannot be made per example in its program (why: the message)."""
+
+    pass
+
+
+#: ops a parameter may pass through before it meets the examples (an extra leading example axis changes nothing)
+_CHAIN = frozenset("exp neg sigmoid tanh softplus log relu silu abs sqrt rsqrt reciprocal clamp float to".split())
+#: element-wise ops where a parameter value meets an example's value (broadcasting from the right)
+_MEET = frozenset("mul add sub truediv div".split())
+_MEET_FNS = {operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add, torch.sub, torch.div}
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphModule:
+    """The L-step program with every parameter p replaced by ``p + z_p`` (z_p: a zero [B, *p.shape] input) and
+    re-viewed as [B, 1, ..., *shape] where it meets the examples: the gradient of z_p is the per-example gradient
+    of p, from one backward with the whole cotangents."""
+    key = (L, B, ps.params)
+    cache = prog.__dict__.setdefault("ps_expanded", {})
+    if key in cache:
+        return cache[key]
+    gm = fx.GraphModule(prog.program(L), _copy_graph(prog.program(L)))
+    g = gm.graph
+    holders = [n for n in g.nodes if n.op == "placeholder"]
+    axis = _example_axes(gm, holders, ps, B)
+    last = holders[-1]
+    zs = []
+    for i in ps.params:
+        with g.inserting_after(last):
+            z = g.placeholder(f"per_example_{i}")
+        last = z
+        zs.append(z)
+    chain: set[fx.Node] = set()
+    done: set[fx.Node] = set()
+    todo: list[fx.Node] = []
+    for i, z in zip(ps.params, zs):
+        p = holders[i]
+        users = list(p.users)
+        with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+            pb = g.call_function(operator.add, (p, z))
+        pb.meta = dict(p.meta)  # NB: the parameter's shape: the re-views at the meeting points read it
+        chain.add(pb)
+        todo += users
+        for u in users:
+            u.replace_input_with(p, pb)
+    while todo:
+        u = todo.pop()
+        name = _target_name(u)
+        if u in chain or u in done:
+            continue
+        done.add(u)
+        ins = [a for a in u.all_input_nodes]
+        if all(a in chain for a in ins) and name in _CHAIN and u.op in ("call_function", "call_method") and \
+                not u.kwargs.get("dim"):
+            chain.add(u)
+            todo += list(u.users)
+            continue
+        if u.target is operator.getitem and u.args[0] in chain and (idx := _example_index(u.args[1])) is not None:
+            u.args = (u.args[0], idx)  # NB: the parameter value's copies come first: index after them
+            chain.add(u)
+            todo += list(u.users)
+            continue
+        if ins and all(a in chain for a in ins) and _param_op(u, B):
+            chain.add(u)
+            todo += list(u.users)
+            continue
+        out = u.meta.get("val", u.meta.get("example_value"))
+        if (prod := _product(u, chain)) is not None:
+            _batched_product(g, u, *prod, B, axis)
+            continue
+        if (m := embedding_ids(u)) is not None and m[1] in chain:
+            _batched_embedding(g, u, chain, m, B, axis)
+            continue
+        if not isinstance(out, Tensor) or out.dim() == 0 or int(out.shape[0]) != B or axis(u) != 0:
+            raise NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
+        if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
+            u = _split_affine(g, u, chain)
+            ins = [a for a in u.all_input_nodes]
+        elif name not in _MEET or not (u.op == "call_method" or u.target in _MEET_FNS) or len(u.args) != 2:
+            raise NotExpandable(f"{u.name} ({name}) uses a parameter value")
+        for a in ins:
+            if a in chain:
+                pv = a.meta.get("val", a.meta.get("example_value"))
+                shape = list(pv.shape) if isinstance(pv, Tensor) else []
+                while len(shape) > out.dim() - 1 and shape[0] == 1:
+                    shape.pop(0)  # NB: a leading axis of 1 (``D[None, :, None]``) is broadcast over the examples
+                if out.dim() - 1 < len(shape):
+                    raise NotExpandable(f"{u.name}: the parameter value has more axes than an example")
+                with g.inserting_before(u):
+                    v = g.call_method("view", (a, B, *([1] * (out.dim() - 1 - len(shape))), *shape))
+                u.replace_input_with(a, v)
+    g.lint()
+    gm.recompile()
+    cache[key] = gm
+    return gm
+
+
+_LINEARS = (torch.nn.functional.linear, torch._C._nn.linear)
+_NORMS = {torch.rms_norm: 2, torch.nn.functional.rms_norm: 2, torch.layer_norm: 3, torch.nn.functional.layer_norm: 3}
+
+
+def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
+    """``norm(x, shape, w, [b,] eps)`` -> ``norm(x, shape, None, [None,] eps) * w (+ b)``; returns the node whose
+    inputs are the parameter values (the caller re-views them)."""
+    n_aff = _NORMS[u.target] - 1
+    args = list(u.args) + [None] * (2 + n_aff + 1 - len(u.args))
+    w, b = args[2], args[3] if n_aff == 2 else None
+    if any(a is not None and a not in chain for a in (w, b)):
+        raise NotExpandable(f"{u.name}: a norm's affine mixes parameters and examples")
+    with g.inserting_before(u):
+        # NB: the arguments given after the affine ones only: a missing eps keeps its default
+        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []), *u.args[2 + n_aff:]))
+        out = plain if w is None else g.call_function(operator.mul, (plain, w))
+        if b is not None:
+            out = g.call_function(operator.add, (out, b))
+    for m in (plain, out):
+        m.meta = dict(u.meta)
+    u.replace_all_uses_with(out)
+    g.erase_node(u)
+    if b is not None and w is not None:  # NB: two meeting nodes: re-view w in the product here, b by the caller
+        mul = out.args[0]
+        pv = w.meta.get("val", w.meta.get("example_value"))
+        o = u.meta.get("val", u.meta.get("example_value"))
+        with g.inserting_before(mul):
+            v = g.call_method("view", (w, o.shape[0], *([1] * (o.dim() - 1 - pv.dim())), *list(pv.shape)))
+        mul.replace_input_with(w, v)
+    return out
+
+
+def _product(u: fx.Node, chain: set[fx.Node]) -> tuple[fx.Node, fx.Node, Any, bool] | None:
+    """``(x, W, b, transposed)`` when ``u`` applies a parameter value W to an example value x: ``linear(x, W, b)``
+    (transposed True), ``x @ W`` (False) or ``W @ x`` (None); else None."""
+    if u.target in _LINEARS:
+        args = list(u.args) + [u.kwargs.get("bias")] * (3 - len(u.args))
+        if set(u.kwargs) - {"bias"} or len(u.args) > 3:
+            raise NotExpandable(f"{u.name}: a linear with arguments it cannot follow")
+        x, w, b, t = *args[:3], True
+    elif (u.target in (operator.matmul, torch.matmul) or u.op == "call_method" and _target_name(u) == "matmul") and \
+            len(u.args) == 2 and not u.kwargs:
+        (x, w), b, t = u.args, None, False
+        if w not in chain and x in chain:  # NB: W @ x (transformers' Mamba: dt_proj.weight @ time_step.T)
+            (w, x), t = u.args, None
+    else:
+        return None
+    if x in chain or w not in chain or (b is not None and b not in chain):
+        return None if w not in chain and b not in chain else _refuse_product(u)
+    return x, w, b, t
+
+
+def _refuse_product(u: fx.Node) -> None:
+    raise NotExpandable(f"{u.name}: a product of two parameter values, or an example value as its weight")
+
+
+def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool | None,
+                     B: int, axis: Any) -> None:
+    """``linear(x, W, b)``, ``x @ W`` or ``W @ x`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched
+    matmul. When
+    x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on that value."""
+    out, wv = _val(u), _val(w)
+    rows = _merged_rows(x, B, axis) if transposed is not None else None
+    if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
+            rows is None and (int(out.shape[0]) != B or axis(x) != 0 or axis(u) != 0)):
+        raise NotExpandable(f"{u.name}: a product with a parameter matrix whose rows are not the examples'")
+    dim = 3 if rows is not None else out.dim()
+    pad = [1] * (dim - 3)
+    with g.inserting_before(u):
+        if rows is not None:
+            x = g.call_method("reshape", (rows, B, -1, _val(rows).shape[-1]))
+        wt = g.call_method("view", (w, B, *pad, *wv.shape))
+        if transposed:
+            wt = g.call_method("transpose", (wt, -1, -2))
+        y = g.call_function(torch.matmul, (x, wt) if transposed is not None else (wt, x))
+        if b is not None:
+            y = g.call_function(operator.add, (y, g.call_method("view", (b, B, *pad, 1, _val(b).shape[0]))))
+        if rows is not None:
+            y = g.call_method("reshape", (y, *out.shape))
+    y.meta = dict(u.meta)
+    u.replace_all_uses_with(y)
+    g.erase_node(u)
+
+
+def _val(n: fx.Node) -> Any:
+    return n.meta.get("val", n.meta.get("example_value"))
+
+
+def _example_axes(gm: fx.GraphModule, holders: list[fx.Node], ps: Any, B: int) -> Any:
+    """``axis(n)``: the axis of the examples in the program's value n, followed from the region's inputs and carries
+    through the ops that move it (analysis/batch_axes.py); None for a value without them or where it is lost. NB: not
+    the size alone: a [L, B, d] value of a shard whose length L is B has B at axis 0, and its steps are not examples."""
+    if len(ps.in_bdims) + len(ps.carry_bdims) > len(holders):
+        raise NotExpandable("the region's inputs do not match its program")
+    seeds: dict[fx.Node, int | None] = {}
+    for n, k in zip(holders, ps.in_bdims):
+        if k is not None:
+            seeds[n] = None if k < 0 else k
+    for n, k in zip(holders[len(ps.in_bdims):], ps.carry_bdims):
+        seeds[n] = k
+    acts = set(seeds)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and any(a in acts for a in n.all_input_nodes):
+            acts.add(n)
+    moved = moved_batch_axes(gm, acts, 0, B, seeds)
+    return lambda n: (moved.get(n, 0) if n in acts else None)
+
+
+#: element-wise ops among parameter values (and numbers): the same ranks, so their copies' axes line up
+_AMONG = frozenset("mul add sub truediv div pow".split())
+_AMONG_FNS = {*_MEET_FNS, operator.pow, torch.pow}
+#: ops on a parameter value's own axes, shifted past its copies' leading axis
+_AXES = frozenset("t T mT transpose permute unsqueeze view reshape".split())
+
+
+def _param_op(u: fx.Node, B: int) -> bool:
+    """Whether ``u``, whose tensor inputs are all parameter values (each [B, *shape] in the program made per example),
+    can compute on the copies: element-wise among values of one rank, ``detach``, or an op on the value's own axes
+    (rewritten in place to skip the copies' axis); False leaves it to the caller (a meeting with the examples, or
+    not expandable)."""
+    name = _target_name(u)
+    out = _val(u)
+    if u.op not in ("call_function", "call_method") or not isinstance(out, Tensor):
+        return False
+    if name == "detach":
+        return True
+    if name in _AMONG and (u.op == "call_method" or u.target in _AMONG_FNS) and not u.kwargs:
+        return all(isinstance(_val(a), Tensor) and _val(a).dim() == out.dim() for a in u.all_input_nodes)
+    if u.target is getattr and len(u.args) == 2 and u.args[1] in ("T", "mT"):
+        name = u.args[1]
+    elif name not in _AXES or u.kwargs or (u.op == "call_function" and u.target not in (torch.t, torch.transpose,
+                                                                                          torch.permute, torch.unsqueeze,
+                                                                                          torch.reshape)):
+        return False
+    x, rest = u.args[0], list(u.args[1:]) if u.target is not getattr else []
+    nd = _val(x).dim()
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        rest = list(rest[0])
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in rest):
+        return False
+    if name in ("t", "T", "mT"):
+        if nd < 2 and name != "mT":
+            args: tuple = (x, 0, 0)  # NB: a vector's transpose is itself
+        elif name == "T":
+            args = (x, 0, *range(nd, 0, -1))
+            name = "permute"
+        else:
+            args = (x, -1, -2)
+        name = "transpose" if name != "permute" else name
+    elif name == "transpose" and len(rest) == 2:
+        args = (x, *(d % nd + 1 for d in rest))
+    elif name == "permute" and sorted(d % nd for d in rest) == list(range(nd)):
+        args = (x, 0, *(d % nd + 1 for d in rest))
+    elif name == "unsqueeze" and len(rest) == 1:
+        args = (x, rest[0] % (nd + 1) + 1)
+    elif name in ("view", "reshape") and rest:
+        args = (x, B, *rest)
+    else:
+        return False
+    u.op, u.target, u.args, u.kwargs = "call_method", name, args, {}
+    return True
+
+
+def _example_index(idx: Any) -> tuple | None:
+    """``idx`` (a parameter value's index: ints, slices, None, ...) for its B copies on a new leading axis, or None
+    when it holds anything else (a tensor)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool) for i in items):
+        return None
+    if isinstance(idx, slice) and idx == slice(None) or items and items[0] is Ellipsis:
+        return idx
+    return (slice(None), *items)
+
+
+def _merged_rows(x: Any, B: int, axis: Any) -> fx.Node | None:
+    """The [B, ..., d] value whose leading axes ``x`` ([rows, d]) merges (``view(-1, d)``, ``flatten(0, 1)``,
+    ``reshape``), the examples first, so each example's rows are one block; else None."""
+    if not (isinstance(x, fx.Node) and x.op in ("call_method", "call_function") and _target_name(x) in _MERGES and
+            x.args and isinstance(x.args[0], fx.Node)):
+        return None
+    src, v, xv = x.args[0], _val(x.args[0]), _val(x)
+    if not (axis(src) == 0 and isinstance(v, Tensor) and isinstance(xv, Tensor) and xv.dim() == 2 and v.dim() >= 3 and
+            int(v.shape[0]) == B and xv.shape[1] == v.shape[-1] and xv.shape[0] == v.numel() // v.shape[-1]):
+        return None
+    return src
+
+
+_MERGES = frozenset("view reshape flatten".split())
+
+
+def _example_rows(ids: Tensor, V: int) -> Tensor:
+    """``ids`` [B, ...] moved to example n's copy of a [V, d] table: rows of the [B·V, d] table the copies make."""
+    off = torch.arange(ids.shape[0], device=ids.device, dtype=ids.dtype) * V
+    return ids + off.view(-1, *([1] * (ids.dim() - 1)))
+
+
+def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int,
+                       axis: Any) -> None:
+    """``embedding(ids, W)`` with W per example ([B, V, d]): a lookup in the [B·V, d] table of the examples'
+    copies; a padding index's rows get no gradient, as in ``embedding``."""
+    ids, w = m
+    pad = ({**dict(zip(("input", "weight", "padding_idx"), u.args)), **u.kwargs} if u.target is not torch.embedding
+           else dict(zip(("weight", "input", "padding_idx"), u.args))).get("padding_idx")
+    if u.target is torch.embedding and pad == -1:  # NB: its -1 means none (F.embedding's -1 is row V - 1)
+        pad = None
+    iv, wv = _val(ids), _val(w)
+    if w not in chain or axis(ids) != 0 or not isinstance(iv, Tensor) or iv.dim() == 0 or int(iv.shape[0]) != B or \
+            not isinstance(wv, Tensor) or wv.dim() != 2:
+        raise NotExpandable(f"{u.name}: an embedding that is not a lookup of the examples' indices in a parameter")
+    V, d = (int(s) for s in wv.shape)
+    with g.inserting_before(u):
+        table = g.call_method("reshape", (w, B * V, d))
+        y = g.call_function(torch.nn.functional.embedding, (g.call_function(_example_rows, (ids, V)), table))
+        if pad is not None:
+            keep = g.call_method("unsqueeze", (g.call_function(operator.eq, (ids, pad % V)), -1))
+            y = g.call_function(torch.where, (keep, g.call_method("detach", (y,)), y))
+    y.meta = dict(u.meta)
+    u.replace_all_uses_with(y)
+    g.erase_node(u)
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return g
