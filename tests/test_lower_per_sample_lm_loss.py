@@ -317,6 +317,28 @@ def test_an_embedding_with_a_padding_index_in_the_region(padding_idx, batch):
     assert float(model.lm.emb.weight.grad[padding_idx].abs().max()) == 0.0
 
 
+class PositionsLM(LM):
+    """Learned absolute positions added to the token embeddings: ``pos(arange(T))``, the same rows for every example."""
+
+    def __init__(self, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(32, D, padding_idx=padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return self.head(self.norm(self.layers(x)))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_learned_positions_in_the_region(padding_idx):
+    """The position table is looked up in the region for every example alike: each example's copy of it, exact."""
+    torch.manual_seed(10)
+    model = Step(PositionsLM(padding_idx), _ce("sum")).double()
+    check(model, *_data3(), shard=4)
+    if padding_idx is not None:
+        assert float(model.lm.pos.weight.grad[padding_idx].abs().max()) == 0.0
+
+
 class TiedHead(nn.Module):
     """The head tied to the embedding, written ``how``."""
 

@@ -108,7 +108,9 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
             _batched_product(g, u, *prod, B, axis)
             continue
         if (m := embedding_ids(u)) is not None and m[1] in chain:
-            _batched_embedding(g, u, chain, m, B, axis)
+            if (y := _batched_embedding(g, u, chain, m, B, axis)) is not None:  # a table of the copies' own rows
+                chain.add(y)
+                todo += list(y.users)
             continue
         if not isinstance(out, Tensor) or out.dim() == 0 or int(out.shape[0]) != B or axis(u) != 0:
             raise NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
@@ -331,28 +333,34 @@ def _example_rows(ids: Tensor, V: int) -> Tensor:
 
 
 def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int,
-                       axis: Any) -> None:
+                       axis: Any) -> fx.Node | None:
     """``embedding(ids, W)`` with W per example ([B, V, d]): a lookup in the [B·V, d] table of the examples'
-    copies; a padding index's rows get no gradient, as in ``embedding``."""
+    copies; a padding index's rows get no gradient, as in ``embedding``. Indices without the examples (positions,
+    ``pos(arange(T))``) look up every copy alike: the result is a parameter value's copies, returned (else None)."""
     ids, w = m
     pad = ({**dict(zip(("input", "weight", "padding_idx"), u.args)), **u.kwargs} if u.target is not torch.embedding
            else dict(zip(("weight", "input", "padding_idx"), u.args))).get("padding_idx")
     if u.target is torch.embedding and pad == -1:  # NB: its -1 means none (F.embedding's -1 is row V - 1)
         pad = None
     iv, wv = _val(ids), _val(w)
-    if w not in chain or axis(ids) != 0 or not isinstance(iv, Tensor) or iv.dim() == 0 or int(iv.shape[0]) != B or \
-            not isinstance(wv, Tensor) or wv.dim() != 2:
+    shared = ids not in chain and axis(ids) is None
+    if w not in chain or not isinstance(iv, Tensor) or not isinstance(wv, Tensor) or wv.dim() != 2 or not shared and (
+            axis(ids) != 0 or iv.dim() == 0 or int(iv.shape[0]) != B):
         raise NotExpandable(f"{u.name}: an embedding that is not a lookup of the examples' indices in a parameter")
     V, d = (int(s) for s in wv.shape)
     with g.inserting_before(u):
-        table = g.call_method("reshape", (w, B * V, d))
-        y = g.call_function(torch.nn.functional.embedding, (g.call_function(_example_rows, (ids, V)), table))
+        if shared:
+            y = g.call_function(operator.getitem, (w, (slice(None), ids)))
+        else:
+            table = g.call_method("reshape", (w, B * V, d))
+            y = g.call_function(torch.nn.functional.embedding, (g.call_function(_example_rows, (ids, V)), table))
         if pad is not None:
             keep = g.call_method("unsqueeze", (g.call_function(operator.eq, (ids, pad % V)), -1))
             y = g.call_function(torch.where, (keep, g.call_method("detach", (y,)), y))
     y.meta = dict(u.meta)
     u.replace_all_uses_with(y)
     g.erase_node(u)
+    return y if shared else None
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
