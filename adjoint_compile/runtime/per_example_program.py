@@ -292,7 +292,8 @@ def _param_op(u: fx.Node, B: int) -> bool:
     elif name == "unsqueeze" and len(rest) == 1:
         args = (x, rest[0] % (nd + 1) + 1)
     elif name in ("view", "reshape") and rest:
-        args = (x, B, *rest)
+        # NB: reshape: the copies of a value that was a contiguous view (``W[0]``) need not be one
+        args, name = (x, B, *rest), "reshape"
     else:
         return False
     u.op, u.target, u.args, u.kwargs = "call_method", name, args, {}
