@@ -395,7 +395,8 @@ class FormLayer(nn.Module):
         self.decay, self.out, self.how = nn.Linear(d, d), nn.Linear(d, d), how
         self.g, self.b = nn.Parameter(1 + 0.3 * torch.randn(d)), nn.Parameter(0.3 * torch.randn(d))
         self.alpha = nn.Parameter(torch.tensor(0.7))
-        unused = {"a parameter summed": [self.alpha, self.b], "a 0-dim parameter": [self.g, self.b]}.get(how, [self.alpha])
+        unused = {"a parameter summed": [self.alpha, self.b], "a 0-dim parameter": [self.g, self.b],
+                  "clamp(g, max=alpha)": [self.b]}.get(how, [self.alpha])
         for p in unused:
             p.requires_grad_(False)
 
@@ -405,20 +406,26 @@ class FormLayer(nn.Module):
              "a 0-dim parameter": lambda: x * self.alpha,
              "view, unsqueeze": lambda: x * self.g.view(1, 1, -1) + self.b.unsqueeze(0),
              "1 + g, g * g, g ** 2": lambda: x * (1 + self.g) * (self.g * self.g) + self.b ** 2,
-             "reshape, detach": lambda: x * self.g.reshape(1, -1) + self.b.detach()}[self.how]()
+             "reshape, detach": lambda: x * self.g.reshape(1, -1) + self.b.detach(),
+             "clamp(g, max=alpha)": lambda: x * torch.clamp(self.g, max=self.alpha)}[self.how]()
         return x + self.out(ac.ops.linear_scan(torch.sigmoid(self.decay(x)), v, dim=1))
 
 
 @pytest.mark.parametrize("how,inside", [("layer_norm without eps", True), ("a parameter summed", False),
                                         ("a 0-dim parameter", True), ("view, unsqueeze", True),
-                                        ("1 + g, g * g, g ** 2", True), ("reshape, detach", True)])
+                                        ("1 + g, g * g, g ** 2", True), ("reshape, detach", True),
+                                        ("clamp(g, max=alpha)", False)])
 def test_parameter_forms_made_per_example_or_left_outside(how, inside):
     """Exact either way: a norm's default eps kept when its affine is split off, a parameter reduced to a scalar (not
-    made per example: the loss stays outside), a 0-dim parameter's per-example gradients ([B])."""
+    made per example: the loss stays outside), a 0-dim parameter's per-example gradients ([B]), a clamp bounded by
+    a parameter of another rank (its copies would broadcast along the wrong axis: left outside). B = D = 8: a
+    parameter's axis of the examples' size cannot pass for the examples'."""
     torch.manual_seed(9)
     lm = LM()
     lm.layers = nn.Sequential(FormLayer(D, how), FormLayer(D, how))
-    check(Step(lm, _ce("sum")).double(), *_data3(), shard=4, inside=inside)
+    g = torch.Generator().manual_seed(2)
+    ids, tg = torch.randint(0, V, (D, 13), generator=g), torch.randint(0, V, (D, 13), generator=g)
+    check(Step(lm, _ce("sum")).double(), ids, tg, shard=4, inside=inside)
 
 
 class TimeMajorLayer(nn.Module):

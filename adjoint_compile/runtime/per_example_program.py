@@ -89,8 +89,10 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
             continue
         done.add(u)
         ins = [a for a in u.all_input_nodes]
+        # NB: with more than one parameter value (a clamp's tensor bound), only values of one rank: their copies' axes
+        # line up
         if all(a in chain for a in ins) and name in _CHAIN and u.op in ("call_function", "call_method") and \
-                not u.kwargs.get("dim"):
+                not u.kwargs.get("dim") and _same_rank(u):
             chain.add(u)
             todo += list(u.users)
             continue
@@ -251,6 +253,12 @@ _AMONG_FNS = {*_MEET_FNS, operator.pow, torch.pow}
 _AXES = frozenset("t T mT transpose permute unsqueeze view reshape".split())
 
 
+def _same_rank(u: fx.Node) -> bool:
+    out = _val(u)
+    return isinstance(out, Tensor) and all(isinstance(_val(a), Tensor) and _val(a).dim() == out.dim()
+                                           for a in u.all_input_nodes)
+
+
 def _param_op(u: fx.Node, B: int) -> bool:
     """Whether ``u``, whose tensor inputs are all parameter values (each [B, *shape] in the program made per example),
     can compute on the copies: element-wise among values of one rank, ``detach``, or an op on the value's own axes
@@ -263,7 +271,7 @@ def _param_op(u: fx.Node, B: int) -> bool:
     if name == "detach":
         return True
     if name in _AMONG and (u.op == "call_method" or u.target in _AMONG_FNS) and not u.kwargs:
-        return all(isinstance(_val(a), Tensor) and _val(a).dim() == out.dim() for a in u.all_input_nodes)
+        return _same_rank(u)
     if u.target is getattr and len(u.args) == 2 and u.args[1] in ("T", "mT"):
         name = u.args[1]
     elif name not in _AXES or u.kwargs or (u.op == "call_function" and u.target not in (torch.t, torch.transpose,
