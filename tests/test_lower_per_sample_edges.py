@@ -429,3 +429,54 @@ def test_distributed_data_parallel_is_refused(tmp_path):
         assert all(p.grad is None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+class _Reversed(nn.Module):
+    """A pooled [B, D] activation turned around by ``how`` (its examples then on axis 1, or on axis 2 of a [B, T, D]
+    activation), scaled by a [1, 1] parameter and turned back; B == D, so sizes alone cannot tell the axes apart."""
+
+    FORMS = {"x.T": lambda p, c: (p.T * c).T, "x.mT": lambda p, c: (p.mT * c).mT,
+             "torch.adjoint": lambda p, c: torch.adjoint(torch.adjoint(p) * c),
+             "einsum": lambda p, c: torch.einsum("db->bd", torch.einsum("bd->db", p) * c),
+             "3-D x.T": lambda h, c: (h.T * c).T}
+
+    def __init__(self, how: str, d: int = 4) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(d, d)
+        self.c = nn.Parameter(torch.full((1, 1), 1.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "3-D x.T":
+            return self.lin(self.FORMS[self.how](torch.tanh(x), self.c))
+        return self.lin(x + self.FORMS[self.how](torch.tanh(x.mean(1)), self.c)[:, None, :])
+
+
+@pytest.mark.parametrize("how", list(_Reversed.FORMS))
+def test_examples_turned_around_by_t_attributes_and_einsum_are_followed(how):
+    """``x.T``, ``x.mT``, ``torch.adjoint`` and a permuting ``einsum`` move the examples as ``transpose`` does: with
+    B == D their axis was taken to stay first by size (each example's gradient of the scale went to a feature).
+    Norms against vmap(grad), the clipped sum against a loop over the examples, fp64."""
+    torch.manual_seed(6)
+    _clipped_matches(_Reversed(how).double(), 0.05, torch.randn(4, 5, 4, dtype=torch.float64))
+
+
+class _Moved(nn.Module):
+    def __init__(self, how: str, d: int = 4) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(d, d)
+        self.c = nn.Parameter(torch.full((1, 1, 1), 1.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "rot90":
+            return self.lin(torch.rot90(torch.rot90(x, 1, (0, 2)) * self.c, -1, (0, 2)))
+        z = torch.stack([x, 0.5 * x]) * self.c  # NB: [2, B, T, D] where B == 2
+        return self.lin(z[0] + z[1])
+
+
+@pytest.mark.parametrize("how,B", [("rot90", 4), ("stack", 2)])
+def test_examples_moved_by_ops_it_cannot_follow_are_refused(how, B):
+    """``rot90`` and a stack indexed back move the examples where the book-keeping does not follow them: refused
+    with a PerSampleError, never a gradient attributed by size (B equals the moved axis' size here)."""
+    f = torch.compile(_Moved(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
+        _loss(f(torch.randn(B, 3, 4, dtype=torch.float64))).backward()

@@ -38,14 +38,20 @@ def _dims(x: Any, nd: int) -> list[int] | None:
 def permutation(n: fx.Node) -> list[int] | None:
     """For a node that permutes its first operand's axes: per output axis, the input axis it reads; else None."""
     name = use_name(n)
-    if name not in _PERMUTES or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs:
+    if n.target is getattr and len(n.args) == 2 and n.args[1] in ("T", "H", "mT", "mH"):
+        name = n.args[1]  # NB: x.T reverses every axis, x.mT swaps the last two (H, mH: conjugated too)
+    elif name not in _PERMUTES | {"adjoint"} or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs:
         return None
     v = example_value(n.args[0])
     if not isinstance(v, torch.Tensor):
         return None
-    nd, args = v.dim(), n.args[1:]
+    nd, args = v.dim(), n.args[1:] if n.target is not getattr else ()
     if nd == 0:
         return None
+    if name in ("T", "H"):
+        return list(range(nd))[::-1]
+    if name in ("mT", "mH", "adjoint"):
+        return [*range(nd - 2), nd - 1, nd - 2] if nd >= 2 else None
     if name in ("movedim", "moveaxis") and len(args) == 2:
         src, dst = _dims(args[0], nd), _dims(args[1], nd)
         if src is None or dst is None or len(src) != len(dst):
@@ -99,7 +105,14 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
                 moved[n] = new
             continue
         ins = [a for a in n.all_input_nodes if a in activations and isinstance(example_value(a), torch.Tensor)]
+        if ins and use_name(n) in ("einsum", "stack"):  # NB: they place the examples' axis themselves
+            k = _placed_axis(n, ins, {a: moved.get(a, bd) for a in ins})
+            if k != bd:
+                moved[n] = k
+            continue
         if not any(a in moved for a in ins):
+            if ins and (k := _unmoved_axis(n, ins, bd, batch)) != bd:
+                moved[n] = k
             continue
         if is_linear_scan(n):
             moved[n] = _scan_axis(n, moved, activations, bd)
@@ -118,6 +131,58 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
         same = isinstance(v, torch.Tensor) and all(example_value(a).dim() == v.dim() for a in ins)
         moved[n] = k if k is not None and same and v.dim() > k and int(v.shape[k]) == batch else None
     return moved
+
+
+def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | None:
+    """The examples' axis in ``n``'s output when every activation it reads has them on ``bd`` (there, or as the
+    outermost factor of merged rows ``[B·T, ...]``): ``bd`` for ops that keep the leading axes (element-wise,
+    products, norms, reductions over later axes, a row-major reshape whose axis ``bd`` stays a multiple of B with
+    the axes before it unchanged), None for an op that moves axes another way (``rot90``, ``as_strided``,
+    ``unsqueeze`` or ``expand`` in front of them). NB: by size alone a [T, B, D] value where T == B would pass for
+    one with the examples first."""
+    name, v, x = use_name(n), example_value(n), example_value(ins[0])
+    if not isinstance(v, torch.Tensor) or not isinstance(x, torch.Tensor):
+        return bd
+    if name in ("rot90", "as_strided", "unfold"):
+        return None
+    if name not in _RESHAPES:
+        return bd
+    keeps = v.dim() > bd and x.dim() > bd and tuple(v.shape[:bd]) == tuple(x.shape[:bd]) and \
+        int(v.shape[bd]) % batch == 0 and int(x.shape[bd]) % batch == 0
+    if name == "unsqueeze":
+        d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keeps = keeps and isinstance(d, int) and d % v.dim() > bd
+    elif name in ("expand", "expand_as", "broadcast_to", "repeat"):
+        keeps = keeps and v.dim() == x.dim() and v.shape[bd] == x.shape[bd]  # NB: new axes come first
+    return bd if keeps else None
+
+
+def _placed_axis(n: fx.Node, ins: list[fx.Node], axes: dict[fx.Node, int | None]) -> int | None:
+    """Where ``einsum`` (the output position of the examples' letter) or ``stack`` (a new axis at ``dim``) puts the
+    examples of its operands (their axes in ``axes``), or None."""
+    if any(k is None for k in axes.values()):
+        return None
+    v = example_value(n)
+    if use_name(n) == "stack":
+        d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        ks = set(axes.values())
+        if not isinstance(d, int) or len(ks) != 1 or not isinstance(v, torch.Tensor):
+            return None
+        (k,) = ks
+        return k + 1 if d % v.dim() <= k else k
+    eq = n.args[0] if n.args and isinstance(n.args[0], str) else None
+    ops = list(n.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if eq is None or "->" not in eq or "." in eq:
+        return None
+    lhs, rhs = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    letters = {terms[i][axes[a]] for i, a in enumerate(ops) if a in axes and i < len(terms) and len(terms[i]) > axes[a]}
+    if len(letters) != 1 or len(terms) != len(ops):
+        return None
+    (c,) = letters
+    return rhs.index(c) if c in rhs else None
 
 
 def _scan_axis(n: fx.Node, moved: dict[fx.Node, int | None], activations: set[fx.Node], bd: int) -> int | None:
