@@ -480,3 +480,35 @@ def test_examples_moved_by_ops_it_cannot_follow_are_refused(how, B):
     f = torch.compile(_Moved(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
         _loss(f(torch.randn(B, 3, 4, dtype=torch.float64))).backward()
+
+
+class _Reordered(nn.Module):
+    """The examples reordered along the batch axis and restored (sort by length, then unsort), or a constant made
+    from an activation's shape meeting a parameter."""
+
+    def __init__(self, how: str, d: int = 4) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(d, d)
+        self.g = nn.Parameter(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        perm = torch.arange(B - 1, -1, -1)
+        if self.how == "x[perm]":
+            y = (x[perm] * self.g)[perm]
+        elif self.how == "roll":
+            y = torch.roll(torch.roll(x, 1, 0) * self.g, -1, 0)
+        elif self.how == "index_select":
+            y = torch.index_select(torch.index_select(x, 0, perm) * self.g, 0, perm)
+        else:  # NB: [T, D] where T == B: values of no example
+            y = x + x.new_ones(x.shape[1], x.shape[2]) * self.g
+        return self.lin(y)
+
+
+@pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "new_ones"])
+def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refused(how):
+    """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B), and
+    ``x.new_ones(T, D)`` holds no example's values though T == B: refused, never attributed by position."""
+    f = torch.compile(_Reordered(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
+        _loss(f(torch.randn(3, 3, 4, dtype=torch.float64))).backward()

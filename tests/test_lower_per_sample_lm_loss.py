@@ -322,18 +322,23 @@ class PositionsLM(LM):
 
     def __init__(self, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.pos = nn.Embedding(32, D, padding_idx=padding_idx)
+        self.pos, self.expanded = nn.Embedding(32, D, padding_idx=padding_idx), False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-        return self.head(self.norm(self.layers(x)))
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        if self.expanded:  # NB: transformers' position_ids
+            pos = pos[None].expand(ids.shape[0], -1)
+        return self.head(self.norm(self.layers(self.emb(ids) + self.pos(pos))))
 
 
-@pytest.mark.parametrize("padding_idx", [None, 3])
-def test_learned_positions_in_the_region(padding_idx):
-    """The position table is looked up in the region for every example alike: each example's copy of it, exact."""
+@pytest.mark.parametrize("padding_idx,expanded", [(None, False), (3, False), (None, True)])
+def test_learned_positions_in_the_region(padding_idx, expanded):
+    """The position table is looked up in the region for every example alike: each example's copy of it, exact; ids
+    expanded over the batch (``arange(T)[None].expand(B, -1)``) are every example's own."""
     torch.manual_seed(10)
-    model = Step(PositionsLM(padding_idx), _ce("sum")).double()
+    lm = PositionsLM(padding_idx)
+    lm.expanded = expanded
+    model = Step(lm, _ce("sum")).double()
     check(model, *_data3(), shard=4)
     if padding_idx is not None:
         assert float(model.lm.pos.weight.grad[padding_idx].abs().max()) == 0.0

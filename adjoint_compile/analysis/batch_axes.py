@@ -20,12 +20,26 @@ import torch.nn.functional as F
 
 from .fx import example_value, is_linear_scan, scan_args
 
-__all__ = ["permutation", "moved_batch_axes", "use_name"]
+__all__ = ["permutation", "moved_batch_axes", "broadcast_over_examples", "use_name"]
 
 
 _PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
 _RESHAPES = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as", "unfold", "as_strided", "expand",
              "expand_as", "broadcast_to", "repeat", "squeeze", "unsqueeze"}
+
+
+_EXPANDS = frozenset("expand expand_as broadcast_to".split())
+
+
+def broadcast_over_examples(n: fx.Node, bd: int, batch: int) -> bool:
+    """Whether ``n`` expands a value without the examples to ``batch`` copies on axis ``bd`` (``arange(T)[None]
+    .expand(B, -1)``, position ids): the same values for every example, so each example's own."""
+    v, x = example_value(n), example_value(n.args[0]) if n.args else None
+    if use_name(n) not in _EXPANDS or not isinstance(v, torch.Tensor) or not isinstance(x, torch.Tensor) or \
+            v.dim() <= bd or int(v.shape[bd]) != batch:
+        return False
+    k = bd - (v.dim() - x.dim())  # NB: expand adds axes in front
+    return k < 0 or int(x.shape[k]) == 1
 
 
 def _dims(x: Any, nd: int) -> list[int] | None:
@@ -143,8 +157,12 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
     name, v, x = use_name(n), example_value(n), example_value(ins[0])
     if not isinstance(v, torch.Tensor) or not isinstance(x, torch.Tensor):
         return bd
-    if name in ("rot90", "as_strided", "unfold"):
+    if name in _LOST or name.startswith("new_"):  # NB: new_ones(T, V): values of no example, [T, V] where T == B
         return None
+    if name in _ALONG_DIM and _along(n, name, x.dim()) in (None, bd):
+        return None  # NB: x[perm], roll along the examples: each row another example's
+    if n.target is operator.getitem and n.args[0] is ins[0]:
+        return _indexed_axis(n.args[1], bd, x.dim())
     if name not in _RESHAPES:
         return bd
     keeps = v.dim() > bd and x.dim() > bd and tuple(v.shape[:bd]) == tuple(x.shape[:bd]) and \
@@ -155,6 +173,55 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
     elif name in ("expand", "expand_as", "broadcast_to", "repeat"):
         keeps = keeps and v.dim() == x.dim() and v.shape[bd] == x.shape[bd]  # NB: new axes come first
     return bd if keeps else None
+
+
+#: ops whose output's axes are not the input's in any way followed here
+_LOST = frozenset("rot90 as_strided unfold tile diag diagonal diag_embed".split())
+#: ops that index or shift along one axis (the examples reordered when it is theirs): the arg position of the axis
+_ALONG_DIM = {"index_select": 1, "gather": 1, "take_along_dim": 2, "roll": 2, "scatter": 1, "scatter_add": 1,
+              "index_add": 1, "index_copy": 1, "index_fill": 1, "repeat_interleave": 2}
+
+
+def _along(n: fx.Node, name: str, nd: int) -> int | None:
+    """The axis ``n`` indexes or shifts along (None: all of them, or unknown)."""
+    pos = _ALONG_DIM[name]
+    d = n.args[pos] if len(n.args) > pos else n.kwargs.get("dims" if name == "roll" else "dim")
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    return d % nd if isinstance(d, int) and not isinstance(d, bool) and nd else None
+
+
+def _indexed_axis(idx: Any, bd: int, nd: int) -> int | None:
+    """Where ``x[idx]`` puts the examples of x (on ``bd``): basic indexing before them moves them (None adds an axis,
+    an int removes one), a tensor or list index anywhere may reorder or move them (None: unknown)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if any(isinstance(i, (fx.Node, list, torch.Tensor)) for i in items):
+        return None
+    k, axis = bd, 0  # NB: axis: the input axis the next item indexes
+    for j, i in enumerate(items):
+        if i is Ellipsis:  # NB: the items after it index the last axes: they must all come after the examples'
+            rest = items[j + 1:]
+            if axis > bd:
+                return k
+            if any(r is Ellipsis or not (r is None or isinstance(r, (int, slice))) for r in rest):
+                return None
+            return k if nd - sum(r is not None for r in rest) > bd else None
+        if axis > bd:
+            break
+        if i is None:
+            k += 1
+        elif isinstance(i, bool) or not isinstance(i, (int, slice)):
+            return None
+        elif isinstance(i, int):
+            if axis == bd:
+                return None  # NB: one example
+            k -= 1
+            axis += 1
+        else:
+            if axis == bd and i != slice(None):
+                return None  # NB: some of the examples
+            axis += 1
+    return k
 
 
 def _placed_axis(n: fx.Node, ins: list[fx.Node], axes: dict[fx.Node, int | None]) -> int | None:

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..analysis.batch_axes import moved_batch_axes
+from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes
 from ..analysis.time_local import embedding_ids
 from .shard_program import ShardProgram
 
@@ -240,8 +240,8 @@ def _example_axes(gm: fx.GraphModule, holders: list[fx.Node], ps: Any, B: int) -
         seeds[n] = k
     acts = set(seeds)
     for n in gm.graph.nodes:
-        if n.op != "placeholder" and any(a in acts for a in n.all_input_nodes):
-            acts.add(n)
+        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or broadcast_over_examples(n, 0, B)):
+            acts.add(n)  # NB: a constant expanded over the examples (position ids) is every example's own
     moved = moved_batch_axes(gm, acts, 0, B, seeds)
     return lambda n: (moved.get(n, 0) if n in acts else None)
 

@@ -39,8 +39,8 @@ from ...ops import scan_op
 from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
-from .per_sample_axes import check_batched as _check_batched
-from .per_sample_axes import moved_batch_axes, origin as _origin, refuse as _refuse, use_name as _name
+from .per_sample_axes import broadcast_over_examples, check_batched as _check_batched, moved_batch_axes
+from .per_sample_axes import origin as _origin, refuse as _refuse, use_name as _name
 from .per_sample_loss import flat_rows, param_dependent, region_loss_kind, tail_kind, warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
@@ -187,8 +187,8 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             kind_of[n] = "M" if "P" in ins else "A"
         elif "P" in ins:
             kind_of[n] = "P"
-        else:
-            kind_of[n] = "C"
+        else:  # NB: a constant expanded over the examples (position ids) is every example's own, alike
+            kind_of[n] = "A" if batch is not None and broadcast_over_examples(n, bd, batch) else "C"
     return kind_of, batch
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...analysis.batch_axes import moved_batch_axes, permutation, use_name
+from ...analysis.batch_axes import broadcast_over_examples, moved_batch_axes, permutation, use_name
 from ...analysis.fx import example_value, source_at
 from ...errors import PerSampleError
 
-__all__ = ["permutation", "moved_batch_axes", "check_batched", "refuse", "use_name", "origin"]
-
+__all__ = ["permutation", "moved_batch_axes", "broadcast_over_examples", "check_batched", "refuse", "use_name",
+           "origin"]
 
 def refuse(n: fx.Node, why: str) -> PerSampleError:
     return PerSampleError(f"adjoint-compile per_sample_clip: {use_name(n)} ({n.name}) {why}; at {source_at(n)}")
