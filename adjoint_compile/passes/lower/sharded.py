@@ -35,8 +35,8 @@ from ...options import Options, validate
 from ...regions import PROVENANCE, Lowered, NotLowered, Recurrence
 from ...runtime.shard_parts import own_bytes
 from ...runtime.sharded import ShardedRegion
-from ..decide import declines
 from ...runtime.sharded_ps import expandable_reason
+from ..decide import declines
 from .sharded_ps import per_sample_region, pull_in_parameter_math
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,11 @@ def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, 
 
 
 class _LossNotPerExample(UnsupportedRegion):
-    """Under per_sample_clip, a region's loss that its expanded parameters cannot split by example."""
+    """Under per_sample_clip, a region's loss that its expanded parameters cannot split by example (``why``)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"per_sample_clip: the loss cannot be split by example in the region ({why})")
+        self.why = why
 
 
 def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, opts: Options,
@@ -149,7 +153,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     if ps_kinds is not None and mod.per_sample.loss_kinds and (why := next(filter(None, (
             expandable_reason(mod._plan, mod.per_sample, L) for L in sorted({e - s for s, e in mod._plan.bounds()}))),
             "")):
-        raise _LossNotPerExample(f"per_sample_clip: the loss cannot be split by example in the region ({why})")
+        raise _LossNotPerExample(why)
     memory = expected_memory(nodes, scans, info, T, S_all, inputs, outputs, mod._plan.halo_bytes())
     if ps_kinds is not None:
         # NB: the per-example gradients of the region's parameters ([B, *p.shape] each, over all shards) are kept
@@ -448,12 +452,11 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
                 except _LossNotPerExample as e:
                     # NB: the region as it was before it took in the loss: ending before it, the logits whole
                     log.info("adjoint-compile: %s; the region around %s ends before it", e, s.name)
-                    cause = str(e).split("(", 1)[-1].rstrip(")")
                     left = [x for x in scans if x not in done and x in gm.graph.nodes]
                     plain = analyze(gm, infer_seeds(gm, left, False, False), False, ends=False)
                     part, bounds = region_around(gm, [s], plain)
                     call = _lower_region(gm, part, plain, opts, outside=f"its parameters cannot be split by "
-                                                                         f"example there: {cause}")
+                                                                         f"example there: {e.why}")
                     # NB: the step axes of the call's outputs, for the regions lowered after it
                     info.step_dim.update({n: d for n, d in plain.step_dim.items() if n not in info.step_dim})
             except UnsupportedRegion as e:
