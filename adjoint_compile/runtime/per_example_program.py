@@ -35,8 +35,6 @@ __all__ = ["NotExpandable", "expanded_program"]
 class NotExpandable(Exception):
     """The region's parameters cannot be made per example in its program (why: the message)."""
 
-    pass
-
 
 #: ops a parameter may pass through before it meets the examples (an extra leading example axis changes nothing)
 _CHAIN = frozenset("exp neg sigmoid tanh softplus log relu silu abs sqrt rsqrt reciprocal clamp float to".split())
@@ -59,6 +57,7 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
     if key in cache:
         return cache[key]
     gm = fx.GraphModule(prog.program(L), _copy_graph(prog.program(L)))
+    gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard program made per example"}
     g = gm.graph
     holders = [n for n in g.nodes if n.op == "placeholder"]
     axis = _example_axes(gm, holders, ps, B)
