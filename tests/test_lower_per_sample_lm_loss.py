@@ -433,6 +433,29 @@ def test_parameter_forms_made_per_example_or_left_outside(how, inside):
     check(Step(lm, _ce("sum")).double(), ids, tg, shard=4, inside=inside)
 
 
+class ChainedLayer(nn.Module):
+    """nn.LayerNorm straight into two chained Linears (a low-rank projection), and a symmetrized weight ``W + W.T``:
+    values the per-example program makes itself, then reads again."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.down, self.up = nn.LayerNorm(d), nn.Linear(d, 3), nn.Linear(3, d)
+        self.decay, self.w = nn.Linear(d, d), nn.Parameter(0.3 * torch.randn(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.up(self.down(self.norm(x)))
+        return x + ac.ops.linear_scan(torch.sigmoid(self.decay(x)), u @ ((self.w + self.w.T) / 2), dim=1)
+
+
+def test_values_the_per_example_program_makes_are_read_again():
+    """The norm's split affine feeds a Linear, a Linear feeds a Linear, and both halves of ``W + W.T`` are parameter
+    values when the sum is reached: all made per example, the loss inside the region."""
+    torch.manual_seed(11)
+    lm = LM()
+    lm.layers = nn.Sequential(ChainedLayer(D), ChainedLayer(D))
+    check(Step(lm, _ce("sum")).double(), *_data3(), shard=4)
+
+
 class TimeMajorLayer(nn.Module):
     """A layer that applies a Linear to its input time-major (``[L, B, D]`` inside a shard of L steps)."""
 

@@ -18,6 +18,7 @@ ends before its loss).
 """
 from __future__ import annotations
 
+import heapq
 import operator
 from typing import Any
 
@@ -70,7 +71,9 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
         zs.append(z)
     chain: set[fx.Node] = set()
     done: set[fx.Node] = set()
-    todo: list[fx.Node] = []
+    # NB: visited in graph order: a node with two parameter values (``W + W.T``) is reached after both are marked
+    order = {n: k for k, n in enumerate(g.nodes)}
+    todo = _Queue(order)
     for i, z in zip(ps.params, zs):
         p = holders[i]
         users = list(p.users)
@@ -111,12 +114,14 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
         if (m := embedding_ids(u)) is not None and m[1] in chain:
             if (y := _batched_embedding(g, u, chain, m, B, axis)) is not None:  # a table of the copies' own rows
                 chain.add(y)
+                order[y] = order[u]
                 todo += list(y.users)
             continue
         if not isinstance(out, Tensor) or out.dim() == 0 or int(out.shape[0]) != B or axis(u) != 0:
             raise NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
         if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
-            u = _split_affine(g, u, chain)
+            old, u = u, _split_affine(g, u, chain)
+            axis.same(u, old)
             ins = [a for a in u.all_input_nodes]
         elif name not in _MEET or not (u.op == "call_method" or u.target in _MEET_FNS) or len(u.args) != 2:
             raise NotExpandable(f"{u.name} ({name}) uses a parameter value")
@@ -217,6 +222,7 @@ def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, tr
         if rows is not None:
             y = g.call_method("reshape", (y, *out.shape))
     y.meta = dict(u.meta)
+    axis.same(y, u)
     u.replace_all_uses_with(y)
     g.erase_node(u)
 
@@ -242,7 +248,43 @@ def _example_axes(gm: fx.GraphModule, holders: list[fx.Node], ps: Any, B: int) -
         if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or broadcast_over_examples(n, 0, B)):
             acts.add(n)  # NB: a constant expanded over the examples (position ids) is every example's own
     moved = moved_batch_axes(gm, acts, 0, B, seeds)
-    return lambda n: (moved.get(n, 0) if n in acts else None)
+    return _Axes(acts, moved)
+
+
+class _Queue:
+    """The nodes to visit, the earliest in graph order first (``order``; nodes made later take their original's)."""
+
+    def __init__(self, order: dict[fx.Node, int]) -> None:
+        self.order, self.heap, self.k = order, [], 0
+
+    def __iadd__(self, nodes: Any) -> "_Queue":
+        for n in nodes:
+            self.k += 1
+            heapq.heappush(self.heap, (self.order.get(n, len(self.order)), self.k, n))
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    def pop(self) -> fx.Node:
+        return heapq.heappop(self.heap)[2]
+
+
+class _Axes:
+    """``axes(n)``: the examples' axis of value n (None: none, or lost); ``axes.same(new, old)``: a node made in
+    old's place has old's."""
+
+    def __init__(self, acts: set[fx.Node], moved: dict[fx.Node, int | None]) -> None:
+        self.acts, self.moved = acts, moved
+
+    def __call__(self, n: Any) -> int | None:
+        return self.moved.get(n, 0) if n in self.acts else None
+
+    def same(self, new: fx.Node, old: fx.Node) -> None:
+        if old in self.acts:
+            self.acts.add(new)
+            if old in self.moved:
+                self.moved[new] = self.moved[old]
 
 
 #: element-wise ops among parameter values (and numbers): the same ranks, so their copies' axes line up
@@ -366,6 +408,7 @@ def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx
             keep = g.call_method("unsqueeze", (g.call_function(operator.eq, (ids, pad % V)), -1))
             y = g.call_function(torch.where, (keep, g.call_method("detach", (y,)), y))
     y.meta = dict(u.meta)
+    axis.same(y, u)
     u.replace_all_uses_with(y)
     g.erase_node(u)
     return y if shared else None
