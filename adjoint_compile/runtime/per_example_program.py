@@ -156,7 +156,8 @@ def _split_affine(g: fx.Graph, u: fx.Node, chain: set[fx.Node]) -> fx.Node:
         raise NotExpandable(f"{u.name}: a norm's affine mixes parameters and examples")
     with g.inserting_before(u):
         # NB: the arguments given after the affine ones only: a missing eps keeps its default
-        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []), *u.args[2 + n_aff:]))
+        plain = g.call_function(u.target, (args[0], args[1], None, *([None] if n_aff == 2 else []),
+                                           *u.args[2 + n_aff:]))
         out = plain if w is None else g.call_function(operator.mul, (plain, w))
         if b is not None:
             out = g.call_function(operator.add, (out, b))
@@ -201,8 +202,8 @@ def _refuse_product(u: fx.Node) -> None:
 def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool | None,
                      B: int, axis: Any) -> None:
     """``linear(x, W, b)``, ``x @ W`` or ``W @ x`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched
-    matmul. When
-    x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on that value."""
+    matmul. When x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on
+    that value."""
     out, wv = _val(u), _val(w)
     rows = _merged_rows(x, B, axis) if transposed is not None else None
     if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
@@ -292,6 +293,7 @@ _AMONG = frozenset("mul add sub truediv div pow".split())
 _AMONG_FNS = {*_MEET_FNS, operator.pow, torch.pow}
 #: ops on a parameter value's own axes, shifted past its copies' leading axis
 _AXES = frozenset("t T mT transpose permute unsqueeze view reshape".split())
+_AXES_FNS = (torch.t, torch.transpose, torch.permute, torch.unsqueeze, torch.reshape)
 
 
 def _same_rank(u: fx.Node) -> bool:
@@ -315,9 +317,7 @@ def _param_op(u: fx.Node, B: int) -> bool:
         return _same_rank(u)
     if u.target is getattr and len(u.args) == 2 and u.args[1] in ("T", "mT"):
         name = u.args[1]
-    elif name not in _AXES or u.kwargs or (u.op == "call_function" and u.target not in (torch.t, torch.transpose,
-                                                                                          torch.permute, torch.unsqueeze,
-                                                                                          torch.reshape)):
+    elif name not in _AXES or u.kwargs or (u.op == "call_function" and u.target not in _AXES_FNS):
         return False
     x, rest = u.args[0], list(u.args[1:]) if u.target is not getattr else []
     nd = _val(x).dim()

@@ -12,11 +12,12 @@ A loss the region takes in is a scalar summed over the examples too: its cotange
 parameters alone tell the examples' parts apart, so such a region must expand (:func:`expandable_reason`, checked
 by the lowering, which otherwise ends the region before the loss).
 
-A region whose parameters meet the examples any other way (the rewrite is checked op by op; :class:`~.per_example_program.NotExpandable`)
-takes masked VJPs instead: per example n, the cotangents masked to example n, one backward each (B backward passes
-of the shard). NB: not ``torch.func.vmap`` over the examples: the shard programs are specialized to the batch size
-(a ``reshape(B, L, D*N)`` in the region). ``EXAMPLES_PER_VJP`` > 1 batches the masked VJPs (``is_grads_batched``);
-on CPU that was not faster and cost memory, so the default is one VJP per example.
+A region whose parameters meet the examples any other way (the rewrite is checked op by op:
+:class:`~.per_example_program.NotExpandable`) takes masked VJPs instead: per example n, the cotangents masked to
+example n, one backward each (B backward passes of the shard). NB: not ``torch.func.vmap`` over the examples: the
+shard programs are specialized to the batch size (a ``reshape(B, L, D*N)`` in the region). ``EXAMPLES_PER_VJP`` > 1
+batches the masked VJPs (``is_grads_batched``); on CPU that was not faster and cost memory, so the default is one
+VJP per example.
 """
 from __future__ import annotations
 

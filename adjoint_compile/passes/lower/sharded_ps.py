@@ -71,7 +71,8 @@ def pull_in_parameter_math(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeL
 
 def _bdim(n: fx.Node, info: TimeLocalInfo, k: int | None, batch: int, what: str, carry: bool = False) -> int:
     """The examples' axis ``k`` of region output or scan state ``n`` (followed from the graph's inputs: None where a
-    permutation lost it), checked: the batch size there and not the step axis; a scan state's with its step axis gone."""
+    permutation lost it), checked: the batch size there and not the step axis; a scan state's with its step axis
+    gone."""
     v, sd = _ev(n), info.step_dim.get(n)
     if k is None or not (isinstance(v, torch.Tensor) and v.dim() > k and int(v.shape[k]) == batch and sd != k):
         shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
