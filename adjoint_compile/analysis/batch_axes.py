@@ -4,9 +4,10 @@ A loop rolled into a scan runs its step time-first: ``x.movedim(1, 0)`` is ``[T,
 applies to that. Telling the examples' axis by its size alone (``shape[batch_dim] == B``) then fails (``T != B``: the
 use is refused) or, worse, succeeds where ``T == B`` and attributes each step's gradient to an example: clipped
 gradients silently wrong. So the axis is followed from the graph's inputs through the ops that move it
-(``movedim``, ``permute``, ``transpose``, ``t``) and the ops that keep every axis (same rank, the examples' size at
-the same place); anything else reading a moved activation leaves its axis unknown, and a parameter use of such a
-value is refused. Used on dynamo's graph (passes/lower/per_sample.py) and in a sharded region's program made per
+(``movedim``, ``permute``, ``transpose``, ``t``, ``.T``, ``einsum``, ``stack``, indexing) and the ops that keep
+every axis (element-wise, products, reshapes that keep it outermost); anything else that moves or reorders it
+(``rot90``, ``x[perm]``, ``roll``, ``new_ones``) leaves its axis unknown, and a parameter use of such a value is
+refused. Used on dynamo's graph (passes/lower/per_sample.py) and in a sharded region's program made per
 example (runtime/sharded_ps.py).
 """
 from __future__ import annotations

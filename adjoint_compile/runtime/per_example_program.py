@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes
+from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes, permutation
 from ..analysis.time_local import embedding_ids
 from .shard_program import ShardProgram
 
@@ -291,9 +291,9 @@ class _Axes:
 #: element-wise ops among parameter values (and numbers): the same ranks, so their copies' axes line up
 _AMONG = frozenset("mul add sub truediv div pow".split())
 _AMONG_FNS = {*_MEET_FNS, operator.pow, torch.pow}
-#: ops on a parameter value's own axes, shifted past its copies' leading axis
-_AXES = frozenset("t T mT transpose permute unsqueeze view reshape".split())
-_AXES_FNS = (torch.t, torch.transpose, torch.permute, torch.unsqueeze, torch.reshape)
+#: ops on a parameter value's own axes besides permutations, shifted past its copies' leading axis
+_AXES = frozenset("unsqueeze view reshape".split())
+_AXES_FNS = (torch.unsqueeze, torch.reshape)
 
 
 def _same_rank(u: fx.Node) -> bool:
@@ -315,36 +315,23 @@ def _param_op(u: fx.Node, B: int) -> bool:
         return True
     if name in _AMONG and (u.op == "call_method" or u.target in _AMONG_FNS) and not u.kwargs:
         return _same_rank(u)
-    if u.target is getattr and len(u.args) == 2 and u.args[1] in ("T", "mT"):
-        name = u.args[1]
+    if (perm := permutation(u)) is not None:  # NB: t, .T, .mT, transpose, permute, movedim: after the copies' axis
+        args, name = (u.args[0], 0, *(k + 1 for k in perm)), "permute"
     elif name not in _AXES or u.kwargs or (u.op == "call_function" and u.target not in _AXES_FNS):
         return False
-    x, rest = u.args[0], list(u.args[1:]) if u.target is not getattr else []
-    nd = _val(x).dim()
-    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
-        rest = list(rest[0])
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in rest):
-        return False
-    if name in ("t", "T", "mT"):
-        if nd < 2 and name != "mT":
-            args: tuple = (x, 0, 0)  # NB: a vector's transpose is itself
-        elif name == "T":
-            args = (x, 0, *range(nd, 0, -1))
-            name = "permute"
-        else:
-            args = (x, -1, -2)
-        name = "transpose" if name != "permute" else name
-    elif name == "transpose" and len(rest) == 2:
-        args = (x, *(d % nd + 1 for d in rest))
-    elif name == "permute" and sorted(d % nd for d in rest) == list(range(nd)):
-        args = (x, 0, *(d % nd + 1 for d in rest))
-    elif name == "unsqueeze" and len(rest) == 1:
-        args = (x, rest[0] % (nd + 1) + 1)
-    elif name in ("view", "reshape") and rest:
-        # NB: reshape: the copies of a value that was a contiguous view (``W[0]``) need not be one
-        args, name = (x, B, *rest), "reshape"
     else:
-        return False
+        x, rest = u.args[0], list(u.args[1:])
+        if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+            rest = list(rest[0])
+        if not rest or not all(isinstance(d, int) and not isinstance(d, bool) for d in rest):
+            return False
+        if name == "unsqueeze" and len(rest) == 1:
+            args = (x, rest[0] % (_val(x).dim() + 1) + 1)
+        elif name in ("view", "reshape"):
+            # NB: reshape: the copies of a value that was a contiguous view (``W[0]``) need not be one
+            args, name = (x, B, *rest), "reshape"
+        else:
+            return False
     u.op, u.target, u.args, u.kwargs = "call_method", name, args, {}
     return True
 
