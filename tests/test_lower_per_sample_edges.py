@@ -512,3 +512,38 @@ def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refu
     f = torch.compile(_Reordered(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
         _loss(f(torch.randn(3, 3, 4, dtype=torch.float64))).backward()
+
+
+# --- parameters on rows merged from the examples --------------------------------------------------------------------
+
+class MergedRows(nn.Module):
+    """Per-token layers on [B·T, d] rows (``x.flatten(0, 1)``), no recurrence: a gain, a Linear, a bias added to its
+    output, a LayerNorm, a Linear, then back to [B, T, o]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g, self.b = nn.Parameter(1 + 0.3 * torch.randn(4)), nn.Parameter(0.3 * torch.randn(5))
+        self.inp, self.norm, self.out = nn.Linear(4, 5, bias=False), nn.LayerNorm(5), nn.Linear(5, 3)
+        with torch.no_grad():
+            self.norm.weight.add_(0.3 * torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.inp(x.flatten(0, 1) * self.g) + self.b
+        return self.out(self.norm(torch.tanh(r))).view(x.shape[0], x.shape[1], -1)
+
+
+@pytest.mark.parametrize("B,T", [(3, 5), (4, 1), (2, 4)])
+def test_parameters_on_merged_rows_without_a_region(B, T):
+    """Each use is made on the rows unflattened to [B, T, ...]: equal to an eager loop over the examples (B = 4,
+    T = 1: the rows are the examples; B = 2, T = 4: B divides every size)."""
+    torch.manual_seed(B * 10 + T)
+    model = MergedRows().double()
+    x = torch.randn(B, T, 4, dtype=torch.float64)
+    norms = vmap_norms(model, (x,))
+    clip = float(norms.min() + norms.max()) / 2
+    want, _ = loop_clipped(model, (x,), clip)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, **OPTS})
+    _loss(f(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), norms, rtol=1e-10, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12)

@@ -219,6 +219,64 @@ def test_a_head_on_flattened_rows(how, reduction):
     assert any(("w" if "@ W" in how else "head") in p for p in region), uses
 
 
+class RowsHead(FlatHead):
+    """Parameters applied to rows already merged into [B·T, D] or [B·T, V]: a bias after the product, a gain before
+    it, a norm on the rows (its affine, or rms_norm's weight decomposed by the trace into element-wise ops)."""
+
+    FORMS = {
+        "view(-1, D) @ W + b": lambda m, h: h.view(-1, D) @ m.w + m.b,
+        "b + reshape(-1, D) @ W": lambda m, h: m.b + h.reshape(-1, D) @ m.w,
+        "(flatten * g) @ W": lambda m, h: (h.flatten(0, 1) * m.g) @ m.w,
+        "layer_norm(flatten) @ W": lambda m, h: m.ln(h.flatten(0, 1)) @ m.w,
+        "rms_norm(flatten, g) @ W": lambda m, h: F.rms_norm(h.flatten(0, 1), (D,), m.g) @ m.w,
+        "head(flatten - g)": lambda m, h: m.lm.head(h.flatten(0, 1) - m.g),
+    }
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how, "sum")
+        self.b, self.g = nn.Parameter(0.3 * torch.randn(V)), nn.Parameter(1 + 0.3 * torch.randn(D))
+        self.ln = nn.LayerNorm(D)
+        with torch.no_grad():
+            self.ln.weight.add_(0.3 * torch.randn(D))
+        used = {"b": "b" in how, "g": "g" in how, "ln": "layer_norm" in how, "w": "W" in how, "lm.head": "head" in how}
+        for name, on in used.items():
+            self.get_submodule(name).requires_grad_(on) if name in ("ln", "lm.head") else getattr(self, name) \
+                .requires_grad_(on)
+
+    def rows(self, h: torch.Tensor) -> torch.Tensor:
+        return self.FORMS[self.how](self, h)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(self.hidden(ids)).view(ids.shape[0], -1, V)
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.rows(self.hidden(ids)), t.flatten(), label_smoothing=0.1, reduction="sum")
+
+
+@pytest.mark.parametrize("how,shard", [(h, 4) for h in RowsHead.FORMS] + [("view(-1, D) @ W + b", 1),
+                                                                         ("rms_norm(flatten, g) @ W", 5)])
+def test_parameters_on_rows_merged_from_the_examples(how, shard):
+    """A parameter use on rows merged from [B, T, ...] (the examples the outermost factor of the rows) is made on the
+    rows unflattened to [B, T, ...], outside the region and in its per-example program: exact, the loss inside. They
+    were refused with a PerSampleError ("does not carry the examples on axis 0")."""
+    torch.manual_seed(3)
+    check(RowsHead(how).double(), *_data3(), shard=shard)
+
+
+def test_parameters_on_time_major_merged_rows_are_refused():
+    """Rows merged from a [T, B, D] value (``h.transpose(0, 1).reshape(-1, D)``): row t·B + b is example b's, so the
+    examples are not the rows' outermost factor, whatever B divides; refused by name, never a wrong gradient."""
+    class TimeMajor(RowsHead):
+        def rows(self, h: torch.Tensor) -> torch.Tensor:
+            return (h.transpose(0, 1).reshape(-1, D) * self.g) @ self.w
+
+    torch._dynamo.reset()
+    f = torch.compile(TimeMajor("(flatten * g) @ W").double(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "shard_size": 4, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match=r"mul .*examples' axis"):
+        f(*_data3())
+
+
 @pytest.mark.parametrize("shard", [4])
 def test_a_tied_head(shard):
     torch.manual_seed(4)

@@ -4,8 +4,9 @@ Every parameter p of the region becomes ``p + z_p``, z_p a zero [B, *p.shape] in
 on a new leading axis. Ops on the parameter values alone compute on the copies (element-wise ops, indexing and ops
 on the value's own axes shifted past the copies' axis). Where a parameter value meets an example's value, the copies
 are re-viewed as [B, 1, ..., *shape] against values that carry the examples on axis 0 (element-wise ops, a norm's
-affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul
-(also on rows merged from [B, ..., d] with the examples first), an embedding's table as a lookup in its B copies.
+affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul,
+an embedding's table as a lookup in its B copies. On rows merged from [B, ..., d] with the examples first
+([B·L, d]: ``h.flatten(0, 1) * g``, ``h.view(-1, d) @ W + b``) the op is made on the rows unflattened to [B, L, d].
 The gradient of z_p is then each example's gradient of p.
 
     before:  y = linear(x, W)                  x: [B, L, d], W: [o, d]
@@ -117,6 +118,10 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
                 order[y] = order[u]
                 todo += list(y.users)
             continue
+        if (inner := _unmerged(g, u, chain, B, axis)) is not None:
+            order[inner] = order[u]
+            u, out = inner, _val(inner)
+            ins = [a for a in u.all_input_nodes]
         if not isinstance(out, Tensor) or out.dim() == 0 or int(out.shape[0]) != B or axis(u) != 0:
             raise NotExpandable(f"{u.name}: its output does not carry the examples on axis 0")
         if u.target in _NORMS and u.args[0] not in chain and not u.kwargs:
@@ -204,8 +209,11 @@ def _batched_product(g: fx.Graph, u: fx.Node, x: fx.Node, w: fx.Node, b: Any, tr
     """``linear(x, W, b)``, ``x @ W`` or ``W @ x`` with W (and b) per example: ``x @ W_n^T + b_n`` as one batched
     matmul. When x's rows are those of a [B, ..., d] value merged (a head on flattened rows, the examples first), on
     that value."""
-    out, wv = _val(u), _val(w)
-    rows = _merged_rows(x, B, axis) if transposed is not None else None
+    out, wv, xv = _val(u), _val(w), _val(x)
+    # NB: rows with the examples as the outermost factor of their axis 0 (merged from [B, ..., d] row-major,
+    # analysis/batch_axes.py): viewed as [B, rows / B, d], each example's rows are its own block
+    rows = x if transposed is not None and isinstance(xv, Tensor) and xv.dim() >= 2 and axis(x) == 0 and \
+        int(xv.shape[0]) % B == 0 and (int(xv.shape[0]) != B or xv.dim() == 2) else None
     if not isinstance(wv, Tensor) or wv.dim() != 2 or out.dim() < (2 if rows is not None else 3) or (
             rows is None and (int(out.shape[0]) != B or axis(x) != 0 or axis(u) != 0)):
         raise NotExpandable(f"{u.name}: a product with a parameter matrix whose rows are not the examples'")
@@ -347,20 +355,35 @@ def _example_index(idx: Any) -> tuple | None:
     return (slice(None), *items)
 
 
-def _merged_rows(x: Any, B: int, axis: Any) -> fx.Node | None:
-    """The [B, ..., d] value whose leading axes ``x`` ([rows, d]) merges (``view(-1, d)``, ``flatten(0, 1)``,
-    ``reshape``), the examples first, so each example's rows are one block; else None."""
-    if not (isinstance(x, fx.Node) and x.op in ("call_method", "call_function") and _target_name(x) in _MERGES and
-            x.args and isinstance(x.args[0], fx.Node)):
+def _unmerged(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int, axis: Any) -> fx.Node | None:
+    """When ``u`` applies parameter values to each row of a value with the examples as the outermost factor of its
+    axis 0 (rows merged row-major: ``h.flatten(0, 1) * g``, ``(h.view(-1, d) @ W) + b``, a norm on merged rows; the
+    parameters stop short of that axis), ``u`` made on the value unflattened to [B, rows / B, ...] and flattened after
+    (the same value, the examples first): the new node, which meets the parameters."""
+    norm = u.target in _NORMS
+    if u.kwargs or not (norm or _target_name(u) in _MEET and (u.op == "call_method" or u.target in _MEET_FNS)):
         return None
-    src, v, xv = x.args[0], _val(x.args[0]), _val(x)
-    if not (axis(src) == 0 and isinstance(v, Tensor) and isinstance(xv, Tensor) and xv.dim() == 2 and v.dim() >= 3 and
-            int(v.shape[0]) == B and xv.shape[1] == v.shape[-1] and xv.shape[0] == v.numel() // v.shape[-1]):
+    rows = next((a for a in u.all_input_nodes if a not in chain), None)
+    out, rv = _val(u), _val(rows) if rows is not None else None
+    if not (isinstance(out, Tensor) and isinstance(rv, Tensor) and axis(rows) == 0 and rv.dim() >= 1 and
+            out.shape == rv.shape and int(rv.shape[0]) != B and int(rv.shape[0]) % B == 0):
         return None
-    return src
-
-
-_MERGES = frozenset("view reshape flatten".split())
+    if norm and (u.args[0] is not rows or len(u.args[1]) >= out.dim()) or \
+            any(a in chain and _val(a).dim() >= out.dim() for a in u.all_input_nodes):
+        return None  # NB: a parameter value reaching the rows' axis pairs each row with its own entry
+    with g.inserting_before(u):
+        x = g.call_method("unflatten", (rows, 0, (B, -1)))
+        inner = g.node_copy(u, lambda a: x if a is rows else a)
+        y = g.call_method("flatten", (inner, 0, 1))
+    shape = (B, int(rv.shape[0]) // B, *rv.shape[1:])
+    for m, like in ((x, rv), (inner, out)):
+        m.meta = {**u.meta, **{k: like.new_empty(shape) for k in ("val", "example_value") if k in u.meta}}
+        axis.same(m, rows)
+    y.meta = dict(u.meta)
+    axis.same(y, u)
+    u.replace_all_uses_with(y)
+    g.erase_node(u)
+    return inner
 
 
 def _example_rows(ids: Tensor, V: int) -> Tensor:

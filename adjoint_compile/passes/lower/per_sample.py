@@ -12,7 +12,9 @@ A node with an ``A`` and a ``P`` input is a parameter use. It becomes a call of 
 ``linear``/``matmul`` with a parameter matrix (``LinearRecord``: Gram or direct form), ``embedding``
 (``EmbeddingRecord``), ``layer_norm``/``rms_norm`` affine and ``x * p``, ``x + p``, ``x - p`` (element-wise, a
 per-example gradient of the parameter's size), and any other use (the generic fallback: the op with the
-parameter-only nodes that feed it, differentiated per example with ``torch.func.vmap``).
+parameter-only nodes that feed it, differentiated per example with ``torch.func.vmap``). A use on rows merged from
+the examples (``h.flatten(0, 1) * g``: [B·T, D], each example's rows one block) is made on the rows unflattened to
+[B, T, D] and merged again after (passes/lower/per_sample_loss.py: ``on_merged_rows``).
 
 Ops that mix examples are refused with :class:`~adjoint_compile.errors.PerSampleError` naming the op and its source
 line: batch norm in training mode, softmax / cumsum / sort along the batch axis, a reduction over it that is not a
@@ -22,7 +24,6 @@ the output (``x - x.mean(0)``, ``out.sum(0).pow(2)``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import operator
 import warnings
@@ -41,7 +42,9 @@ from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_axes import broadcast_over_examples, check_batched as _check_batched, moved_batch_axes
 from .per_sample_axes import origin as _origin, refuse as _refuse, use_name as _name
-from .per_sample_loss import flat_rows, param_dependent, region_loss_kind, tail_kind, warn_data_divisor
+from .per_sample_attention import lower_attention
+from .per_sample_loss import direct_param, flat_rows, on_merged_rows, param_dependent, region_loss_kind, tail_kind
+from .per_sample_loss import warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
 
@@ -197,10 +200,6 @@ def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int
     return _classify(gm, [], bd)
 
 
-def _direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
-    return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
-
-
 def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
@@ -264,17 +263,21 @@ class _Lowerer:
         if isinstance(region, ShardedRegion) and region.per_sample is not None:
             self._region(n, region)
             return
+        if act not in self.moved and flat_rows(n, k, self.bd, self.batch) is None and \
+                on_merged_rows(n, act, k, self.bd, self.batch):
+            n, act = self._unmerged(n, act)
+            args = n.args
         if n.target is F.multi_head_attention_forward:
-            new = self._attention(n)
+            new = lower_attention(self, n)
         elif act not in self.moved and (flat := flat_rows(n, k, self.bd, self.batch)) is not None:
             new = self._flat(n, *flat)
-        elif n.target in LINEARS and len(args) >= 2 and args[0] is act and _direct_param(args[1], k) and (
-                _arg(n, 2, "bias") is None or _direct_param(_arg(n, 2, "bias"), k)):
+        elif n.target in LINEARS and len(args) >= 2 and args[0] is act and direct_param(args[1], k) and (
+                _arg(n, 2, "bias") is None or direct_param(_arg(n, 2, "bias"), k)):
             new = self._linear(n, act, args[1], _arg(n, 2, "bias"), transposed=False)
         elif (n.target in MATMULS or (n.op == "call_method" and name == "matmul")) and len(args) == 2 and \
-                args[0] is act and _direct_param(args[1], k) and _val(args[1]).dim() == 2:
+                args[0] is act and direct_param(args[1], k) and _val(args[1]).dim() == 2:
             new = self._linear(n, act, args[1], None, transposed=True)
-        elif n.target is F.embedding and args[0] is act and _direct_param(args[1], k) and \
+        elif n.target is F.embedding and args[0] is act and direct_param(args[1], k) and \
                 _arg(n, 3, "max_norm") is None and not _arg(n, 5, "scale_grad_by_freq", False) and \
                 not _arg(n, 6, "sparse", False):
             self._batched(n, act)
@@ -282,11 +285,11 @@ class _Lowerer:
             new = self._call(n, PerSampleCall(site, "embedding", padding_idx=_arg(n, 2, "padding_idx")),
                              (act, args[1]), "embedding", [args[1]], form="distinct rows per example")
         elif n.target in LAYER_NORMS + RMS_NORMS and args[0] is act and all(
-                a is None or _direct_param(a, k) for a in self._affine(n)):
+                a is None or direct_param(a, k) for a in self._affine(n)):
             new = self._norm(n, act)
         elif ELEMENTWISE.get(n.target if n.op == "call_function" else name) and len(args) == 2 and not n.kwargs \
-                and act in args and any(_direct_param(a, k) for a in args) and self._fits(n, args):
-            p = next(a for a in args if _direct_param(a, k))
+                and act in args and any(direct_param(a, k) for a in args) and self._fits(n, args):
+            p = next(a for a in args if direct_param(a, k))
             op = ELEMENTWISE[n.target if n.op == "call_function" else name]
             op = "rsub" if op == "sub" and args[0] is p else op
             new = self._elementwise(n, act, p, op)
@@ -312,56 +315,43 @@ class _Lowerer:
                                       "example: one more backward per shard; else one masked VJP per example)",
                               "extra_bytes": self.batch * sum(_nbytes(_val(p)) for p in params)})
 
-    def _attention(self, n: fx.Node) -> fx.Node:
-        """``nn.MultiheadAttention``'s one call: projections with book-keeping around the attention (its [T, B, E]
-        layout puts the examples on axis 1)."""
-        a = inspect.signature(F.multi_head_attention_forward).bind(*n.args, **n.kwargs)
-        a.apply_defaults()
-        args = dict(a.arguments)
-        for extra in ("bias_k", "bias_v", "static_k", "static_v"):
-            if args[extra] is not None:
-                raise _refuse(n, f"uses {extra}: not supported under per_sample_clip (per-example gradients of the "
-                                 "attention's projections only)")
-        if args["add_zero_attn"]:
-            raise _refuse(n, "uses add_zero_attn: not supported under per_sample_clip")
-        for key in ("query", "key", "value"):
-            v = _val(args[key])
-            if not (isinstance(v, torch.Tensor) and v.dim() == 3 and int(v.shape[1]) == self.batch):
-                raise _refuse(n, f"takes a {key} of shape {tuple(getattr(v, 'shape', ()))} without the {self.batch} "
-                                 "examples on its axis 1 ([T, B, E]: batch_first inputs, transposed by the module, "
-                                 "or sequence-first ones with batch_dim=1): its gradient cannot be attributed to "
-                                 "examples")
-        names = tuple(k for k, v in args.items() if isinstance(v, fx.Node))
-        consts = {k: v for k, v in args.items() if not isinstance(v, fx.Node)}
-        params = [args[k] for k in names if self.kind_of.get(args[k]) == "P"]
-        if not all(_direct_param(p, self.kind_of) for p in params):
-            raise _refuse(n, "takes a projection weight computed from parameters: per_sample_clip supports "
-                             "nn.MultiheadAttention's own parameters")
-        site = self._site(n, "attention", params)
-        site.batch_dim = 1
-        if site.tied and not args["use_separate_proj_weight"]:
-            raise _refuse(n, "shares its packed in_proj_weight with another use: not supported under "
-                             "per_sample_clip")
-        return self._call(n, PerSampleCall(site, "attention", names=names, consts=consts),
-                          tuple(args[k] for k in names), "attention", params,
-                          form="q/k/v/out projections (gram or direct per slice), attention without parameters")
-
     def _flat(self, n: fx.Node, x: fx.Node, w: fx.Node, b: Any, transposed: bool) -> fx.Node:
         """A parameter matrix on rows of x merged into [rows, d] (passes/lower/per_sample_loss.py): the use on x
         itself, its output flattened the same way."""
         lin = self._linear(n, x, w, b, transposed=transposed, flat=True)
+        # NB: the call's value is on x's rows, not merged: its meta (copied from n) said n's merged shape
+        lin.meta["example_value"] = _val(n).new_empty((*_val(x).shape[:-1], _val(n).shape[-1]))
+        return self._merged(n, "reshape", (lin, -1, int(_val(n).shape[-1])))
+
+    def _merged(self, n: fx.Node, method: str, args: tuple) -> fx.Node:
         with self.gm.graph.inserting_before(n):
-            flat = self.gm.graph.call_method("reshape", (lin, -1, int(_val(n).shape[-1])))
+            flat = self.gm.graph.call_method(method, args)
         flat.meta.update(n.meta)
         self.kind_of[flat] = "A"
         return flat
+
+    def _unmerged(self, n: fx.Node, rows: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """n on merged rows (per_sample_loss.on_merged_rows) made on ``rows.unflatten(bd, (B, -1))``: (the new use,
+        which lower() goes on with, and its input); n's users read its output merged again."""
+        g = self.gm.graph
+        with g.inserting_before(n):
+            x = g.call_method("unflatten", (rows, self.bd, (self.batch, -1)))
+            inner = g.node_copy(n, lambda a: x if a is rows else a)
+        x.meta = {**rows.meta, "example_value": _val(rows).unflatten(self.bd, (self.batch, -1))}
+        vals = fx.node.map_arg((inner.args, inner.kwargs), _val)
+        fn = getattr(vals[0][0], n.target) if n.op == "call_method" else n.target
+        inner.meta = {**n.meta, "example_value": fn(*(vals[0][1:] if n.op == "call_method" else vals[0]), **vals[1])}
+        self.kind_of[x], self.kind_of[inner] = "A", "M"
+        n.replace_all_uses_with(self._merged(n, "flatten", (inner, self.bd, self.bd + 1)))
+        g.erase_node(n)
+        return inner, x
 
     def _affine(self, n: fx.Node) -> list[Any]:
         return [_arg(n, 2, "weight")] + ([_arg(n, 3, "bias")] if n.target in LAYER_NORMS else [])
 
     def _fits(self, n: fx.Node, args: tuple) -> bool:
         """Element-wise with a parameter that stays off the batch axis (it is shared by every example)."""
-        p = next(a for a in args if _direct_param(a, self.kind_of))
+        p = next(a for a in args if direct_param(a, self.kind_of))
         out = _val(n)
         act = next((a for a in args if isinstance(a, fx.Node) and self.kind_of.get(a) in ("A", "M")), None)
         axis = self.moved.get(act, self.bd)

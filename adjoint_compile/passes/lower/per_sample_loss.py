@@ -26,7 +26,8 @@ from ...analysis.fx import example_value as _val
 from ...analysis.optable import target_name as _name
 from ...errors import AdjointCompileWarning
 
-__all__ = ["flat_rows", "param_dependent", "region_loss_kind", "tail_kind", "warn_data_divisor"]
+__all__ = ["direct_param", "flat_rows", "row_merge", "on_merged_rows", "param_dependent", "region_loss_kind",
+           "tail_kind", "warn_data_divisor"]
 
 #: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
 LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
@@ -36,7 +37,8 @@ _QUOTIENTS = frozenset("truediv div itruediv __truediv__".split())
 _MERGES = frozenset("view reshape flatten".split())
 
 
-def _param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
+def direct_param(a: Any, kind_of: dict[fx.Node, str]) -> bool:
+    """Whether ``a`` is a parameter itself (a placeholder or attribute of kind "P"), not a value computed from one."""
     return isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and kind_of.get(a) == "P"
 
 
@@ -45,30 +47,66 @@ def flat_rows(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> t
     examples on ``bd``) merged into [rows, d]: ``addmm(b, x.view(-1, d), W)``, ``x.view(-1, d) @ W`` or
     ``linear(x.flatten(0, 1), W, b)``; else None."""
     args = n.args
-    if n.target is torch.addmm and len(args) == 3 and not n.kwargs and _param(args[0], kind_of) and \
-            _param(args[2], kind_of):
+    if n.target is torch.addmm and len(args) == 3 and not n.kwargs and direct_param(args[0], kind_of) and \
+            direct_param(args[2], kind_of):
         v, w, b, transposed = args[1], args[2], args[0], True
-    elif n.target in (torch._C._nn.linear, F.linear) and len(args) >= 2 and _param(args[1], kind_of):
+    elif n.target in (torch._C._nn.linear, F.linear) and len(args) >= 2 and direct_param(args[1], kind_of):
         b = args[2] if len(args) > 2 else n.kwargs.get("bias")
-        if not (b is None or _param(b, kind_of)) or (len(args) > 3 or set(n.kwargs) - {"bias"}):
+        if not (b is None or direct_param(b, kind_of)) or (len(args) > 3 or set(n.kwargs) - {"bias"}):
             return None
         v, w, transposed = args[0], args[1], False
     elif (n.target in (operator.matmul, torch.matmul) or n.op == "call_method" and _name(n) == "matmul") and \
-            len(args) == 2 and not n.kwargs and _param(args[1], kind_of):
+            len(args) == 2 and not n.kwargs and direct_param(args[1], kind_of):
         v, w, b, transposed = args[0], args[1], None, True
     else:
         return None
+    x = row_merge(v, kind_of, bd, batch)
+    if x is None or not (_val(v).dim() == 2 and isinstance(_val(w), torch.Tensor) and _val(w).dim() == 2):
+        return None
+    return x, w, b, transposed
+
+
+def row_merge(v: Any, kind_of: dict[fx.Node, str], bd: int, batch: int) -> fx.Node | None:
+    """``x`` when ``v`` merges the leading axes of the activation ``x``, its examples' axis ``bd`` among them, into
+    rows ``[rows, *x.shape[k:]]`` (``view``, ``reshape``, ``flatten``; row-major, so each row is one example's); else
+    None."""
     if not (isinstance(v, fx.Node) and _name(v) in _MERGES and v.args and isinstance(v.args[0], fx.Node) and
             kind_of.get(v.args[0]) in ("A", "M")):
         return None
-    x, xv, vv, wv = v.args[0], _val(v.args[0]), _val(v), _val(w)
-    # NB: a 2-D result with x's last axis is the merge of all of x's leading axes, row-major: the linear of x
-    # flattened the same way
-    if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and isinstance(wv, torch.Tensor) and
-            vv.dim() == 2 and wv.dim() == 2 and xv.dim() - 1 > bd and xv.shape[-1] == vv.shape[1] and
-            int(xv.shape[bd]) == batch):
+    x, xv, vv = v.args[0], _val(v.args[0]), _val(v)
+    if not (isinstance(xv, torch.Tensor) and isinstance(vv, torch.Tensor) and vv.dim() >= 1):
         return None
-    return x, w, b, transposed
+    k = xv.dim() - (vv.dim() - 1)  # NB: x's axes from k on are the rows' own
+    if not (k > bd and int(xv.shape[bd]) == batch and tuple(xv.shape[k:]) == tuple(vv.shape[1:])):
+        return None
+    return x
+
+
+#: element-wise parameter uses, and norms: each row of merged rows by itself when the parameters stop short of them
+_ROWWISE = frozenset("mul add sub __mul__ __add__ __sub__ __rmul__ __radd__ __rsub__".split())
+_NORMS = frozenset("layer_norm rms_norm".split())
+_PRODUCTS_OF_ROWS = frozenset("linear matmul".split())
+
+
+def on_merged_rows(n: fx.Node, rows: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> bool:
+    """Whether the parameter use ``n`` works on each row of ``rows`` by itself, where ``rows`` has the examples as
+    the outermost factor of its axis ``bd`` (``[B·T, D]``, merged row-major: analysis/batch_axes.py) rather than on
+    it: element-wise with a parameter that stops short of that axis (``h.flatten(0, 1) * g``, ``h.view(-1, D) @ W +
+    b``), a norm over later axes, a product on the last axis. Then n on ``rows.unflatten(bd, (B, -1))``, flattened
+    after, is the same value with the examples on their own axis."""
+    rv, v, name = _val(rows), _val(n), _name(n)
+    if not (isinstance(rv, torch.Tensor) and isinstance(v, torch.Tensor) and rv.dim() > bd and v.dim() > bd and
+            int(rv.shape[bd]) != batch and int(rv.shape[bd]) % batch == 0 and v.shape[bd] == rv.shape[bd]):
+        return False
+    if name in _ROWWISE and len(n.args) == 2 and not n.kwargs and rows in n.args:
+        p = n.args[1] if n.args[0] is rows else n.args[0]
+        return direct_param(p, kind_of) and isinstance(_val(p), torch.Tensor) and _val(p).dim() < v.dim() - bd and \
+            tuple(v.shape) == tuple(rv.shape)
+    if name in _NORMS and n.args and n.args[0] is rows and len(n.args) > 1:
+        return isinstance(n.args[1], (list, tuple)) and len(n.args[1]) < rv.dim() - bd
+    if name in _PRODUCTS_OF_ROWS and len(n.args) >= 2 and n.args[0] is rows and direct_param(n.args[1], kind_of):
+        return rv.dim() - 1 > bd and _val(n.args[1]).dim() == 2
+    return False
 
 
 def region_loss_kind(n: fx.Node, gm: fx.GraphModule) -> str | None:
