@@ -688,3 +688,53 @@ def test_a_parameter_used_inside_and_outside_a_sharded_region_is_summed_before_t
     assert any(r.rewrite == "adjoint" for r in rep.regions), [(r.rewrite, r.reason) for r in rep.regions]
     region = [u for u in _uses(rep) if u["kind"] == "sharded region"]
     assert region and region[0]["tied"], _uses(rep)
+
+
+class TwoLosses(nn.Module):
+    """Two loss terms (two heads, a multi-token-prediction style), stacked and combined as training scripts do."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.body, self.h1, self.h2 = how, nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        losses = [F.cross_entropy(self.h1(h), y, reduction="sum"), F.cross_entropy(self.h2(h), 2 - y, reduction="sum")]
+        if self.how == "stack().sum()":
+            return torch.stack(losses).sum()
+        if self.how == "stack().mean(0)":
+            return torch.stack(losses).mean(0)
+        if self.how == "weighted":
+            return (torch.stack(losses) * torch.tensor([0.7, 0.3], dtype=x.dtype)).sum()
+        return torch.cat([losses[0][None], losses[1].unsqueeze(0)])[1:].sum() + losses[0].view(1).squeeze()
+
+
+@pytest.mark.parametrize("how", ["stack().sum()", "stack().mean(0)", "weighted", "cat, index, view"])
+def test_losses_stacked_then_combined(how):
+    """Scalar losses stacked (or concatenated, indexed, viewed) and summed or weighted: still a sum of per-example
+    losses, so per-example gradients are those of vmap over the examples. They were refused as "reduced over the
+    batch axis"."""
+    torch.manual_seed(12)
+    model = TwoLosses(how).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per = torch.func.vmap(torch.func.grad(lambda p, xi, yi: torch.func.functional_call(model, p, (xi[None], yi[None]))),
+                          in_dims=(None, 0, 0))(params, x, y)
+    want = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+    clip = float(want.min() + want.max()) / 2
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "inner": "aot_eager"})
+    f(x, y).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), want, rtol=1e-10, atol=0)
+    c = torch.clamp(clip / want, max=1)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, per[n]), rtol=1e-10, atol=1e-12)
+
+
+def test_refuses_stacked_losses_meeting_a_nonlinear_op():
+    """A stack keeps the losses a sum over the examples only through linear ops: a product of the stacked losses is
+    refused, naming it."""
+    model = TwoLosses("stack().sum()")
+    f = torch.compile(lambda x, y: torch.stack([model(x, y), model(x, y)]).prod(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match="prod"):
+        f(torch.randn(4, 4), torch.randint(0, 3, (4,)))

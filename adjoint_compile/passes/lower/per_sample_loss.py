@@ -31,7 +31,8 @@ __all__ = ["direct_param", "flat_rows", "row_merge", "on_merged_rows", "param_de
 
 #: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
 LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
-                        "__neg__ sum mean float to".split())
+                        "__neg__ sum mean float double to stack cat concat getitem unsqueeze squeeze view reshape "
+                        "flatten clone contiguous".split())
 _PRODUCTS = frozenset("mul imul __mul__".split())
 _QUOTIENTS = frozenset("truediv div itruediv __truediv__".split())
 _MERGES = frozenset("view reshape flatten".split())
