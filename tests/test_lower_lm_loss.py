@@ -243,6 +243,32 @@ def test_every_form_is_exact(shard):
     _check(AllForms().double(), shard, *_data(), n_sums=sum(n for _, n in FORMS.values()), weights=c)
 
 
+class MaskedMean(nn.Module):
+    """The per-token loss masked by an attention mask given as its own input (int64 or bool, as tokenizers return
+    it), flattened and cast in either order, divided by its count."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lm, self.how = LM(), how
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.lm(ids).view(-1, V), targets.view(-1), reduction="none")
+        m = mask.view(-1).to(loss.dtype) if self.how == "view, cast" else mask.to(loss.dtype).view(-1)
+        return (loss * m).sum() / m.sum()
+
+
+@pytest.mark.parametrize("how,dtype", [("view, cast", torch.int64), ("view, cast", torch.bool),
+                                       ("cast, view", torch.int64)])
+@pytest.mark.parametrize("shard", [4, 5])
+def test_a_mask_given_as_an_input(how, dtype, shard):
+    """The mask's rows are the steps' (flattened like the logits): the region takes it in with the loss. Flattened
+    before the cast, it was not followed back to the input, and the loss stayed outside (exact, O(B·T·V))."""
+    torch.manual_seed(0)
+    ids, tg = _data()
+    mask = (torch.arange(T) < torch.tensor([[9], [T]])).to(dtype)
+    _check(MaskedMean(how).double(), shard, ids, tg, mask, n_sums=2)
+
+
 class ShiftedInputs(nn.Module):
     """``ids`` and ``labels`` of T+1 steps: the model reads ``ids[:, :-1]``, the loss the labels ``labels[:, 1:]``."""
 

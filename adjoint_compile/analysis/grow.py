@@ -125,7 +125,11 @@ def _inverse(node: fx.Node, d_out: int, T: int) -> dict[fx.Node, int] | None:
     if rule is None:
         return None
     ins = [a for a in dict.fromkeys(nodes_in((node.args, node.kwargs))) if step_shape(a) is not None]
-    cands = [[None] + [k for k, n in enumerate(step_shape(a)) if n == T] for a in ins]
+    # NB: an output with the batch folded into its step dim ([B·T] rows, ``mask.view(-1).to(dtype)``) has inputs
+    # folded alike: their dims of its length are candidates too (only sources of T steps become seeds)
+    out = step_shape(node)
+    folded = out[d_out] if out is not None and d_out < len(out) else T
+    cands = [[None] + [k for k, n in enumerate(step_shape(a)) if n in (T, folded)] for a in ins]
     if math.prod(len(c) for c in cands) > 256:
         return None
     best: list[tuple[tuple[int, int], dict[fx.Node, int]]] = []
