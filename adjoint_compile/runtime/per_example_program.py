@@ -1,7 +1,7 @@
 """A sharded region's program made per example, for ``per_sample_clip`` (runtime/sharded_ps.py runs it).
 
 Every parameter p of the region becomes ``p + z_p``, z_p a zero [B, *p.shape] input: B copies of p, one per example,
-on a new leading axis. Ops on the parameter values alone compute on the copies (element-wise ops, indexing and ops
+on a new leading axis (made as p expanded, :func:`copies`: neither z_p nor the copies take memory). Ops on the parameter values alone compute on the copies (element-wise ops, indexing and ops
 on the value's own axes shifted past the copies' axis). Where a parameter value meets an example's value, the copies
 are re-viewed as [B, 1, ..., *shape] against values that carry the examples on axis 0 (element-wise ops, a norm's
 affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul,
@@ -79,7 +79,7 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
         p = holders[i]
         users = list(p.users)
         with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
-            pb = g.call_function(operator.add, (p, z))
+            pb = g.call_function(copies, (p, z))
         pb.meta = dict(p.meta)  # NB: the parameter's shape: the re-views at the meeting points read it
         chain.add(pb)
         todo += users
@@ -386,16 +386,33 @@ def _unmerged(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int, axis: Any) -
     return inner
 
 
-def _example_rows(ids: Tensor, V: int) -> Tensor:
-    """``ids`` [B, ...] moved to example n's copy of a [V, d] table: rows of the [B·V, d] table the copies make."""
-    off = torch.arange(ids.shape[0], device=ids.device, dtype=ids.dtype) * V
-    return ids + off.view(-1, *([1] * (ids.dim() - 1)))
+class _Copies(torch.autograd.Function):
+    """``p + z`` for a zero z [B, *p.shape], without making it: p expanded over the copies' axis (no memory), and
+    z's gradient is the cotangent itself (each example's gradient of p)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: Tensor, z: Tensor) -> Tensor:
+        return p.expand(z.shape)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor]:
+        return (g.sum(0) if ctx.needs_input_grad[0] else None), g
+
+
+def copies(p: Tensor, z: Tensor) -> Tensor:
+    """The B copies of the parameter value p ([B, *p.shape], read-only): z's gradient is each copy's."""
+    return _Copies.apply(p, z)
+
+
+def _examples_of(ids: Tensor) -> Tensor:
+    """[B, 1, ...]: example n's index on the copies' axis, against ``ids`` [B, ...]."""
+    return torch.arange(ids.shape[0], device=ids.device).view(-1, *([1] * (ids.dim() - 1)))
 
 
 def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx.Node, fx.Node], B: int,
                        axis: Any) -> fx.Node | None:
-    """``embedding(ids, W)`` with W per example ([B, V, d]): a lookup in the [B·V, d] table of the examples'
-    copies; a padding index's rows get no gradient, as in ``embedding``. Indices without the examples (positions,
+    """``embedding(ids, W)`` with W per example ([B, V, d]): each example's rows looked up in its own copy; a
+    padding index's rows get no gradient, as in ``embedding``. Indices without the examples (positions,
     ``pos(arange(T))``) look up every copy alike: the result is a parameter value's copies, returned (else None)."""
     ids, w = m
     pad = ({**dict(zip(("input", "weight", "padding_idx"), u.args)), **u.kwargs} if u.target is not torch.embedding
@@ -407,13 +424,13 @@ def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx
     if w not in chain or not isinstance(iv, Tensor) or not isinstance(wv, Tensor) or wv.dim() != 2 or not shared and (
             axis(ids) != 0 or iv.dim() == 0 or int(iv.shape[0]) != B):
         raise NotExpandable(f"{u.name}: an embedding that is not a lookup of the examples' indices in a parameter")
-    V, d = (int(s) for s in wv.shape)
+    V = int(wv.shape[0])
     with g.inserting_before(u):
         if shared:
             y = g.call_function(operator.getitem, (w, (slice(None), ids)))
         else:
-            table = g.call_method("reshape", (w, B * V, d))
-            y = g.call_function(torch.nn.functional.embedding, (g.call_function(_example_rows, (ids, V)), table))
+            # NB: rows of each example's own copy, read in place (the copies are one table expanded, never made)
+            y = g.call_function(operator.getitem, (w, (g.call_function(_examples_of, (ids,)), ids)))
         if pad is not None:
             keep = g.call_method("unsqueeze", (g.call_function(operator.eq, (ids, pad % V)), -1))
             y = g.call_function(torch.where, (keep, g.call_method("detach", (y,)), y))

@@ -158,8 +158,9 @@ def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequenc
     gm = expanded_program(prog, ps, L, B)
     with torch.enable_grad():
         x_in = [x.detach().requires_grad_(i in wrt_x) if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
-        zs = [torch.zeros(B, *x_in[i].shape, dtype=x_in[i].dtype, device=x_in[i].device, requires_grad=i in want)
-              for i in ps.params]
+        # NB: zeros of no memory: the program reads them only as the copies' gradient (per_example_program.copies)
+        zs = [torch.zeros((), dtype=x_in[i].dtype, device=x_in[i].device).expand(B, *x_in[i].shape)
+              .requires_grad_(i in want) for i in ps.params]
         cs = [None if c is None else c.detach().requires_grad_(j in wrt_c) for j, c in enumerate(carries)]
         prevs = [None if first_shard else cs[k] for k in prog.shift_scans]
         with autocast_as(autocast):
