@@ -27,7 +27,8 @@ from adjoint_compile.runtime import loss_tail  # noqa: E402
 FUSED = {"flatten(0, 1)", "view(-1, V)", "reshape(B*T, V)", "[B, V, T]", "sum", "none, mean", "none, mask",
          "label smoothing", "nn.CrossEntropyLoss", "ignore_index=3", "z-loss", "labels padded by -100, [..., 1:]",
          "logits[:, :-1], labels[:, 1:]", "logits[..., :-1, :].contiguous()", "logits[:, :-1].reshape(B*(T-1), V), sum",
-         "logits[:, :-1].transpose(1, 2)", "upcast"}
+         "logits[:, :-1].transpose(1, 2)", "upcast", "logits[:, :-2], labels[:, 2:], sum",
+         "logits[:, :T-3].transpose(1, 2), labels[:, 3:]"}
 #: the loss is not a scalar sum: it is not split off the sweep, so nothing is fused
 NOT_SPLIT = {"none, per sequence"}
 

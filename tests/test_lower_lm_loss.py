@@ -97,6 +97,11 @@ FORMS = {
         lg.view(-1, V), F.pad(t, (0, 1), value=-100)[..., 1:].contiguous().view(-1)), 1),
     # the shift by one on the logits: rewritten to the logits whole and the labels padded (analysis/shifted_losses.py)
     "logits[:, :-1], labels[:, 1:]": (lambda lg, t: F.cross_entropy(lg[:, :-1].flatten(0, 1), t[:, 1:].flatten()), 1),
+    # k tokens ahead (multi-token prediction, Medusa's heads): the labels padded with k ignored targets
+    "logits[:, :-2], labels[:, 2:], sum": (lambda lg, t: F.cross_entropy(
+        lg[:, :-2].flatten(0, 1), t[:, 2:].flatten(), reduction="sum") / 50, 1),
+    "logits[:, :T-3].transpose(1, 2), labels[:, 3:]": (lambda lg, t: F.cross_entropy(
+        lg[:, :T - 3].transpose(1, 2), t[:, 3:], label_smoothing=0.1), 1),
     "logits[..., :-1, :].contiguous()": (lambda lg, t: _CE(lg[..., :-1, :].contiguous().view(-1, V),
                                                           t[..., 1:].contiguous().view(-1)), 1),
     "logits[:, :-1].reshape(B*(T-1), V), sum": (lambda lg, t: F.cross_entropy(

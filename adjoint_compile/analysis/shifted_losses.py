@@ -1,4 +1,4 @@
-"""The shift by one of a language-model loss written on the logits, rewritten so that the loss joins a region.
+"""The shift of a language-model loss written on the logits, rewritten so that the loss joins a region.
 
 A loss of step t's logits against token t+1 is often written by dropping the last step of the logits and the first of
 the labels (transformers before 4.46, many training scripts)::
@@ -7,15 +7,17 @@ the labels (transformers before 4.46, many training scripts)::
     shift_labels = labels[..., 1:].contiguous()
     loss = F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
 
-A sum or a mean over class-index targets is the same with the logits whole and the labels padded with one ignored
-target at the end (transformers' ``ForCausalLMLoss`` writes it that way): the last step adds nothing to the sum nor
-to the count of valid targets. :func:`unshift_losses` rewrites the first form to the second::
+and a head that predicts k tokens ahead (multi-token prediction, Medusa's heads) drops k: ``logits[:, :-k]`` against
+``labels[:, k:]``. A sum or a mean over class-index targets is the same with the logits whole and the labels padded
+with k ignored targets at the end (transformers' ``ForCausalLMLoss`` writes it that way for k = 1): the last k steps
+add nothing to the sum nor to the count of valid targets. :func:`unshift_losses` rewrites the first form to the
+second::
 
-    shift_labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index).contiguous()
+    shift_labels = F.pad(labels[..., k:], (0, k), value=ignore_index).contiguous()
     loss = F.cross_entropy(logits.contiguous().view(-1, V), shift_labels.view(-1))
 
 The ops between the slices and the loss must be views, casts and transposes read by the time-local analysis (each
-used once); their literal sizes of the T-1 steps (fold·(T-1)) become T (fold·T). Anything else is left as it is.
+used once); their literal sizes of the T-k steps (fold·(T-k)) become T (fold·T). Anything else is left as it is.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from .losses import loss_args
 from .optable import RESHAPES, SAME_SHAPE, TRANSPOSES, raw_name
 from .rules import TimeLocalInfo, step_shape
 from .step_literals import rewrite_lengths
-from .time_local import analyze, drops_last_step, slice_items
+from .time_local import analyze, slice_items
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +61,31 @@ def _chain(end: fx.Node, stop: Any) -> tuple[list[fx.Node], fx.Node] | None:
     return chain[::-1], n
 
 
-def _drops_first_step(n: fx.Node, T: int) -> int | None:
-    """The dim e when ``n`` is ``y[..., 1:, ...]`` (``1:`` at dim e, full slices elsewhere) of a y with T steps
-    there."""
+def _cut(n: fx.Node, T: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) when ``n`` is ``y[..., start:stop, ...]`` of a y with T steps at dim (a step 1 slice there,
+    full slices elsewhere), start and stop in [0, T]."""
     items = slice_items(n)
     if items is None:
         return None
-    cut = [j for j, i in enumerate(items) if i != slice(None)]
-    if len(cut) != 1 or items[cut[0]] not in (slice(1, None), slice(1, None, 1)):
+    cut = [j for j, i in enumerate(items) if i.start not in (None, 0) or i.stop is not None or i.step not in (None, 1)]
+    if len(cut) != 1 or items[cut[0]].step not in (None, 1) or step_shape(n.args[0])[cut[0]] != T or not all(
+            isinstance(b, int) or b is None for b in (items[cut[0]].start, items[cut[0]].stop)):
         return None
-    return cut[0] if step_shape(n.args[0])[cut[0]] == T else None
+    start, stop, _ = items[cut[0]].indices(T)
+    return cut[0], start, stop
+
+
+def _drops_first(n: fx.Node, T: int) -> tuple[int, int] | None:
+    """(dim e, k) when ``n`` is ``y[..., k:, ...]`` (k ≥ 1 at dim e) of a y with T steps there."""
+    c = _cut(n, T)
+    return (c[0], c[1]) if c is not None and c[1] >= 1 and c[2] == T else None
+
+
+def _drops_last(n: fx.Node, d: int, T: int) -> int | None:
+    """k when ``n`` is ``x[..., :-k, ...]`` (k ≥ 1 at dim d, written ``:-k`` or ``:T-k``) of an x with T steps
+    there."""
+    c = _cut(n, T)
+    return T - c[2] if c is not None and c[0] == d and c[1] == 0 and 1 <= T - c[2] < T else None
 
 
 def _refresh(nodes: list[fx.Node]) -> None:
@@ -91,24 +108,27 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     if a is None or a["reduction"] == "none" or not isinstance(a["ignore_index"], int) or not isinstance(T, int):
         return False
     xs = _chain(a["input"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
-        n.args[0], fx.Node) and info.step_dim.get(n.args[0]) is not None and drops_last_step(
-        n, info.step_dim[n.args[0]]))
+        n.args[0], fx.Node) and info.step_dim.get(n.args[0]) is not None and _drops_last(
+        n, info.step_dim[n.args[0]], T) is not None)
     ts = _chain(a["target"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
-        n.args[0], fx.Node) and step_shape(n.args[0]) is not None and _drops_first_step(n, T) is not None)
+        n.args[0], fx.Node) and step_shape(n.args[0]) is not None and _drops_first(n, T) is not None)
     if xs is None or ts is None or len(xs[1].users) != 1 or not info.is_time_local(xs[1].args[0]):
         return False
     (x_chain, s), (t_chain, r) = xs, ts
-    h, d, e = s.args[0], info.step_dim[s.args[0]], _drops_first_step(r, T)
+    h, d = s.args[0], info.step_dim[s.args[0]]
+    (e, k), k_x = _drops_first(r, T), _drops_last(s, d, T)
+    if k != k_x:
+        return False  # NB: logits of step t against the label of step t + k: the same k on both
     if len(step_shape(a["target"])) == len(step_shape(a["input"])):
         return False  # class probabilities: the padded rows would not be ignored
-    # NB: where the step axis runs through the chains, read with the T-1 steps of the slices
+    # NB: where the step axis runs through the chains, read with the T-k steps of the slices
     short = analyze(gm, {s: d, r: e}, halo=True)
     if loss not in short.sums:
         return False
     new_args = {}
     try:
         for c in x_chain + t_chain:
-            rewrite_lengths(short, T - 1, c, (out := types.SimpleNamespace(args=c.args)), T)
+            rewrite_lengths(short, T - k, c, (out := types.SimpleNamespace(args=c.args)), T)
             new_args[c] = out.args
     except UnsupportedRegion:  # NB: a literal that is not the steps': nothing is rewritten
         return False
@@ -117,7 +137,7 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     g, prov = gm.graph, {"pass": "unshift_losses", "from": loss.name}
     nd = len(step_shape(r))
     with g.inserting_after(r):
-        pad = g.call_function(F.pad, (r, [0, 0] * (nd - 1 - e) + [0, 1]), {"value": a["ignore_index"]})
+        pad = g.call_function(F.pad, (r, [0, 0] * (nd - 1 - e) + [0, k]), {"value": a["ignore_index"]})
     pad.meta[PROVENANCE] = prov
     (t_chain[0] if t_chain else loss).replace_input_with(r, pad)
     (x_chain[0] if x_chain else loss).replace_input_with(s, h)
@@ -129,11 +149,11 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
 
 
 def unshift_losses(gm: fx.GraphModule, info: TimeLocalInfo) -> int:
-    """Rewrite every loss of time-local logits without their last step against labels without their first (module
-    docstring) to the logits whole and the labels padded with one ignored target; returns how many."""
+    """Rewrite every loss of time-local logits without their last k steps against labels without their first k
+    (module docstring) to the logits whole and the labels padded with k ignored targets; returns how many."""
     done = sum(_one(gm, n, info) for n in list(gm.graph.nodes) if loss_args(n) is not None)
     if done:
         gm.graph.lint()
         gm.recompile()
-        log.debug("adjoint-compile: %d loss(es) of logits shifted by one step rewritten to padded labels", done)
+        log.debug("adjoint-compile: %d loss(es) of shifted logits rewritten to padded labels", done)
     return done
