@@ -28,7 +28,8 @@ FUSED = {"flatten(0, 1)", "view(-1, V)", "reshape(B*T, V)", "[B, V, T]", "sum", 
          "label smoothing", "nn.CrossEntropyLoss", "ignore_index=3", "z-loss", "labels padded by -100, [..., 1:]",
          "logits[:, :-1], labels[:, 1:]", "logits[..., :-1, :].contiguous()", "logits[:, :-1].reshape(B*(T-1), V), sum",
          "logits[:, :-1].transpose(1, 2)", "upcast", "logits[:, :-2], labels[:, 2:], sum",
-         "logits[:, :T-3].transpose(1, 2), labels[:, 3:]"}
+         "logits[:, :T-3].transpose(1, 2), labels[:, 3:]", "logits[:, 3:-1], labels[:, 4:]",
+         "logits[:, 3:], labels[:, 3:], sum"}
 #: the loss is not a scalar sum: it is not split off the sweep, so nothing is fused
 NOT_SPLIT = {"none, per sequence"}
 

@@ -102,6 +102,11 @@ FORMS = {
         lg[:, :-2].flatten(0, 1), t[:, 2:].flatten(), reduction="sum") / 50, 1),
     "logits[:, :T-3].transpose(1, 2), labels[:, 3:]": (lambda lg, t: F.cross_entropy(
         lg[:, :T - 3].transpose(1, 2), t[:, 3:], label_smoothing=0.1), 1),
+    # a prompt of 3 steps dropped, with or without the shift
+    "logits[:, 3:-1], labels[:, 4:]": (lambda lg, t: F.cross_entropy(lg[:, 3:-1].reshape(-1, V), t[:, 4:].reshape(-1)),
+                                       1),
+    "logits[:, 3:], labels[:, 3:], sum": (lambda lg, t: F.cross_entropy(
+        lg[:, 3:].flatten(0, 1), t[:, 3:].flatten(), reduction="sum") / 50, 1),
     "logits[..., :-1, :].contiguous()": (lambda lg, t: _CE(lg[..., :-1, :].contiguous().view(-1, V),
                                                           t[..., 1:].contiguous().view(-1)), 1),
     "logits[:, :-1].reshape(B*(T-1), V), sum": (lambda lg, t: F.cross_entropy(

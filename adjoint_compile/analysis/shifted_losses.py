@@ -8,16 +8,16 @@ the labels (transformers before 4.46, many training scripts)::
     loss = F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
 
 and a head that predicts k tokens ahead (multi-token prediction, Medusa's heads) drops k: ``logits[:, :-k]`` against
-``labels[:, k:]``. A sum or a mean over class-index targets is the same with the logits whole and the labels padded
-with k ignored targets at the end (transformers' ``ForCausalLMLoss`` writes it that way for k = 1): the last k steps
-add nothing to the sum nor to the count of valid targets. :func:`unshift_losses` rewrites the first form to the
-second::
+``labels[:, k:]``; a prompt of a steps may be dropped too, ``logits[:, a:-k]`` against ``labels[:, a+k:]``. A sum or a
+mean over class-index targets is the same with the logits whole and the labels padded with ignored targets, a at the
+start and k at the end (transformers' ``ForCausalLMLoss`` writes it that way for a = 0, k = 1): those steps add
+nothing to the sum nor to the count of valid targets. :func:`unshift_losses` rewrites the first form to the second::
 
-    shift_labels = F.pad(labels[..., k:], (0, k), value=ignore_index).contiguous()
+    shift_labels = F.pad(labels[..., a + k:], (a, k), value=ignore_index).contiguous()
     loss = F.cross_entropy(logits.contiguous().view(-1, V), shift_labels.view(-1))
 
 The ops between the slices and the loss must be views, casts and transposes read by the time-local analysis (each
-used once); their literal sizes of the T-k steps (fold·(T-k)) become T (fold·T). Anything else is left as it is.
+used once); their literal sizes of the T-a-k steps (fold·(T-a-k)) become T (fold·T). Anything else is left as it is.
 """
 from __future__ import annotations
 
@@ -75,17 +75,17 @@ def _cut(n: fx.Node, T: int) -> tuple[int, int, int] | None:
     return cut[0], start, stop
 
 
-def _drops_first(n: fx.Node, T: int) -> tuple[int, int] | None:
-    """(dim e, k) when ``n`` is ``y[..., k:, ...]`` (k ≥ 1 at dim e) of a y with T steps there."""
+def _label_cut(n: fx.Node, T: int) -> tuple[int, int] | None:
+    """(dim e, j) when ``n`` is ``y[..., j:, ...]`` (j ≥ 1 at dim e) of a y with T steps there."""
     c = _cut(n, T)
     return (c[0], c[1]) if c is not None and c[1] >= 1 and c[2] == T else None
 
 
-def _drops_last(n: fx.Node, d: int, T: int) -> int | None:
-    """k when ``n`` is ``x[..., :-k, ...]`` (k ≥ 1 at dim d, written ``:-k`` or ``:T-k``) of an x with T steps
-    there."""
+def _logit_cut(n: fx.Node, d: int, T: int) -> tuple[int, int] | None:
+    """(a, k) when ``n`` is ``x[..., a:T-k, ...]`` at dim d (``:-k``, ``a:``, ``a:-k``; a, k ≥ 0, not both 0) of an
+    x with T steps there."""
     c = _cut(n, T)
-    return T - c[2] if c is not None and c[0] == d and c[1] == 0 and 1 <= T - c[2] < T else None
+    return (c[1], T - c[2]) if c is not None and c[0] == d and 0 < c[1] + T - c[2] < T else None
 
 
 def _refresh(nodes: list[fx.Node]) -> None:
@@ -108,27 +108,27 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     if a is None or a["reduction"] == "none" or not isinstance(a["ignore_index"], int) or not isinstance(T, int):
         return False
     xs = _chain(a["input"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
-        n.args[0], fx.Node) and info.step_dim.get(n.args[0]) is not None and _drops_last(
+        n.args[0], fx.Node) and info.step_dim.get(n.args[0]) is not None and _logit_cut(
         n, info.step_dim[n.args[0]], T) is not None)
     ts = _chain(a["target"], lambda n: n.op == "call_function" and n.target is operator.getitem and isinstance(
-        n.args[0], fx.Node) and step_shape(n.args[0]) is not None and _drops_first(n, T) is not None)
+        n.args[0], fx.Node) and step_shape(n.args[0]) is not None and _label_cut(n, T) is not None)
     if xs is None or ts is None or len(xs[1].users) != 1 or not info.is_time_local(xs[1].args[0]):
         return False
     (x_chain, s), (t_chain, r) = xs, ts
     h, d = s.args[0], info.step_dim[s.args[0]]
-    (e, k), k_x = _drops_first(r, T), _drops_last(s, d, T)
-    if k != k_x:
-        return False  # NB: logits of step t against the label of step t + k: the same k on both
+    (e, j), (first, k) = _label_cut(r, T), _logit_cut(s, d, T)
+    if j != first + k:
+        return False  # NB: logits of steps [a, T - k) against the labels of [a + k, T): step t against t + k
     if len(step_shape(a["target"])) == len(step_shape(a["input"])):
         return False  # class probabilities: the padded rows would not be ignored
-    # NB: where the step axis runs through the chains, read with the T-k steps of the slices
+    # NB: where the step axis runs through the chains, read with the T-a-k steps of the slices
     short = analyze(gm, {s: d, r: e}, halo=True)
     if loss not in short.sums:
         return False
     new_args = {}
     try:
         for c in x_chain + t_chain:
-            rewrite_lengths(short, T - k, c, (out := types.SimpleNamespace(args=c.args)), T)
+            rewrite_lengths(short, T - first - k, c, (out := types.SimpleNamespace(args=c.args)), T)
             new_args[c] = out.args
     except UnsupportedRegion:  # NB: a literal that is not the steps': nothing is rewritten
         return False
@@ -137,7 +137,7 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     g, prov = gm.graph, {"pass": "unshift_losses", "from": loss.name}
     nd = len(step_shape(r))
     with g.inserting_after(r):
-        pad = g.call_function(F.pad, (r, [0, 0] * (nd - 1 - e) + [0, k]), {"value": a["ignore_index"]})
+        pad = g.call_function(F.pad, (r, [0, 0] * (nd - 1 - e) + [first, k]), {"value": a["ignore_index"]})
     pad.meta[PROVENANCE] = prov
     (t_chain[0] if t_chain else loss).replace_input_with(r, pad)
     (x_chain[0] if x_chain else loss).replace_input_with(s, h)
@@ -149,8 +149,8 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
 
 
 def unshift_losses(gm: fx.GraphModule, info: TimeLocalInfo) -> int:
-    """Rewrite every loss of time-local logits without their last k steps against labels without their first k
-    (module docstring) to the logits whole and the labels padded with k ignored targets; returns how many."""
+    """Rewrite every loss of time-local logits without some first and last steps against labels cut to the same steps
+    k ahead (module docstring) to the logits whole and the labels padded with ignored targets; returns how many."""
     done = sum(_one(gm, n, info) for n in list(gm.graph.nodes) if loss_args(n) is not None)
     if done:
         gm.graph.lint()
