@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+import threading
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes, per
 from ..analysis.time_local import embedding_ids
 from .shard_program import ShardProgram
 
-__all__ = ["NotExpandable", "expanded_program"]
+__all__ = ["NotExpandable", "expanded_program", "copies", "row_grads"]
 
 
 class NotExpandable(Exception):
@@ -404,6 +405,48 @@ def copies(p: Tensor, z: Tensor) -> Tensor:
     return _Copies.apply(p, z)
 
 
+#: per backward under way (runtime/sharded_ps.py), the lookups' row gradients: (z, ids, g) each
+_ROWS = threading.local()
+
+
+class _Lookup(torch.autograd.Function):
+    """``embedding(ids, p)`` read from the examples' copies of p (each example's rows from its own copy, all equal
+    to p). Its backward hands z's gradient over as rows, (z, ids [B, ...], g [B, ..., d]), to the backward under way
+    (:func:`row_grads`) instead of a [B, V, d] tensor that is mostly zeros."""
+
+    @staticmethod
+    def forward(ctx: Any, p: Tensor, z: Tensor, ids: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.z = z
+        return torch.nn.functional.embedding(ids, p)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[None, None, None]:
+        (ids,) = ctx.saved_tensors
+        sink = getattr(_ROWS, "sink", None)
+        if sink is None:
+            raise RuntimeError("adjoint-compile per_sample_clip: an example lookup differentiated outside the region's "
+                               "backward")
+        sink.append((ctx.z, ids, g))
+        return None, None, None
+
+
+def example_lookup(p: Tensor, z: Tensor, ids: Tensor) -> Tensor:
+    return _Lookup.apply(p, z, ids)
+
+
+class row_grads:
+    """``with row_grads() as rows:`` the example lookups' gradients of the backward run inside, as (z, ids, g)."""
+
+    def __enter__(self) -> list:
+        self.prev = getattr(_ROWS, "sink", None)
+        _ROWS.sink = []
+        return _ROWS.sink
+
+    def __exit__(self, *exc: Any) -> None:
+        _ROWS.sink = self.prev
+
+
 def _examples_of(ids: Tensor) -> Tensor:
     """[B, 1, ...]: example n's index on the copies' axis, against ``ids`` [B, ...]."""
     return torch.arange(ids.shape[0], device=ids.device).view(-1, *([1] * (ids.dim() - 1)))
@@ -428,6 +471,8 @@ def _batched_embedding(g: fx.Graph, u: fx.Node, chain: set[fx.Node], m: tuple[fx
     with g.inserting_before(u):
         if shared:
             y = g.call_function(operator.getitem, (w, (slice(None), ids)))
+        elif w.target is copies:  # NB: every copy is p: its rows, their gradients handed over as rows
+            y = g.call_function(example_lookup, (*w.args, ids))
         else:
             # NB: rows of each example's own copy, read in place (the copies are one table expanded, never made)
             y = g.call_function(operator.getitem, (w, (g.call_function(_examples_of, (ids,)), ids)))

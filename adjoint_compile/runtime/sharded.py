@@ -37,7 +37,7 @@ from .first_order import first_order
 from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
 from .shard_parts import accumulate, accumulated, zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
-from .sharded_ps import PerSampleRegion, per_example_param_grads, record_region
+from .sharded_ps import PerSampleRegion, add_example_grad, per_example_param_grads, record_region
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class _ShardedFn(torch.autograd.Function):
                                                    carries, k == 0, gos, adj, s, ctx.autocast,
                                                    *(([], []) if trunc else (needs_vjp, needs_c)))
                 for i, g in got.items():
-                    accumulate(ps_acc, i, g)
+                    add_example_grad(ps_acc, i, g)
             # NB: graphs: gx is copied or added up below, the carries are inputs of the next call (which copies them)
             if res is None:
                 res = prog.vjp(L, xs, carries, k == 0, gos, adj, needs_vjp, needs_c, t0=s, autocast=ctx.autocast,

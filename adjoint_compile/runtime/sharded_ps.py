@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .per_example_program import NotExpandable, expanded_program
+from .per_example_program import NotExpandable, expanded_program, row_grads
 from .per_sample import DirectRecord, Site, _record
-from .shard_parts import differentiable
+from .shard_parts import accumulate, differentiable
 from .shard_program import ShardProgram, autocast_as
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PerSampleRegion", "per_example_param_grads", "record_region"]
+__all__ = ["PerSampleRegion", "per_example_param_grads", "record_region", "add_example_grad"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,7 +66,7 @@ class PerSampleRegion:
 def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any],
                             carries: Sequence[Any], first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any],
                             t0: int, autocast: tuple, needs_x: Sequence[bool] = (),
-                            needs_c: Sequence[bool] = ()) -> tuple[dict[int, Tensor], Any]:
+                            needs_c: Sequence[bool] = ()) -> tuple[dict[int, Any], Any]:
     """Per parameter input i of the region, its [B, *p.shape] per-example gradient over this shard; and, when the
     parameters were expanded (one backward for everything), the shard's VJP as :meth:`ShardProgram.vjp` gives it
     (grads of the inputs with ``needs_x``, of the carries with ``needs_c``), else None."""
@@ -150,7 +150,7 @@ def expandable_reason(prog: ShardProgram, ps: PerSampleRegion, L: int) -> str:
 
 def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any], carries: Sequence[Any],
                     first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any], t0: int, autocast: tuple,
-                    want: list[int], wrt_x: list[int], wrt_c: list[int]) -> tuple[dict[int, Tensor], Any]:
+                    want: list[int], wrt_x: list[int], wrt_c: list[int]) -> tuple[dict[int, "ExampleGrad"], Any]:
     if ps.out_bdims and any(d not in (0, None) for d in (*ps.out_bdims, *ps.carry_bdims)):
         raise NotExpandable("the examples are not on axis 0")
     B = ps.batch or next(g.shape[0] for g, d in zip([*gos, *adjs], [*ps.out_bdims, *ps.carry_bdims])
@@ -169,15 +169,43 @@ def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequenc
         wrt = [z for i, z in zip(ps.params, zs) if i in want]
         if not pairs:
             return {}, None
-        got = torch.autograd.grad([y for y, _ in pairs], [*wrt, *(x_in[i] for i in wrt_x), *(cs[j] for j in wrt_c)],
-                                  [g for _, g in pairs], allow_unused=True)
+        with row_grads() as rows:
+            got = torch.autograd.grad([y for y, _ in pairs], [*wrt, *(x_in[i] for i in wrt_x),
+                                                              *(cs[j] for j in wrt_c)],
+                                      [g for _, g in pairs], allow_unused=True)
     gx: list[Any] = [None] * len(xs)
     gc: list[Any] = [None] * len(carries)
     for i, g in zip(wrt_x, got[len(wrt):]):
         gx[i] = g
     for j, g in zip(wrt_c, got[len(wrt) + len(wrt_x):]):
         gc[j] = g
-    return {i: (g if g is not None else torch.zeros_like(z)) for i, z, g in zip(want, wrt, got)}, (gx, gc)
+    return {i: ExampleGrad(z, g, [(ids, r) for y, ids, r in rows if y is z]) for i, z, g in zip(want, wrt, got)}, \
+        (gx, gc)
+
+
+@dataclasses.dataclass
+class ExampleGrad:
+    """A shard's per-example gradient of one parameter, [B, *p.shape] like ``like``: a dense part (None: none) and
+    the rows an embedding's lookups add (ids [B, ...], their gradients [B, ..., d]; runtime/per_example_program.py),
+    so that the [B, V, d] table of a shard's lookups is never made."""
+
+    like: Tensor
+    dense: Tensor | None
+    rows: list[tuple[Tensor, Tensor]]
+
+
+def add_example_grad(acc: dict[int, Tensor], i: int, g: Any) -> None:
+    """``acc[i] += g`` for a per-example gradient (a tensor or an :class:`ExampleGrad`), kept in fp32 at least."""
+    if isinstance(g, Tensor):
+        accumulate(acc, i, g)
+        return
+    if g.dense is not None:
+        accumulate(acc, i, g.dense)
+    if i not in acc:
+        acc[i] = torch.zeros(g.like.shape, dtype=torch.promote_types(g.like.dtype, torch.float32), device=g.like.device)
+    for ids, r in g.rows:
+        b = torch.arange(ids.shape[0], device=ids.device).view(-1, *([1] * (ids.dim() - 1))).expand_as(ids)
+        acc[i].index_put_((b, ids), r.to(acc[i].dtype), accumulate=True)
 
 
 #: whether the per-example expansion of the parameters is tried (tests switch it off to reach the masked VJPs)
