@@ -712,3 +712,25 @@ def test_outputs_detached_inside_the_region_require_no_grad():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert _rel(p.grad, q.grad) <= 1e-10, name
     assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
+
+
+class ConcatenatedLosses(nn.Module):
+    """Two losses of one forward made 1-element tensors and concatenated, then summed (a list of loss terms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = LM()
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lg = self.lm(ids)
+        l1 = F.cross_entropy(lg.flatten(0, 1), targets.flatten())
+        l2 = 1e-2 * torch.logsumexp(lg, -1).pow(2).mean()
+        return torch.cat([l1[None], l2[None]]).sum()
+
+
+@pytest.mark.parametrize("shard", [1, 4])
+def test_losses_concatenated_from_scalars(shard):
+    """``cat([l1[None], l2[None]])`` of 0-dim losses: a cat the token-shift canonicalization reads as a candidate
+    shift; it crashed the compile (integer modulo by zero) and now runs exact, both sums taken in."""
+    torch.manual_seed(0)
+    _check(ConcatenatedLosses().double(), shard, *_data(), n_sums=2, tail=None)

@@ -191,7 +191,7 @@ def _token_shift(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int, float, list
     if not (sliced.op == "call_function" and sliced.target is operator.getitem and isinstance(sliced.args[0], fx.Node)):
         return None
     x, xv = sliced.args[0], _ev(sliced.args[0])
-    if not isinstance(xv, torch.Tensor):
+    if not isinstance(xv, torch.Tensor) or xv.ndim == 0:  # NB: cat([l1[None], l2[None]]) of 0-dim losses
         return None
     d = dim % xv.ndim
     p = xv.shape[d] - (_ev(sliced).shape[d] if isinstance(_ev(sliced), torch.Tensor) else xv.shape[d])
