@@ -706,10 +706,12 @@ class TwoLosses(nn.Module):
             return torch.stack(losses).mean(0)
         if self.how == "weighted":
             return (torch.stack(losses) * torch.tensor([0.7, 0.3], dtype=x.dtype)).sum()
+        if self.how == "stack() @ w":
+            return torch.stack(losses) @ torch.tensor([0.7, 0.3], dtype=x.dtype)
         return torch.cat([losses[0][None], losses[1].unsqueeze(0)])[1:].sum() + losses[0].view(1).squeeze()
 
 
-@pytest.mark.parametrize("how", ["stack().sum()", "stack().mean(0)", "weighted", "cat, index, view"])
+@pytest.mark.parametrize("how", ["stack().sum()", "stack().mean(0)", "weighted", "stack() @ w", "cat, index, view"])
 def test_losses_stacked_then_combined(how):
     """Scalar losses stacked (or concatenated, indexed, viewed) and summed or weighted: still a sum of per-example
     losses, so per-example gradients are those of vmap over the examples. They were refused as "reduced over the

@@ -518,17 +518,18 @@ def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refu
 
 class MergedRows(nn.Module):
     """Per-token layers on [B·T, d] rows (``x.flatten(0, 1)``), no recurrence: a gain, a Linear, a bias added to its
-    output, a LayerNorm, a Linear, then back to [B, T, o]."""
+    output, a division by a value of a [1, d] parameter, a LayerNorm, a Linear, then back to [B, T, o]."""
 
     def __init__(self) -> None:
         super().__init__()
         self.g, self.b = nn.Parameter(1 + 0.3 * torch.randn(4)), nn.Parameter(0.3 * torch.randn(5))
+        self.s = nn.Parameter(0.3 * torch.randn(1, 5))
         self.inp, self.norm, self.out = nn.Linear(4, 5, bias=False), nn.LayerNorm(5), nn.Linear(5, 3)
         with torch.no_grad():
             self.norm.weight.add_(0.3 * torch.randn(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = self.inp(x.flatten(0, 1) * self.g) + self.b
+        r = (self.inp(x.flatten(0, 1) * self.g) + self.b) / torch.exp(self.s)
         return self.out(self.norm(torch.tanh(r))).view(x.shape[0], x.shape[1], -1)
 
 
@@ -547,3 +548,100 @@ def test_parameters_on_merged_rows_without_a_region(B, T):
     torch.testing.assert_close(ac.per_sample_grad_norms(f), norms, rtol=1e-10, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12)
+
+
+# --- ops along the examples' axis after it moved ----------------------------------------------------------------------
+
+#: a reduction or along-axis op over the examples' axis where a transpose, permute, stack or unsqueeze moved it: the
+#: examples interact (each norm would depend on the others), so refused as the same op on axis 0 is
+MIXING = {
+    "transpose(0, 1).softmax(1)": lambda h: h.transpose(0, 1).softmax(1).pow(2).sum(),
+    "transpose(0, 1).cumsum(1)": lambda h: h.transpose(0, 1).cumsum(1).pow(2).sum(),
+    "transpose(0, 1).max(1)": lambda h: h.transpose(0, 1).max(1).values.pow(2).sum(),
+    "transpose(0, 1).sum(1).pow(2)": lambda h: h.transpose(0, 1).sum(1).pow(2).sum(),
+    "permute(1, 2, 0).logsumexp(-1)": lambda h: h.permute(1, 2, 0).logsumexp(-1).pow(2).sum(),
+    "stack([h, h]).softmax(1)": lambda h: torch.stack([h, h]).softmax(1).pow(2).sum(),
+    "unsqueeze(0).max(1)": lambda h: h.unsqueeze(0).max(1).values.pow(2).sum(),
+    "stack(losses).max(1)": lambda h: torch.stack([h.pow(2).sum((1, 2)), h.sum((1, 2))]).max(1).values.sum(),
+    "stack(losses).flatten().sort()": lambda h: torch.stack([h.pow(2).sum((1, 2)), h.sum((1, 2))]).flatten()
+    .sort().values[:2].sum(),
+}
+#: the same ops over another axis: valid, exact
+VALID = {
+    "transpose(0, 1).softmax(-1)": lambda h: h.transpose(0, 1).softmax(-1).pow(2).sum(),
+    "transpose(0, 1).max(0)": lambda h: h.transpose(0, 1).max(0).values.pow(2).sum(),
+    "unsqueeze(0).logsumexp(-1)": lambda h: h.unsqueeze(0).logsumexp(-1).pow(2).sum(),
+    "stack(losses).max(0)": lambda h: torch.stack([h.pow(2).sum((1, 2)), h.sum((1, 2))]).max(0).values.sum(),
+}
+
+
+class AlongAxis(nn.Module):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.lin = op, nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("form", list(MIXING))
+def test_ops_along_a_moved_examples_axis_are_refused(form):
+    """They were accepted, with norms that moved when only another example's input changed."""
+    torch._dynamo.reset()
+    f = torch.compile(AlongAxis(MIXING[form]).double(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="mixes the examples|reduced over the batch axis"):
+        f(torch.randn(3, 4, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("form", list(VALID))
+def test_ops_along_another_axis_after_a_move_are_exact(form):
+    torch.manual_seed(5)
+    torch._dynamo.reset()
+    model = AlongAxis(VALID[form]).double()
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    norms = vmap_norms_of(model, x)
+    clip = float(norms.min() + norms.max()) / 2
+    want = loop_clipped_of(model, x, clip)
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, **OPTS})
+    f(x).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(f), norms, rtol=1e-10, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12)
+
+
+def vmap_norms_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """‖g_n‖ of the model's own output (its loss) on each example alone."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per = torch.func.vmap(torch.func.grad(lambda p, xi: torch.func.functional_call(model, p, (xi[None],))),
+                          in_dims=(None, 0))(params, x)
+    return torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+
+
+def loop_clipped_of(model: nn.Module, x: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    ref = copy.deepcopy(model)
+    total = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for i in range(x.shape[0]):
+        ref.zero_grad()
+        ref(x[i:i + 1]).backward()
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in ref.parameters()))
+        for n, p in ref.named_parameters():
+            total[n] += min(1.0, clip / norm) * p.grad
+    return total
+
+
+def test_a_parameter_broadcast_along_the_examples_axis_is_refused():
+    """A [B, D] parameter added to [B, D] activations pairs example n with row n of it: per-example gradients of such
+    a parameter are not supported, refused by name (it crashed in the backward: a shape mismatch)."""
+    class PerRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.P = nn.Linear(3, 6), nn.Parameter(torch.randn(4, 6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(torch.tanh(self.inp(x)) + self.P)
+
+    torch._dynamo.reset()
+    f = torch.compile(PerRow(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match=r"broadcasts the parameter value \w+ \(4, 6\) along the examples"):
+        _loss(f(torch.randn(4, 3)))

@@ -223,28 +223,32 @@ class RowsHead(FlatHead):
     """Parameters applied to rows already merged into [B·T, D] or [B·T, V]: a bias after the product, a gain before
     it, a norm on the rows (its affine, or rms_norm's weight decomposed by the trace into element-wise ops)."""
 
+    #: form -> (rows of logits from the hidden state h, the parameters beyond the LM's body it uses)
     FORMS = {
-        "view(-1, D) @ W + b": lambda m, h: h.view(-1, D) @ m.w + m.b,
-        "b + reshape(-1, D) @ W": lambda m, h: m.b + h.reshape(-1, D) @ m.w,
-        "(flatten * g) @ W": lambda m, h: (h.flatten(0, 1) * m.g) @ m.w,
-        "layer_norm(flatten) @ W": lambda m, h: m.ln(h.flatten(0, 1)) @ m.w,
-        "rms_norm(flatten, g) @ W": lambda m, h: F.rms_norm(h.flatten(0, 1), (D,), m.g) @ m.w,
-        "head(flatten - g)": lambda m, h: m.lm.head(h.flatten(0, 1) - m.g),
+        "view(-1, D) @ W + b": (lambda m, h: h.view(-1, D) @ m.w + m.b, "w b"),
+        "b + reshape(-1, D) @ W": (lambda m, h: m.b + h.reshape(-1, D) @ m.w, "w b"),
+        "(flatten * g) @ W": (lambda m, h: (h.flatten(0, 1) * m.g) @ m.w, "w g"),
+        "layer_norm(flatten) @ W": (lambda m, h: m.ln(h.flatten(0, 1)) @ m.w, "w ln"),
+        "rms_norm(flatten, g) @ W": (lambda m, h: F.rms_norm(h.flatten(0, 1), (D,), m.g) @ m.w, "w g"),
+        "head(flatten - g)": (lambda m, h: m.lm.head(h.flatten(0, 1) - m.g), "lm.head g"),
+        "(flatten + c[1, D]) @ W": (lambda m, h: (h.flatten(0, 1) + m.c) @ m.w, "w c"),
+        "(flatten / exp(g)) @ W": (lambda m, h: (h.flatten(0, 1) / torch.exp(m.g)) @ m.w, "w g"),
+        "torch.mm(view(-1, D), W)": (lambda m, h: torch.mm(h.view(-1, D), m.w), "w"),
     }
 
     def __init__(self, how: str) -> None:
         super().__init__(how, "sum")
         self.b, self.g = nn.Parameter(0.3 * torch.randn(V)), nn.Parameter(1 + 0.3 * torch.randn(D))
-        self.ln = nn.LayerNorm(D)
+        self.c, self.ln = nn.Parameter(0.3 * torch.randn(1, D)), nn.LayerNorm(D)
         with torch.no_grad():
             self.ln.weight.add_(0.3 * torch.randn(D))
-        used = {"b": "b" in how, "g": "g" in how, "ln": "layer_norm" in how, "w": "W" in how, "lm.head": "head" in how}
-        for name, on in used.items():
-            self.get_submodule(name).requires_grad_(on) if name in ("ln", "lm.head") else getattr(self, name) \
-                .requires_grad_(on)
+        used = self.FORMS[how][1].split()
+        for name in ("w", "b", "g", "c", "ln", "lm.head"):
+            (self.get_submodule(name) if name in ("ln", "lm.head") else getattr(self, name)).requires_grad_(
+                name in used)
 
     def rows(self, h: torch.Tensor) -> torch.Tensor:
-        return self.FORMS[self.how](self, h)
+        return self.FORMS[self.how][0](self, h)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.rows(self.hidden(ids)).view(ids.shape[0], -1, V)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .fx import example_value, is_linear_scan, scan_args
 
-__all__ = ["permutation", "moved_batch_axes", "broadcast_over_examples", "use_name"]
+__all__ = ["permutation", "moved_batch_axes", "BatchAxes", "broadcast_over_examples", "use_name"]
 
 
 _PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
@@ -91,61 +91,80 @@ def permutation(n: fx.Node) -> list[int] | None:
     return None
 
 
-def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, batch: int,
-                     seeds: dict[fx.Node, int | None] | None = None) -> dict[fx.Node, int | None]:
-    """Per activation whose examples are no longer on axis ``bd``: the axis they are on, or None where unknown
-    (module docstring). Activations not in the result keep them on ``bd``; ``seeds``: the axes of inputs (placeholders)
-    that have them elsewhere."""
-    moved: dict[fx.Node, int | None] = {n: k for n, k in (seeds or {}).items() if k != bd}
-    #: per tuple-valued activation reading a moved one, its elements' axes
-    elems: dict[fx.Node, list[int | None]] = {}
-    for n in gm.graph.nodes:
-        if n not in activations or n.op not in ("call_function", "call_method", "call_module"):
-            continue
+class BatchAxes:
+    """The examples' axis of activations visited in graph order: ``axes.visit(n, activations)`` for each activation
+    (its inputs visited before), ``axes(n)`` its axis (None: unknown). :func:`moved_batch_axes` visits a whole graph;
+    a caller classifying the graph's values as it goes visits each activation as it finds it."""
+
+    def __init__(self, bd: int, batch: int, seeds: dict[fx.Node, int | None] | None = None) -> None:
+        self.bd, self.batch = bd, batch
+        #: per activation whose examples are not on ``bd``: their axis, or None where unknown
+        self.moved: dict[fx.Node, int | None] = {n: k for n, k in (seeds or {}).items() if k != bd}
+        #: per tuple-valued activation reading a moved one, its elements' axes
+        self.elems: dict[fx.Node, list[int | None]] = {}
+
+    def __call__(self, n: fx.Node) -> int | None:
+        return self.moved.get(n, self.bd)
+
+    def visit(self, n: fx.Node, activations: set[fx.Node]) -> None:
+        bd, batch, moved, elems = self.bd, self.batch, self.moved, self.elems
+        if n.op not in ("call_function", "call_method", "call_module"):
+            return
         if n.target is operator.getitem and n.args[0] in elems:
             k = elems[n.args[0]][n.args[1]] if isinstance(n.args[1], int) else None
             if k != bd:
                 moved[n] = k
-            continue
+            return
         if n.target is F.multi_head_attention_forward:
             # NB: it works on [T, B, E] whatever the model's layout (its lowering says so on its site); its output
             # is [T, B, E], its weights [B, ...]
             elems[n] = [1, 0]
-            continue
+            return
         perm = permutation(n)
         if perm is not None and n.args[0] in activations:
             k = moved[n.args[0]] if n.args[0] in moved else bd
             new = perm.index(k) if k is not None and k < len(perm) else None
             if new != bd:
                 moved[n] = new
-            continue
+            return
         ins = [a for a in n.all_input_nodes if a in activations and isinstance(example_value(a), torch.Tensor)]
         if ins and use_name(n) in ("einsum", "stack"):  # NB: they place the examples' axis themselves
             k = _placed_axis(n, ins, {a: moved.get(a, bd) for a in ins})
             if k != bd:
                 moved[n] = k
-            continue
+            return
         if not any(a in moved for a in ins):
             if ins and (k := _unmoved_axis(n, ins, bd, batch)) != bd:
                 moved[n] = k
-            continue
+            return
         if is_linear_scan(n):
             moved[n] = _scan_axis(n, moved, activations, bd)
             if moved[n] == bd:
                 del moved[n]
-            continue
+            return
         if use_name(n) in _RESHAPES:  # NB: the same rank is not the same axes: [T, B, D] -> [B, T, D] where T == B
             moved[n] = None
-            continue
+            return
         axes = {moved.get(a, bd) for a in ins}
         v = example_value(n)
         if isinstance(v, (tuple, list)):
             elems[n] = [None] * len(v)
-            continue
+            return
         k = axes.pop() if len(axes) == 1 else None
         same = isinstance(v, torch.Tensor) and all(example_value(a).dim() == v.dim() for a in ins)
         moved[n] = k if k is not None and same and v.dim() > k and int(v.shape[k]) == batch else None
-    return moved
+
+
+def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, batch: int,
+                     seeds: dict[fx.Node, int | None] | None = None) -> dict[fx.Node, int | None]:
+    """Per activation whose examples are no longer on axis ``bd``: the axis they are on, or None where unknown
+    (module docstring). Activations not in the result keep them on ``bd``; ``seeds``: the axes of inputs (placeholders)
+    that have them elsewhere."""
+    axes = BatchAxes(bd, batch, seeds)
+    for n in gm.graph.nodes:
+        if n in activations:
+            axes.visit(n, activations)
+    return axes.moved
 
 
 def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | None:
@@ -170,6 +189,8 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
         int(v.shape[bd]) % batch == 0 and int(x.shape[bd]) % batch == 0
     if name == "unsqueeze":
         d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if isinstance(d, int) and d % v.dim() <= bd and int(x.shape[bd]) == batch:
+            return bd + 1  # NB: a new axis in front of the examples' (``h.unsqueeze(0)``)
         keeps = keeps and isinstance(d, int) and d % v.dim() > bd
     elif name in ("expand", "expand_as", "broadcast_to", "repeat"):
         keeps = keeps and v.dim() == x.dim() and v.shape[bd] == x.shape[bd]  # NB: new axes come first

@@ -189,7 +189,8 @@ def _product(u: fx.Node, chain: set[fx.Node]) -> tuple[fx.Node, fx.Node, Any, bo
         if set(u.kwargs) - {"bias"} or len(u.args) > 3:
             raise NotExpandable(f"{u.name}: a linear with arguments it cannot follow")
         x, w, b, t = *args[:3], True
-    elif (u.target in (operator.matmul, torch.matmul) or u.op == "call_method" and _target_name(u) == "matmul") and \
+    elif (u.target in (operator.matmul, torch.matmul, torch.mm) or u.op == "call_method" and _target_name(u) in (
+            "matmul", "mm")) and \
             len(u.args) == 2 and not u.kwargs:
         (x, w), b, t = u.args, None, False
         if w not in chain and x in chain:  # NB: W @ x (transformers' Mamba: dt_proj.weight @ time_step.T)
@@ -356,6 +357,14 @@ def _example_index(idx: Any) -> tuple | None:
     return (slice(None), *items)
 
 
+def _rank_past_ones(v: Any) -> int:
+    """The rank of ``v`` without its leading axes of size 1 (they broadcast over anything)."""
+    shape = list(v.shape) if isinstance(v, Tensor) else []
+    while shape and shape[0] == 1:
+        shape.pop(0)
+    return len(shape)
+
+
 def _unmerged(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int, axis: Any) -> fx.Node | None:
     """When ``u`` applies parameter values to each row of a value with the examples as the outermost factor of its
     axis 0 (rows merged row-major: ``h.flatten(0, 1) * g``, ``(h.view(-1, d) @ W) + b``, a norm on merged rows; the
@@ -370,7 +379,7 @@ def _unmerged(g: fx.Graph, u: fx.Node, chain: set[fx.Node], B: int, axis: Any) -
             out.shape == rv.shape and int(rv.shape[0]) != B and int(rv.shape[0]) % B == 0):
         return None
     if norm and (u.args[0] is not rows or len(u.args[1]) >= out.dim()) or \
-            any(a in chain and _val(a).dim() >= out.dim() for a in u.all_input_nodes):
+            any(a in chain and _rank_past_ones(_val(a)) >= out.dim() for a in u.all_input_nodes):
         return None  # NB: a parameter value reaching the rows' axis pairs each row with its own entry
     with g.inserting_before(u):
         x = g.call_method("unflatten", (rows, 0, (B, -1)))

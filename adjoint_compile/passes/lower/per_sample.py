@@ -40,11 +40,11 @@ from ...ops import scan_op
 from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
-from .per_sample_axes import broadcast_over_examples, check_batched as _check_batched, moved_batch_axes
-from .per_sample_axes import origin as _origin, refuse as _refuse, use_name as _name
+from .per_sample_axes import LOSSES, BatchAxes, broadcast_over_examples, check_batched as _check_batched
+from .per_sample_axes import moved_batch_axes, origin as _origin, reduction, refuse as _refuse, use_name as _name
 from .per_sample_attention import lower_attention
 from .per_sample_loss import direct_param, flat_rows, on_merged_rows, param_dependent, region_loss_kind, tail_kind
-from .per_sample_loss import warn_data_divisor
+from .per_sample_loss import short_of as _short_of, warn_data_divisor
 
 SCAN_OP = torch.ops.adjoint_compile.linear_scan.default
 
@@ -52,18 +52,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds", "warn_batch_mean"]
 
-#: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
-REDUCTIONS = frozenset("sum mean nansum nanmean".split())
-#: reductions that are not linear: over the batch axis the loss is no longer a sum of per-example losses
-NONLINEAR_REDUCTIONS = frozenset("amax amin max min prod std var logsumexp norm var_mean std_mean median all any "
-                                 "count_nonzero".split())
-#: ops along one axis that mix examples when the axis is the batch axis
-ALONG = frozenset("softmax log_softmax cumsum cumprod logcumsumexp sort argsort topk cummax cummin flip roll".split())
-#: in-graph losses: with reduction "mean" or "sum" they reduce over the batch
-LOSSES = frozenset("cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
-                   "binary_cross_entropy_with_logits kl_div".split())
+#: element-wise ops that broadcast their operands (a parameter value must not reach the examples' axis)
+BROADCASTS = frozenset("mul add sub truediv div pow maximum minimum where clamp addcmul addcdiv".split())
 LINEARS = (torch._C._nn.linear, F.linear)
-MATMULS = (operator.matmul, torch.matmul)
+MATMULS = (operator.matmul, torch.matmul, torch.mm)
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
 RMS_NORMS = (F.rms_norm, torch.rms_norm)
 ELEMENTWISE = {operator.mul: "mul", torch.mul: "mul", "mul": "mul", operator.add: "add", torch.add: "add",
@@ -99,47 +91,15 @@ def _is_param(n: fx.Node, gm: fx.GraphModule, example: Any) -> bool:
     return False
 
 
-def _dims(n: fx.Node, ndim: int) -> tuple[int, ...] | None:
-    """The axes a reduction / along-axis op works on (None: all of them)."""
-    d = n.kwargs.get("dim", n.kwargs.get("axis"))
-    if d is None and len(n.args) > 1 and isinstance(n.args[1], (int, tuple, list)) and not isinstance(n.args[1], bool):
-        d = n.args[1]
-    if d is None:
-        return None
-    ds = d if isinstance(d, (tuple, list)) else (d,)
-    return tuple(x % ndim for x in ds if isinstance(x, int)) if ndim else ()
-
-
 def _arg(n: fx.Node, i: int, key: str, default: Any = None) -> Any:
     return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
-
-
-def _reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int) -> str | None:
-    """"R" when ``n`` reduces an example value over the batch axis, "mix" for an along-axis op on it, else None."""
-    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
-        return None
-    if kind_of.get(n.args[0]) not in ("A", "M"):
-        return None
-    name, x = _name(n), _val(n.args[0])
-    ndim = x.dim() if isinstance(x, torch.Tensor) else 0
-    if name in LOSSES:
-        red = n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "mean", "sum")), "mean"))
-        return "R" if red != "none" else None
-    if name == "batch_norm" and bool(_arg(n, 5, "training", False)):
-        return "mix"
-    if name in REDUCTIONS | NONLINEAR_REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
-        dims = _dims(n, ndim)
-        over_batch = dims is None or bd in dims
-        return None if not over_batch else "R" if name in REDUCTIONS else "mix"
-    if name in ALONG:
-        dims = _dims(n, ndim)
-        return "mix" if dims is not None and bd in dims else None
-    return None
 
 
 def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tuple[dict[fx.Node, str], int | None]:
     kind_of: dict[fx.Node, str] = {}
     batch: int | None = None
+    axes: BatchAxes | None = None  # NB: where the examples are, followed as the values are classified
+    acts: set[fx.Node] = set()
     i = 0
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -162,6 +122,8 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             continue
         if n.op == "output" or (k := region_loss_kind(n, gm)) and kind_of.setdefault(n, k):
             continue  # NB: a loss a sharded region took in: a sum over the examples
+        if axes is None and batch is not None:
+            axes = BatchAxes(bd, batch)
         ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
         v = _val(n)
         tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
@@ -169,10 +131,12 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
         if not tensorish:
             kind_of[n] = "C"
             continue
-        red = _reduction(n, kind_of, bd)
+        red = reduction(n, kind_of, bd, axes)
         if red == "mix":
+            at = axes(n.args[0]) if axes is not None else bd
+            where = f"axis {at}" if at is not None else "an axis of a value whose examples' axis is not known"
             raise _refuse(n, "mixes the examples of the batch (batch norm in training mode, an op along the batch "
-                             f"axis batch_dim={bd}, or a reduction over it that is not a sum or mean): per-example "
+                             f"axis ({where}), or a reduction over it that is not a sum or mean): per-example "
                              "gradients are not defined")
         if "R" in ins or "D" in ins:  # NB: the loss's tail (passes/lower/per_sample_loss.py)
             if (tail := tail_kind(n, kind_of)) is None and any(kind_of.get(a) == "P" for a in n.all_input_nodes):
@@ -188,10 +152,14 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             kind_of[n] = "R" if param_dependent(n.args[0], kind_of) else "D"
         elif "A" in ins or "M" in ins:
             kind_of[n] = "M" if "P" in ins else "A"
+            acts.add(n)
+            if axes is not None:
+                axes.visit(n, acts)
         elif "P" in ins:
             kind_of[n] = "P"
         else:  # NB: a constant expanded over the examples (position ids) is every example's own, alike
             kind_of[n] = "A" if batch is not None and broadcast_over_examples(n, bd, batch) else "C"
+            acts.update([n] if kind_of[n] == "A" else [])
     return kind_of, batch
 
 
@@ -449,6 +417,10 @@ class _Lowerer:
         params = [a for a, p in zip(inputs, is_param) if p]
         if (out_axis := self.moved.get(n, self.bd)) is None:
             raise _refuse(n, "uses a parameter, but the examples' axis of its output is not known")
+        if _name(n) in BROADCASTS and (p := next((a for a in n.all_input_nodes if self.kind_of.get(a) == "P" and
+                                                  not _short_of(a, _val(n).dim(), out_axis)), None)) is not None:
+            raise _refuse(n, f"broadcasts the parameter value {p.name} {tuple(_val(p).shape)} along the examples' axis "
+                             "(each example would meet its own part of it): not supported under per_sample_clip")
         site = self._site(n, "generic", params, out_axis)
         extra = self.batch * sum(_nbytes(_val(p)) for p in params)
         call = self._call(n, PerSampleCall(site, "generic", fn=fn, dims=tuple(dims), is_param=tuple(is_param)),
@@ -464,7 +436,7 @@ def warn_batch_mean(gm: fx.GraphModule, kind_of: dict[fx.Node, str], bd: int, cl
     C then acts as N·C on the summed loss's per-example norms (C = 1 clips nothing of a typical model)."""
     for n in gm.graph.nodes:
         name, red = _name(n), n.kwargs.get("reduction", next((a for a in n.args if a in ("none", "sum")), "mean"))
-        if kind_of.get(n) == "D" or _reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in (
+        if kind_of.get(n) == "D" or reduction(n, kind_of, bd) != "R" or clip == float("inf") or name not in (
                 "mean", "nanmean") and (name not in LOSSES or red != "mean") or (
                 key := f"{source_at(n)} {n.name}") in _MEANS_WARNED:
             continue

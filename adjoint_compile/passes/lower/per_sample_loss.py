@@ -27,13 +27,13 @@ from ...analysis.optable import target_name as _name
 from ...errors import AdjointCompileWarning
 
 __all__ = ["direct_param", "flat_rows", "row_merge", "on_merged_rows", "param_dependent", "region_loss_kind",
-           "tail_kind", "warn_data_divisor"]
+           "tail_kind", "warn_data_divisor", "short_of"]
 
 #: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
 LINEAR_TAIL = frozenset("add sub neg mul truediv div iadd isub imul itruediv __add__ __sub__ __mul__ __truediv__ "
                         "__neg__ sum mean float double to stack cat concat getitem unsqueeze squeeze view reshape "
-                        "flatten clone contiguous".split())
-_PRODUCTS = frozenset("mul imul __mul__".split())
+                        "flatten clone contiguous matmul __matmul__ dot mv".split())
+_PRODUCTS = frozenset("mul imul __mul__ matmul __matmul__ dot mv".split())
 _QUOTIENTS = frozenset("truediv div itruediv __truediv__".split())
 _MERGES = frozenset("view reshape flatten".split())
 
@@ -56,7 +56,8 @@ def flat_rows(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> t
         if not (b is None or direct_param(b, kind_of)) or (len(args) > 3 or set(n.kwargs) - {"bias"}):
             return None
         v, w, transposed = args[0], args[1], False
-    elif (n.target in (operator.matmul, torch.matmul) or n.op == "call_method" and _name(n) == "matmul") and \
+    elif (n.target in (operator.matmul, torch.matmul, torch.mm) or n.op == "call_method" and _name(n) in (
+            "matmul", "mm")) and \
             len(args) == 2 and not n.kwargs and direct_param(args[1], kind_of):
         v, w, b, transposed = args[0], args[1], None, True
     else:
@@ -84,9 +85,19 @@ def row_merge(v: Any, kind_of: dict[fx.Node, str], bd: int, batch: int) -> fx.No
 
 
 #: element-wise parameter uses, and norms: each row of merged rows by itself when the parameters stop short of them
-_ROWWISE = frozenset("mul add sub __mul__ __add__ __sub__ __rmul__ __radd__ __rsub__".split())
+_ROWWISE = frozenset("mul add sub truediv div __mul__ __add__ __sub__ __truediv__ __rmul__ __radd__ __rsub__ "
+                     "__rtruediv__".split())
 _NORMS = frozenset("layer_norm rms_norm".split())
-_PRODUCTS_OF_ROWS = frozenset("linear matmul".split())
+_PRODUCTS_OF_ROWS = frozenset("linear matmul mm".split())
+
+
+def short_of(p: Any, nd: int, bd: int) -> bool:
+    """Whether the value ``p`` broadcast against ``nd`` axes stops short of axis ``bd`` (its axes there are 1s)."""
+    pv = _val(p)
+    if not isinstance(pv, torch.Tensor):
+        return not isinstance(p, fx.Node)  # NB: a number
+    lead = nd - pv.dim()  # NB: p's axis j lines up with axis lead + j
+    return all(int(pv.shape[j]) == 1 for j in range(max(0, bd + 1 - lead)))
 
 
 def on_merged_rows(n: fx.Node, rows: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> bool:
@@ -100,9 +111,9 @@ def on_merged_rows(n: fx.Node, rows: fx.Node, kind_of: dict[fx.Node, str], bd: i
             int(rv.shape[bd]) != batch and int(rv.shape[bd]) % batch == 0 and v.shape[bd] == rv.shape[bd]):
         return False
     if name in _ROWWISE and len(n.args) == 2 and not n.kwargs and rows in n.args:
+        # NB: a parameter, or a value of parameters alone (``/ torch.exp(s)``: lowered by the generic vmap)
         p = n.args[1] if n.args[0] is rows else n.args[0]
-        return direct_param(p, kind_of) and isinstance(_val(p), torch.Tensor) and _val(p).dim() < v.dim() - bd and \
-            tuple(v.shape) == tuple(rv.shape)
+        return kind_of.get(p) == "P" and short_of(p, v.dim(), bd) and tuple(v.shape) == tuple(rv.shape)
     if name in _NORMS and n.args and n.args[0] is rows and len(n.args) > 1:
         return isinstance(n.args[1], (list, tuple)) and len(n.args[1]) < rv.dim() - bd
     if name in _PRODUCTS_OF_ROWS and len(n.args) >= 2 and n.args[0] is rows and direct_param(n.args[1], kind_of):
