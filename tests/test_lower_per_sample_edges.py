@@ -473,13 +473,20 @@ class _Moved(nn.Module):
         return self.lin(z[0] + z[1])
 
 
-@pytest.mark.parametrize("how,B", [("rot90", 4), ("stack", 2)])
+@pytest.mark.parametrize("how,B", [("rot90", 4)])
 def test_examples_moved_by_ops_it_cannot_follow_are_refused(how, B):
-    """``rot90`` and a stack indexed back move the examples where the book-keeping does not follow them: refused
-    with a PerSampleError, never a gradient attributed by size (B equals the moved axis' size here)."""
+    """``rot90`` moves the examples where the book-keeping does not follow them: refused with a PerSampleError, never
+    a gradient attributed by size (B equals the moved axis' size here)."""
     f = torch.compile(_Moved(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
         _loss(f(torch.randn(B, 3, 4, dtype=torch.float64))).backward()
+
+
+def test_a_stack_indexed_back_is_followed():
+    """``torch.stack([x, 0.5 * x])[0]`` (B == 2, the stack's size): the examples followed through the index, exact
+    (it was refused: the axis was lost at the index)."""
+    torch.manual_seed(7)
+    _clipped_matches(_Moved("stack").double(), 0.05, torch.randn(2, 3, 4, dtype=torch.float64))
 
 
 class _Reordered(nn.Module):
@@ -597,9 +604,13 @@ def test_ops_along_a_moved_examples_axis_are_refused(form):
 @pytest.mark.parametrize("form", list(VALID))
 def test_ops_along_another_axis_after_a_move_are_exact(form):
     torch.manual_seed(5)
+    _exact(AlongAxis(VALID[form]).double(), torch.randn(3, 4, 5, dtype=torch.float64))
+
+
+def _exact(model: nn.Module, x: torch.Tensor) -> None:
+    """Compiled with per_sample_clip half-way between the least and largest norm: the norms against vmap(grad) and
+    every p.grad against a loop over the examples, fp64."""
     torch._dynamo.reset()
-    model = AlongAxis(VALID[form]).double()
-    x = torch.randn(3, 4, 5, dtype=torch.float64)
     norms = vmap_norms_of(model, x)
     clip = float(norms.min() + norms.max()) / 2
     want = loop_clipped_of(model, x, clip)
@@ -645,3 +656,49 @@ def test_a_parameter_broadcast_along_the_examples_axis_is_refused():
     f = torch.compile(PerRow(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError, match=r"broadcasts the parameter value \w+ \(4, 6\) along the examples"):
         _loss(f(torch.randn(4, 3)))
+
+
+# --- two example values meeting ---------------------------------------------------------------------------------------
+
+_PERM = torch.tensor([2, 0, 3, 1])
+#: ops of two example values whose output entries read several examples: refused (a contrastive loss's logits first)
+COMBINING = {
+    "cross_entropy(h @ h.T, arange(B))": lambda h: F.cross_entropy(h @ h.T, torch.arange(4), reduction="sum"),
+    "(h @ h.T).pow(2)": lambda h: (h @ h.T).pow(2).sum(),
+    "einsum('bd,cd->bc', h, h)": lambda h: torch.einsum("bd,cd->bc", h, h).pow(2).sum(),
+    "h * h[perm]": lambda h: (h * h[_PERM]).sum(),
+    "cdist(h, h)": lambda h: torch.cdist(h, h).sum(),
+}
+#: the same examples meeting themselves: valid, exact
+ALIGNED = {
+    "h * h": lambda h: (h * h).sum(),
+    "h.T.T * h": lambda h: (h.T.T * h).pow(2).sum(),
+    "(h.T * h.T).sum(0)": lambda h: (h.T * h.T).sum(0).sum(),
+    "einsum('bd,bd->b', h, h)": lambda h: torch.einsum("bd,bd->b", h, h).pow(2).sum(),
+    "bmm over the examples": lambda h: (h[:, :, None] @ h[:, None, :]).pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("form", list(COMBINING))
+def test_example_values_meeting_other_examples_are_refused(form):
+    """They were accepted: a contrastive loss under per_sample_clip gave per-example norms that read every example."""
+    torch._dynamo.reset()
+    f = torch.compile(AlongAxis(COMBINING[form]).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="mixes the examples of the batch"):
+        f(torch.randn(4, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("form", list(ALIGNED))
+def test_example_values_meeting_their_own_example_are_exact(form):
+    torch.manual_seed(6)
+    _exact(AlongAxis(ALIGNED[form]).double(), torch.randn(4, 5, dtype=torch.float64))
+
+
+def test_an_embedding_scaling_by_batch_frequency_is_refused():
+    """``scale_grad_by_freq`` divides each row's gradient by the token's count in the whole batch: examples interact
+    (the clipped sum at C = inf was the per-example frequencies', not eager's gradient)."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Linear(4, 3))
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="embedding .*mixes the examples"):
+        f(torch.randint(0, 7, (3, 5)))

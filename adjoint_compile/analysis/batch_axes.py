@@ -137,6 +137,12 @@ class BatchAxes:
             if ins and (k := _unmoved_axis(n, ins, bd, batch)) != bd:
                 moved[n] = k
             return
+        if n.target is operator.getitem and ins == [n.args[0]] and moved[n.args[0]] is not None:
+            # NB: basic indexing of a moved value (``torch.stack([x, y])[0]``) moves its axis as it would bd's
+            k = _indexed_axis(n.args[1], moved[n.args[0]], example_value(n.args[0]).dim())
+            if k != bd:
+                moved[n] = k
+            return
         if is_linear_scan(n):
             moved[n] = _scan_axis(n, moved, activations, bd)
             if moved[n] == bd:

@@ -41,6 +41,7 @@ from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_axes import LOSSES, BatchAxes, broadcast_over_examples, check_batched as _check_batched
+from .per_sample_axes import combines_examples
 from .per_sample_axes import moved_batch_axes, origin as _origin, reduction, refuse as _refuse, use_name as _name
 from .per_sample_attention import lower_attention
 from .per_sample_loss import direct_param, flat_rows, on_merged_rows, param_dependent, region_loss_kind, tail_kind
@@ -155,6 +156,9 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             acts.add(n)
             if axes is not None:
                 axes.visit(n, acts)
+                if (why := combines_examples(n, acts, axes)) is not None:
+                    raise _refuse(n, f"mixes the examples of the batch ({why}): each example's output reads others'"
+                                     ", so per-example gradients are not defined")
         elif "P" in ins:
             kind_of[n] = "P"
         else:  # NB: a constant expanded over the examples (position ids) is every example's own, alike

@@ -7,11 +7,12 @@ import torch
 import torch.fx as fx
 
 from ...analysis.batch_axes import BatchAxes, broadcast_over_examples, moved_batch_axes, permutation, use_name
-from ...analysis.fx import example_value, source_at
+from ...analysis.fx import example_value, is_linear_scan, source_at
 from ...errors import PerSampleError
 
 __all__ = ["permutation", "moved_batch_axes", "BatchAxes", "broadcast_over_examples", "check_batched", "refuse",
-           "use_name", "origin", "reduction", "REDUCTIONS", "NONLINEAR_REDUCTIONS", "ALONG", "LOSSES"]
+           "use_name", "origin", "reduction", "combines_examples", "REDUCTIONS", "NONLINEAR_REDUCTIONS", "ALONG",
+           "LOSSES"]
 
 #: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
 REDUCTIONS = frozenset("sum mean nansum nanmean".split())
@@ -74,6 +75,8 @@ def reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, axes: BatchAxes 
         return "R" if red != "none" else None
     if name == "batch_norm" and bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("training", False)):
         return "mix"
+    if name == "embedding" and bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("scale_grad_by_freq", False)):
+        return "mix"  # NB: each row's gradient divided by its count in the whole batch
     if name in REDUCTIONS | NONLINEAR_REDUCTIONS and not (len(n.args) > 1 and isinstance(n.args[1], fx.Node)):
         dims = _dims(n, ndim)
         over_batch = dims is None or bd is None or bd in dims
@@ -84,3 +87,47 @@ def reduction(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, axes: BatchAxes 
             dims = tuple(range(ndim)) if name in ("roll", "flip") else (ndim - 1,) if ndim else ()
         return "mix" if bd is None or bd in dims else None
     return None
+
+
+#: ops of several operands that broadcast them against each other, element by element
+BROADCASTING = frozenset("add sub mul div truediv floordiv remainder pow where maximum minimum fmax fmin atan2 lerp "
+                         "addcmul addcdiv masked_fill copysign hypot eq ne lt le gt ge logical_and logical_or "
+                         "logical_xor bitwise_and bitwise_or bitwise_xor clamp clip xlogy __add__ __sub__ __mul__ "
+                         "__truediv__ __radd__ __rsub__ __rmul__ __rtruediv__ __pow__ __and__ __or__ __xor__ iadd isub "
+                         "imul itruediv".split())
+#: ops whose second operand gives a shape or dtype only
+SHAPE_ONLY = frozenset("expand_as view_as reshape_as type_as broadcast_to new_zeros new_ones new_empty new_full "
+                       "zeros_like ones_like empty_like".split())
+#: products whose leading axes are batch axes (the last two are the matrices')
+BATCHED_PRODUCTS = frozenset("matmul bmm baddbmm __matmul__ scaled_dot_product_attention".split())
+#: ops that place the examples' axis of their operands themselves (analysis/batch_axes.py), or along one axis
+PLACED = frozenset("cat concat concatenate stack einsum gather take_along_dim".split())
+
+
+def combines_examples(n: fx.Node, acts: set[fx.Node], axes: BatchAxes) -> str | None:
+    """Why ``n``, an op of two or more example values, would make examples meet (each output entry reading several
+    examples: ``h @ h.T``, a contrastive loss's logits, ``cdist(h, h)``, ``h * h[perm]``), or None when their examples
+    line up: element-wise ops with the examples' axes on one output axis, batched products over them, stacks,
+    cats, einsums and gathers that place them on one axis, losses of logits and targets of the same examples."""
+    every: list[fx.Node] = []  # NB: each operand as often as it is one (``einsum("bd,cd->bc", h, h)``)
+    fx.node.map_arg((n.args, n.kwargs), every.append)
+    ins = [a for a in every if a in acts and isinstance(example_value(a), torch.Tensor)]
+    out = example_value(n)
+    if len(ins) < 2 or n.op == "call_module" or is_linear_scan(n) or not isinstance(out, torch.Tensor):
+        return None
+    name, at = use_name(n).rstrip("_"), [axes(a) for a in ins]  # NB: in place (``masked_fill_``) alike
+    if name in SHAPE_ONLY:
+        return None
+    if None in at:
+        return "an operand whose examples' axis is not known"
+    right = {k + out.dim() - example_value(a).dim() for a, k in zip(ins, at)}
+    if name in BROADCASTING:
+        return None if len(right) == 1 else "operands whose examples' axes do not line up"
+    if name in BATCHED_PRODUCTS:
+        batch_axes = all(k < example_value(a).dim() - 2 for a, k in zip(ins, at))
+        return None if len(right) == 1 and batch_axes else "a product over the examples' axis"
+    if name in PLACED:
+        return None if axes(n) is not None else "operands whose examples' axes do not line up"
+    if name in LOSSES:
+        return None if len(set(at)) == 1 else "an input and a target of different examples' axes"
+    return f"{name} of two example values"
