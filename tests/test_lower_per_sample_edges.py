@@ -668,6 +668,7 @@ COMBINING = {
     "einsum('bd,cd->bc', h, h)": lambda h: torch.einsum("bd,cd->bc", h, h).pow(2).sum(),
     "h * h[perm]": lambda h: (h * h[_PERM]).sum(),
     "cdist(h, h)": lambda h: torch.cdist(h, h).sum(),
+    "cosine_similarity along the examples": lambda h: F.cosine_similarity(h, h * 2 + 1, dim=0).sum(),
 }
 #: the same examples meeting themselves: valid, exact
 ALIGNED = {
@@ -676,6 +677,8 @@ ALIGNED = {
     "(h.T * h.T).sum(0)": lambda h: (h.T * h.T).sum(0).sum(),
     "einsum('bd,bd->b', h, h)": lambda h: torch.einsum("bd,bd->b", h, h).pow(2).sum(),
     "bmm over the examples": lambda h: (h[:, :, None] @ h[:, None, :]).pow(2).sum(),
+    "cosine_similarity(h, 2h + 1)": lambda h: F.cosine_similarity(h, h * 2 + 1, dim=1).pow(2).sum(),
+    "pairwise_distance(h, h.flip(1))": lambda h: F.pairwise_distance(h, h.flip(1)).sum(),
 }
 
 

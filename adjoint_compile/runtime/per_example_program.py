@@ -1,8 +1,9 @@
 """A sharded region's program made per example, for ``per_sample_clip`` (runtime/sharded_ps.py runs it).
 
 Every parameter p of the region becomes ``p + z_p``, z_p a zero [B, *p.shape] input: B copies of p, one per example,
-on a new leading axis (made as p expanded, :func:`copies`: neither z_p nor the copies take memory). Ops on the parameter values alone compute on the copies (element-wise ops, indexing and ops
-on the value's own axes shifted past the copies' axis). Where a parameter value meets an example's value, the copies
+on a new leading axis (made as p expanded, :func:`copies`: neither z_p nor the copies take memory). Ops on the
+parameter values alone compute on the copies (element-wise ops, indexing and ops on the value's own axes shifted past
+the copies' axis). Where a parameter value meets an example's value, the copies
 are re-viewed as [B, 1, ..., *shape] against values that carry the examples on axis 0 (element-wise ops, a norm's
 affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul,
 an embedding's table as a lookup in its B copies. On rows merged from [B, ..., d] with the examples first

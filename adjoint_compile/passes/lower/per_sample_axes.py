@@ -94,7 +94,9 @@ BROADCASTING = frozenset("add sub mul div truediv floordiv remainder pow where m
                          "addcmul addcdiv masked_fill copysign hypot eq ne lt le gt ge logical_and logical_or "
                          "logical_xor bitwise_and bitwise_or bitwise_xor clamp clip xlogy __add__ __sub__ __mul__ "
                          "__truediv__ __radd__ __rsub__ __rmul__ __rtruediv__ __pow__ __and__ __or__ __xor__ iadd isub "
-                         "imul itruediv".split())
+                         "imul itruediv complex polar bilinear".split())
+#: element-wise over broadcast operands, reduced along ``dim`` (arg 2; default): per example unless dim is theirs
+PAIRWISE = {"cosine_similarity": 1, "pairwise_distance": -1}
 #: ops whose second operand gives a shape or dtype only
 SHAPE_ONLY = frozenset("expand_as view_as reshape_as type_as broadcast_to new_zeros new_ones new_empty new_full "
                        "zeros_like ones_like empty_like".split())
@@ -123,6 +125,12 @@ def combines_examples(n: fx.Node, acts: set[fx.Node], axes: BatchAxes) -> str | 
     right = {k + out.dim() - example_value(a).dim() for a, k in zip(ins, at)}
     if name in BROADCASTING:
         return None if len(right) == 1 else "operands whose examples' axes do not line up"
+    if name in PAIRWISE:
+        d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", PAIRWISE[name])
+        nd = max(example_value(a).dim() for a in ins)
+        along = isinstance(d, int) and (d % nd) in {k + nd - example_value(a).dim() for a, k in zip(ins, at)}
+        return None if len(right) <= 2 and len({k + nd - example_value(a).dim() for a, k in zip(ins, at)}) == 1 \
+            and not along else "operands compared along the examples' axis"
     if name in BATCHED_PRODUCTS:
         batch_axes = all(k < example_value(a).dim() - 2 for a, k in zip(ins, at))
         return None if len(right) == 1 and batch_axes else "a product over the examples' axis"
