@@ -203,21 +203,50 @@ class _Logits(nn.Module):
         return self.lm(input_ids=ids).logits
 
 
+_ARCH = {"gpt2": "GPT2", "llama": "Llama"}
+
+
+def _tiny_config(arch: str, layers: int = 2, **extra: Any):
+    """A tiny random transformers config: GPT-2 (Conv1D projections) or Llama (grouped-query attention)."""
+    import transformers
+    common = {"vocab_size": 17, "bos_token_id": 0, "eos_token_id": 1, **extra}
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_positions=16, n_embd=8, n_layer=layers, n_head=2, attn_pdrop=0.0,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, **common)
+    return transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=layers,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16, **common)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_transformers_tiny_sequence_classification(arch):
+    """transformers' ...ForSequenceClassification: the logits of each sequence's last token picked with
+    ``logits[arange(B), last_non_pad_token]`` (one row per example; it was refused as mixing the examples)."""
+    import transformers
+    torch.manual_seed(23)
+    lm = getattr(transformers, f"{_ARCH[arch]}ForSequenceClassification")(_tiny_config(arch, 1, pad_token_id=1,
+                                                                                       num_labels=3))
+    lm.config._attn_implementation = "sdpa"
+    ids = torch.randint(2, 17, (3, 5))
+    ids[0, 3:] = 1  # NB: a padded sequence: its last token is at 2
+    model = _Logits(lm).double()
+    _, norms = loop_clipped(model, (ids,), math.inf)  # NB: the oracle is the loop: the pooling reads .item() (no vmap)
+    clip = float(norms.min() + norms.max()) / 2
+    want, _ = loop_clipped(model, (ids,), clip)
+    compiled = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "inner": "aot_eager"})
+    _loss(compiled(ids)).backward()
+    # NB: 1e-6: transformers computes parts in fp32 whatever the model's dtype (the eager loop does too)
+    torch.testing.assert_close(ac.per_sample_grad_norms(compiled), norms.double(), rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-9, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_transformers_tiny_gpt2_and_llama(arch):
     """transformers' GPT-2 (Conv1D projections: addmm on flattened tokens; tied head) and Llama (grouped-query
     attention through scaled_dot_product_attention, RMSNorm, rotary embeddings), tiny random configs."""
     import transformers  # the dev extra: tests run the real implementations
     torch.manual_seed(22)
-    common = {"vocab_size": 17, "bos_token_id": 0, "eos_token_id": 1}
-    if arch == "gpt2":
-        cfg = transformers.GPT2Config(n_positions=16, n_embd=8, n_layer=2, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, **common)
-        lm = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                       num_key_value_heads=1, max_position_embeddings=16, **common)
-        lm = transformers.LlamaForCausalLM(cfg)
+    lm = getattr(transformers, {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch])(_tiny_config(arch))
     lm.config._attn_implementation = "sdpa"
     rep = check(_Logits(lm), torch.randint(0, 17, (3, 5)), clip=1.0)
     kinds = {u["kind"] for u in _uses(rep)}

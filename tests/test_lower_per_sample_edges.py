@@ -517,7 +517,8 @@ def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refu
     """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B), and
     ``x.new_ones(T, D)`` holds no example's values though T == B: refused, never attributed by position."""
     f = torch.compile(_Reordered(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
-    with pytest.raises(ac.PerSampleError, match="examples' axis of its input .* is not known"):
+    with pytest.raises(ac.PerSampleError,
+                       match="examples' axis of its input .* is not known|roll .*mixes the examples"):
         _loss(f(torch.randn(3, 3, 4, dtype=torch.float64))).backward()
 
 
@@ -669,6 +670,8 @@ COMBINING = {
     "h * h[perm]": lambda h: (h * h[_PERM]).sum(),
     "cdist(h, h)": lambda h: torch.cdist(h, h).sum(),
     "cosine_similarity along the examples": lambda h: F.cosine_similarity(h, h * 2 + 1, dim=0).sum(),
+    "mse_loss(h, h.roll(1, 0))": lambda h: F.mse_loss(h, h.roll(1, 0), reduction="sum"),
+    "mse_loss(h, h[perm])": lambda h: F.mse_loss(h, h[_PERM], reduction="sum"),
 }
 #: the same examples meeting themselves: valid, exact
 ALIGNED = {
@@ -705,3 +708,22 @@ def test_an_embedding_scaling_by_batch_frequency_is_refused():
     f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError, match="embedding .*mixes the examples"):
         f(torch.randint(0, 7, (3, 5)))
+
+
+#: [B, T, D] values of one example meeting through indexing, scatter, unbind, diag_embed: valid, exact (transformers'
+#: sequence classification pools with ``logits[arange(B), last]``)
+ALIGNED_STEPS = {
+    "h[arange(B), last]": lambda h: h[torch.arange(h.shape[0]), (h[..., 0] > 0).sum(1).clamp(max=3)].pow(2).sum(),
+    "logaddexp(h, 2h)": lambda h: torch.logaddexp(h, 2 * h).sum(),
+    "scatter_add along time": lambda h: torch.zeros_like(h).scatter_add(1, h.abs().argsort(1), h * h).pow(2).sum(),
+    "h[:, [0, 2]] * h[:, [1, 3]]": lambda h: (h[:, [0, 2]] * h[:, [1, 3]]).sum(),
+    "diag_embed(h[:, 0]) @ h.mT": lambda h: (torch.diag_embed(h[:, 0]) @ h.mT).pow(2).sum(),
+    "cat(h.transpose(0, 1).unbind(0)[1], h[:, 0])": lambda h: torch.cat([h.transpose(0, 1).unbind(0)[1], h[:, 0]],
+                                                                         -1).pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("form", list(ALIGNED_STEPS))
+def test_values_of_one_example_meeting_through_indexing_are_exact(form):
+    torch.manual_seed(8)
+    _exact(AlongAxis(ALIGNED_STEPS[form]).double(), torch.randn(3, 4, 5, dtype=torch.float64))

@@ -154,7 +154,13 @@ class BatchAxes:
         axes = {moved.get(a, bd) for a in ins}
         v = example_value(n)
         if isinstance(v, (tuple, list)):
-            elems[n] = [None] * len(v)
+            k = moved.get(n.args[0]) if n.args and n.args[0] in moved else None
+            d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            if use_name(n) == "unbind" and k is not None and isinstance(d, int) and len(ins) == 1:
+                d %= example_value(n.args[0]).dim()  # NB: the unbound axis goes; the examples' shifts past it
+                elems[n] = [None if d == k else k - 1 if d < k else k] * len(v)
+            else:
+                elems[n] = [None] * len(v)
             return
         k = axes.pop() if len(axes) == 1 else None
         same = isinstance(v, torch.Tensor) and all(example_value(a).dim() == v.dim() for a in ins)
@@ -185,6 +191,8 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
         return bd
     if name in _LOST or name.startswith("new_"):  # NB: new_ones(T, V): values of no example, [T, V] where T == B
         return None
+    if name == "diag_embed":  # NB: its new axes come last unless told otherwise
+        return bd if len(n.args) <= 2 and not (n.kwargs.keys() - {"offset"}) else None
     if name in _ALONG_DIM and _along(n, name, x.dim()) in (None, bd):
         return None  # NB: x[perm], roll along the examples: each row another example's
     if n.target is operator.getitem and n.args[0] is ins[0]:
@@ -204,7 +212,7 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
 
 
 #: ops whose output's axes are not the input's in any way followed here
-_LOST = frozenset("rot90 as_strided unfold tile diag diagonal diag_embed".split())
+_LOST = frozenset("rot90 as_strided unfold tile diag diagonal".split())
 #: ops that index or shift along one axis (the examples reordered when it is theirs): the arg position of the axis
 _ALONG_DIM = {"index_select": 1, "gather": 1, "take_along_dim": 2, "roll": 2, "scatter": 1, "scatter_add": 1,
               "index_add": 1, "index_copy": 1, "index_fill": 1, "repeat_interleave": 2}
@@ -219,12 +227,38 @@ def _along(n: fx.Node, name: str, nd: int) -> int | None:
     return d % nd if isinstance(d, int) and not isinstance(d, bool) and nd else None
 
 
+def _is_arange(i: Any, batch: int | None = None) -> bool:
+    """Whether the index ``i`` is ``torch.arange(n)`` (0, 1, ..., n - 1: every example, in order)."""
+    if not (isinstance(i, fx.Node) and i.op == "call_function" and i.target is torch.arange):
+        return False
+    a = [x for x in i.args if not isinstance(x, (torch.dtype, torch.device))]
+    return len(a) == 1 or (len(a) == 2 and a[0] == 0) or (len(a) == 3 and a[0] == 0 and a[2] == 1)
+
+
+def _advanced_axis(items: tuple, adv: list[int], bd: int) -> int | None:
+    """Where ``x[items]`` with tensor or list indices at ``adv`` (adjacent, 1-D or numbers) puts the examples of x
+    (on ``bd``, only full slices before it): they stay when every tensor index comes after them, or when the index
+    at their axis is ``arange`` (each example its own row: ``logits[arange(B), last]``, transformers' pooling); else
+    None (a reorder, or numpy's move of separated indices to the front)."""
+    if Ellipsis in items or None in items or adv != list(range(adv[0], adv[-1] + 1)) or any(
+            items[j] != slice(None) for j in range(min(bd, len(items)))):
+        return None
+    for j in adv:
+        v = example_value(items[j]) if isinstance(items[j], fx.Node) else None
+        if isinstance(items[j], fx.Node) and not (isinstance(v, torch.Tensor) and v.dim() <= 1):
+            return None
+    if adv[0] > bd:
+        return bd
+    return bd if adv[0] == bd and _is_arange(items[bd]) else None
+
+
 def _indexed_axis(idx: Any, bd: int, nd: int) -> int | None:
     """Where ``x[idx]`` puts the examples of x (on ``bd``): basic indexing before them moves them (None adds an axis,
     an int removes one), a tensor or list index anywhere may reorder or move them (None: unknown)."""
     items = idx if isinstance(idx, tuple) else (idx,)
-    if any(isinstance(i, (fx.Node, list, torch.Tensor)) for i in items):
-        return None
+    adv = [j for j, i in enumerate(items) if isinstance(i, (fx.Node, list, torch.Tensor))]
+    if adv:
+        return _advanced_axis(items, adv, bd)
     k, axis = bd, 0  # NB: axis: the input axis the next item indexes
     for j, i in enumerate(items):
         if i is Ellipsis:  # NB: the items after it index the last axes: they must all come after the examples'

@@ -151,6 +151,8 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             kind_of[n] = tail
         elif red == "R":  # NB: "D": a reduction of data alone (mask.sum()), a constant of the gradient
             kind_of[n] = "R" if param_dependent(n.args[0], kind_of) else "D"
+            if axes is not None and (why := combines_examples(n, acts, axes)) is not None:
+                raise _refuse(n, f"mixes the examples of the batch ({why}): each example's loss reads others'")
         elif "A" in ins or "M" in ins:
             kind_of[n] = "M" if "P" in ins else "A"
             acts.add(n)

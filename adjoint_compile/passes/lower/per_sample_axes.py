@@ -50,9 +50,10 @@ def origin(n: fx.Node, kind_of: dict[fx.Node, str]) -> str:
 
 def _dims(n: fx.Node, ndim: int) -> tuple[int, ...] | None:
     """The axes a reduction / along-axis op works on (None: all of them)."""
-    d = n.kwargs.get("dim", n.kwargs.get("axis"))
-    if d is None and len(n.args) > 1 and isinstance(n.args[1], (int, tuple, list)) and not isinstance(n.args[1], bool):
-        d = n.args[1]
+    d = n.kwargs.get("dim", n.kwargs.get("axis", n.kwargs.get("dims")))
+    at = 2 if use_name(n) == "roll" else 1  # NB: roll(shifts, dims)
+    if d is None and len(n.args) > at and isinstance(n.args[at], (int, tuple, list)) and not isinstance(n.args[at], bool):
+        d = n.args[at]
     if d is None:
         return None
     ds = d if isinstance(d, (tuple, list)) else (d,)
@@ -94,14 +95,15 @@ BROADCASTING = frozenset("add sub mul div truediv floordiv remainder pow where m
                          "addcmul addcdiv masked_fill copysign hypot eq ne lt le gt ge logical_and logical_or "
                          "logical_xor bitwise_and bitwise_or bitwise_xor clamp clip xlogy __add__ __sub__ __mul__ "
                          "__truediv__ __radd__ __rsub__ __rmul__ __rtruediv__ __pow__ __and__ __or__ __xor__ iadd isub "
-                         "imul itruediv complex polar bilinear".split())
+                         "imul itruediv complex polar bilinear logaddexp logaddexp2".split())
 #: element-wise over broadcast operands, reduced along ``dim`` (arg 2; default): per example unless dim is theirs
-PAIRWISE = {"cosine_similarity": 1, "pairwise_distance": -1}
+PAIRWISE = {"cosine_similarity": 1, "pairwise_distance": -1, "vecdot": -1}
 #: ops whose second operand gives a shape or dtype only
 SHAPE_ONLY = frozenset("expand_as view_as reshape_as type_as broadcast_to new_zeros new_ones new_empty new_full "
                        "zeros_like ones_like empty_like".split())
 #: products whose leading axes are batch axes (the last two are the matrices')
-BATCHED_PRODUCTS = frozenset("matmul bmm baddbmm __matmul__ scaled_dot_product_attention".split())
+BATCHED_PRODUCTS = frozenset("matmul bmm baddbmm mm __matmul__ scaled_dot_product_attention cdist inner outer kron "
+                             "tensordot".split())
 #: ops that place the examples' axis of their operands themselves (analysis/batch_axes.py), or along one axis
 PLACED = frozenset("cat concat concatenate stack einsum gather take_along_dim".split())
 
@@ -109,8 +111,9 @@ PLACED = frozenset("cat concat concatenate stack einsum gather take_along_dim".s
 def combines_examples(n: fx.Node, acts: set[fx.Node], axes: BatchAxes) -> str | None:
     """Why ``n``, an op of two or more example values, would make examples meet (each output entry reading several
     examples: ``h @ h.T``, a contrastive loss's logits, ``cdist(h, h)``, ``h * h[perm]``), or None when their examples
-    line up: element-wise ops with the examples' axes on one output axis, batched products over them, stacks,
-    cats, einsums and gathers that place them on one axis, losses of logits and targets of the same examples."""
+    line up: element-wise ops with the examples' axes on one output axis, products batched over them, stacks, cats,
+    einsums and gathers that place them on one axis, any other op (a loss, an index) with them on one axis of every
+    operand."""
     every: list[fx.Node] = []  # NB: each operand as often as it is one (``einsum("bd,cd->bc", h, h)``)
     fx.node.map_arg((n.args, n.kwargs), every.append)
     ins = [a for a in every if a in acts and isinstance(example_value(a), torch.Tensor)]
@@ -136,6 +139,5 @@ def combines_examples(n: fx.Node, acts: set[fx.Node], axes: BatchAxes) -> str | 
         return None if len(right) == 1 and batch_axes else "a product over the examples' axis"
     if name in PLACED:
         return None if axes(n) is not None else "operands whose examples' axes do not line up"
-    if name in LOSSES:
-        return None if len(set(at)) == 1 else "an input and a target of different examples' axes"
-    return f"{name} of two example values"
+    # NB: losses and any other op: the examples on one axis of every operand (``h[arange(B), last]``, a triplet loss)
+    return None if len(set(at)) == 1 else "operands whose examples' axes differ"
