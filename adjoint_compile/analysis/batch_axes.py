@@ -227,7 +227,7 @@ def _along(n: fx.Node, name: str, nd: int) -> int | None:
     return d % nd if isinstance(d, int) and not isinstance(d, bool) and nd else None
 
 
-def _is_arange(i: Any, batch: int | None = None) -> bool:
+def _is_arange(i: Any) -> bool:
     """Whether the index ``i`` is ``torch.arange(n)`` (0, 1, ..., n - 1: every example, in order)."""
     if not (isinstance(i, fx.Node) and i.op == "call_function" and i.target is torch.arange):
         return False

@@ -128,12 +128,12 @@ def combines_examples(n: fx.Node, acts: set[fx.Node], axes: BatchAxes) -> str | 
     right = {k + out.dim() - example_value(a).dim() for a, k in zip(ins, at)}
     if name in BROADCASTING:
         return None if len(right) == 1 else "operands whose examples' axes do not line up"
-    if name in PAIRWISE:
+    if name in PAIRWISE:  # NB: the operands broadcast to nd axes, then reduced along dim
         d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", PAIRWISE[name])
         nd = max(example_value(a).dim() for a in ins)
-        along = isinstance(d, int) and (d % nd) in {k + nd - example_value(a).dim() for a, k in zip(ins, at)}
-        return None if len(right) <= 2 and len({k + nd - example_value(a).dim() for a, k in zip(ins, at)}) == 1 \
-            and not along else "operands compared along the examples' axis"
+        aligned = {k + nd - example_value(a).dim() for a, k in zip(ins, at)}
+        along = not isinstance(d, int) or d % nd in aligned
+        return None if len(aligned) == 1 and not along else "operands compared along the examples' axis"
     if name in BATCHED_PRODUCTS:
         batch_axes = all(k < example_value(a).dim() - 2 for a, k in zip(ins, at))
         return None if len(right) == 1 and batch_axes else "a product over the examples' axis"
