@@ -2,6 +2,7 @@
 example values and shapes (symbolic-safe), reachability and convexity of node sets, a stable topological sort."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import operator
@@ -16,7 +17,7 @@ __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
     "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes", "mode_states",
-    "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg",
+    "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg", "refresh_example_values",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -170,6 +171,22 @@ def example_value(n: Any) -> Any:
     if not isinstance(n, fx.Node):
         return None
     return n.meta.get("example_value", n.meta.get("val"))
+
+
+def refresh_example_values(nodes: list[fx.Node]) -> None:
+    """New example values for ``nodes`` (in graph order, after a pass rewrote them), run on their inputs' fake
+    tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    for n in nodes:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), example_value)
+        # NB: the inputs' own mode (dynamo's tracing context may hold another)
+        mode = next((v.fake_mode for v in map(example_value, nodes_in((n.args, n.kwargs))) if isinstance(
+            v, FakeTensor)), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            v = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        n.meta["example_value"] = v
+        if "val" in n.meta:
+            n.meta["val"] = v
 
 
 def size(x: Any, hint: bool = False) -> Any:

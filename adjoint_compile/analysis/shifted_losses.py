@@ -21,7 +21,6 @@ used once); their literal sizes of the T-a-k steps (fold·(T-a-k)) become T (fol
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 import types
@@ -30,11 +29,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import UnsupportedRegion
 from ..regions import PROVENANCE
-from .fx import example_value, nodes_in
+from .fx import example_value, nodes_in, refresh_example_values
 from .losses import loss_args
 from .optable import RESHAPES, SAME_SHAPE, TRANSPOSES, raw_name
 from .rules import TimeLocalInfo, step_shape
@@ -88,20 +86,6 @@ def _logit_cut(n: fx.Node, d: int, T: int) -> tuple[int, int] | None:
     return (c[1], T - c[2]) if c is not None and c[0] == d and 0 < c[1] + T - c[2] < T else None
 
 
-def _refresh(nodes: list[fx.Node]) -> None:
-    """New example values for ``nodes`` (in graph order), run on the fake tensors of their inputs."""
-    for n in nodes:
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), example_value)
-        # NB: the inputs' own mode (dynamo's tracing context may hold another)
-        mode = next((v.fake_mode for v in map(example_value, nodes_in((n.args, n.kwargs))) if isinstance(
-            v, FakeTensor)), None)
-        with mode if mode is not None else contextlib.nullcontext():
-            v = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
-        n.meta["example_value"] = v
-        if "val" in n.meta:
-            n.meta["val"] = v
-
-
 def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     a = loss_args(loss)
     T = info.length
@@ -142,7 +126,7 @@ def _one(gm: fx.GraphModule, loss: fx.Node, info: TimeLocalInfo) -> bool:
     (t_chain[0] if t_chain else loss).replace_input_with(r, pad)
     (x_chain[0] if x_chain else loss).replace_input_with(s, h)
     g.erase_node(s)
-    _refresh([pad, *x_chain, *t_chain])
+    refresh_example_values([pad, *x_chain, *t_chain])
     for c in x_chain + t_chain:
         c.meta[PROVENANCE] = {**c.meta.get(PROVENANCE, {}), **prov}
     return True

@@ -34,14 +34,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...analysis.fx import batch_size_arg, source_at
+from ...analysis.fx import batch_size_arg, refresh_example_values, source_at
 from ...errors import AdjointCompileWarning, PerSampleError
 from ...ops import scan_op
 from ...options import Options
 from ...runtime.per_sample import Clipper, PerSampleCall, Site, gram_is_cheaper
 from ...runtime.sharded import ShardedRegion
 from .per_sample_axes import LOSSES, BatchAxes, broadcast_over_examples, check_batched as _check_batched
-from .per_sample_axes import combines_examples
+from .per_sample_axes import BROADCASTING, combines_examples
 from .per_sample_axes import moved_batch_axes, origin as _origin, reduction, refuse as _refuse, use_name as _name
 from .per_sample_attention import lower_attention
 from .per_sample_loss import direct_param, flat_rows, on_merged_rows, param_dependent, region_loss_kind, tail_kind
@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PerSampleLowering", "lower_per_sample", "classify_kinds", "warn_batch_mean"]
 
-#: element-wise ops that broadcast their operands (a parameter value must not reach the examples' axis)
-BROADCASTS = frozenset("mul add sub truediv div pow maximum minimum where clamp addcmul addcdiv".split())
 LINEARS = (torch._C._nn.linear, F.linear)
 MATMULS = (operator.matmul, torch.matmul, torch.mm)
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
@@ -311,10 +309,8 @@ class _Lowerer:
         with g.inserting_before(n):
             x = g.call_method("unflatten", (rows, self.bd, (self.batch, -1)))
             inner = g.node_copy(n, lambda a: x if a is rows else a)
-        x.meta = {**rows.meta, "example_value": _val(rows).unflatten(self.bd, (self.batch, -1))}
-        vals = fx.node.map_arg((inner.args, inner.kwargs), _val)
-        fn = getattr(vals[0][0], n.target) if n.op == "call_method" else n.target
-        inner.meta = {**n.meta, "example_value": fn(*(vals[0][1:] if n.op == "call_method" else vals[0]), **vals[1])}
+        x.meta, inner.meta = dict(rows.meta), dict(n.meta)
+        refresh_example_values([x, inner])
         self.kind_of[x], self.kind_of[inner] = "A", "M"
         n.replace_all_uses_with(self._merged(n, "flatten", (inner, self.bd, self.bd + 1)))
         g.erase_node(n)
@@ -423,7 +419,7 @@ class _Lowerer:
         params = [a for a, p in zip(inputs, is_param) if p]
         if (out_axis := self.moved.get(n, self.bd)) is None:
             raise _refuse(n, "uses a parameter, but the examples' axis of its output is not known")
-        if _name(n) in BROADCASTS and (p := next((a for a in n.all_input_nodes if self.kind_of.get(a) == "P" and
+        if _name(n) in BROADCASTING and (p := next((a for a in n.all_input_nodes if self.kind_of.get(a) == "P" and
                                                   not _short_of(a, _val(n).dim(), out_axis)), None)) is not None:
             raise _refuse(n, f"broadcasts the parameter value {p.name} {tuple(_val(p).shape)} along the examples' axis "
                              "(each example would meet its own part of it): not supported under per_sample_clip")

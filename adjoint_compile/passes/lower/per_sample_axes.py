@@ -12,7 +12,7 @@ from ...errors import PerSampleError
 
 __all__ = ["permutation", "moved_batch_axes", "BatchAxes", "broadcast_over_examples", "check_batched", "refuse",
            "use_name", "origin", "reduction", "combines_examples", "REDUCTIONS", "NONLINEAR_REDUCTIONS", "ALONG",
-           "LOSSES"]
+           "LOSSES", "BROADCASTING"]
 
 #: linear reductions: over the batch axis (or over everything) they make an ``R`` value, a sum of per-example terms
 REDUCTIONS = frozenset("sum mean nansum nanmean".split())
@@ -95,7 +95,7 @@ BROADCASTING = frozenset("add sub mul div truediv floordiv remainder pow where m
                          "addcmul addcdiv masked_fill copysign hypot eq ne lt le gt ge logical_and logical_or "
                          "logical_xor bitwise_and bitwise_or bitwise_xor clamp clip xlogy __add__ __sub__ __mul__ "
                          "__truediv__ __radd__ __rsub__ __rmul__ __rtruediv__ __pow__ __and__ __or__ __xor__ iadd isub "
-                         "imul itruediv complex polar bilinear logaddexp logaddexp2".split())
+                         "imul itruediv complex polar logaddexp logaddexp2".split())
 #: element-wise over broadcast operands, reduced along ``dim`` (arg 2; default): per example unless dim is theirs
 PAIRWISE = {"cosine_similarity": 1, "pairwise_distance": -1, "vecdot": -1}
 #: ops whose second operand gives a shape or dtype only

@@ -26,7 +26,7 @@ from ...analysis.fx import example_value as _val
 from ...analysis.optable import target_name as _name
 from ...errors import AdjointCompileWarning
 
-__all__ = ["direct_param", "flat_rows", "row_merge", "on_merged_rows", "param_dependent", "region_loss_kind",
+__all__ = ["direct_param", "flat_rows", "on_merged_rows", "param_dependent", "region_loss_kind",
            "tail_kind", "warn_data_divisor", "short_of"]
 
 #: what may follow a batch reduction on the way to the output: the loss stays a sum of per-example losses
@@ -62,13 +62,13 @@ def flat_rows(n: fx.Node, kind_of: dict[fx.Node, str], bd: int, batch: int) -> t
         v, w, b, transposed = args[0], args[1], None, True
     else:
         return None
-    x = row_merge(v, kind_of, bd, batch)
+    x = _row_merge(v, kind_of, bd, batch)
     if x is None or not (_val(v).dim() == 2 and isinstance(_val(w), torch.Tensor) and _val(w).dim() == 2):
         return None
     return x, w, b, transposed
 
 
-def row_merge(v: Any, kind_of: dict[fx.Node, str], bd: int, batch: int) -> fx.Node | None:
+def _row_merge(v: Any, kind_of: dict[fx.Node, str], bd: int, batch: int) -> fx.Node | None:
     """``x`` when ``v`` merges the leading axes of the activation ``x``, its examples' axis ``bd`` among them, into
     rows ``[rows, *x.shape[k:]]`` (``view``, ``reshape``, ``flatten``; row-major, so each row is one example's); else
     None."""
