@@ -253,6 +253,39 @@ def test_transformers_tiny_gpt2_and_llama(arch):
     assert {"embedding", "elementwise"} <= kinds and kinds & {"linear", "matmul"}, kinds
 
 
+class _MaskedLogits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, mask):
+        return self.lm(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_transformers_tiny_lm_with_an_attention_mask(arch):
+    """transformers' causal LMs given an ``attention_mask``: the 4-D mask is built as ``mask[arange(B)[:, None,
+    None, None], kv_idx[None, None, None]]`` and expanded; each example's rows are its own (it was refused as
+    reading other examples' values). Padded sequences, left and right, against an eager loop over the examples."""
+    import transformers
+    torch.manual_seed(24)
+    lm = getattr(transformers, {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch])(_tiny_config(arch))
+    lm.config._attn_implementation = "sdpa"
+    ids = torch.randint(2, 17, (3, 7))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[2, :2] = 0
+    model = _MaskedLogits(lm).double()
+    _, norms = loop_clipped(model, (ids, mask), math.inf)
+    clip = float(norms.min() + norms.max()) / 2
+    want, _ = loop_clipped(model, (ids, mask), clip)
+    compiled = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "inner": "aot_eager"})
+    _loss(compiled(ids, mask)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(compiled), norms.double(), rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-9, msg=lambda m: f"{n}: {m}")
+
+
 def test_low_rank_factor_pair():
     torch.manual_seed(5)
 

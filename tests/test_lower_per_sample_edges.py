@@ -507,12 +507,15 @@ class _Reordered(nn.Module):
             y = torch.roll(torch.roll(x, 1, 0) * self.g, -1, 0)
         elif self.how == "index_select":
             y = torch.index_select(torch.index_select(x, 0, perm) * self.g, 0, perm)
+        elif self.how == "x[perm[:, None], t[None]]":  # NB: a 2-D index whose rows are other examples'
+            t = torch.arange(x.shape[1])[None]
+            y = (x[perm[:, None], t] * self.g)[perm[:, None], t]
         else:  # NB: [T, D] where T == B: values of no example
             y = x + x.new_ones(x.shape[1], x.shape[2]) * self.g
         return self.lin(y)
 
 
-@pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "new_ones"])
+@pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "x[perm[:, None], t[None]]", "new_ones"])
 def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refused(how):
     """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B), and
     ``x.new_ones(T, D)`` holds no example's values though T == B: refused, never attributed by position."""
@@ -714,6 +717,10 @@ def test_an_embedding_scaling_by_batch_frequency_is_refused():
 #: sequence classification pools with ``logits[arange(B), last]``)
 ALIGNED_STEPS = {
     "h[arange(B), last]": lambda h: h[torch.arange(h.shape[0]), (h[..., 0] > 0).sum(1).clamp(max=3)].pow(2).sum(),
+    "h[arange(B)[:, None], t.flip(0)[None]]": lambda h: (h[torch.arange(h.shape[0])[:, None],
+                                                                   torch.arange(4).flip(0)[None]] * h).sum(),
+    "h[arange(B).view(B, 1, 1), t[:, None], d]": lambda h: h[
+        torch.arange(h.shape[0]).view(-1, 1, 1), torch.arange(4)[:, None], torch.arange(5).flip(0)].pow(2).sum(),
     "logaddexp(h, 2h)": lambda h: torch.logaddexp(h, 2 * h).sum(),
     "scatter_add along time": lambda h: torch.zeros_like(h).scatter_add(1, h.abs().argsort(1), h * h).pow(2).sum(),
     "h[:, [0, 2]] * h[:, [1, 3]]": lambda h: (h[:, [0, 2]] * h[:, [1, 3]]).sum(),

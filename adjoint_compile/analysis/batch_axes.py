@@ -235,14 +235,34 @@ def _is_arange(i: Any) -> bool:
     return len(a) == 1 or (len(a) == 2 and a[0] == 0) or (len(a) == 3 and a[0] == 0 and a[2] == 1)
 
 
+def _viewed_arange(i: Any) -> bool:
+    """Whether the index ``i`` is ``arange(n)`` viewed with every other axis of size 1 (``arange(B)[:, None, None,
+    None]``, as transformers' masks index ``attention_mask[batch_idx, kv_idx]``)."""
+    while isinstance(i, fx.Node) and not _is_arange(i):
+        v, x = example_value(i), example_value(i.args[0]) if i.args else None
+        if not (isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor) and isinstance(i.args[0], fx.Node)) or \
+                v.numel() != x.numel() or sum(int(s) != 1 for s in v.shape) > 1:
+            return False
+        items = i.args[1] if i.target is operator.getitem and len(i.args) == 2 else None
+        basic = isinstance(items, tuple) and all(j is None or j == slice(None) for j in items)
+        if use_name(i) not in ("unsqueeze", "view", "reshape") and not basic:
+            return False
+        i = i.args[0]
+    return _is_arange(i) and example_value(i).dim() == 1
+
+
 def _advanced_axis(items: tuple, adv: list[int], bd: int) -> int | None:
     """Where ``x[items]`` with tensor or list indices at ``adv`` (adjacent, 1-D or numbers) puts the examples of x
     (on ``bd``, only full slices before it): they stay when every tensor index comes after them, or when the index
-    at their axis is ``arange`` (each example its own row: ``logits[arange(B), last]``, transformers' pooling); else
-    None (a reorder, or numpy's move of separated indices to the front)."""
+    at their axis is ``arange`` (each example its own row: ``logits[arange(B), last]``, transformers' pooling) or a
+    view of it that every other index broadcasts along (``mask[arange(B)[:, None, None, None], kv[None, None,
+    None]]``: its examples where the arange runs); else None (a reorder, or numpy's move of separated indices to
+    the front)."""
     if Ellipsis in items or None in items or adv != list(range(adv[0], adv[-1] + 1)) or any(
             items[j] != slice(None) for j in range(min(bd, len(items)))):
         return None
+    if adv[0] == bd and (k := _broadcast_arange(items, adv)) is not None:
+        return bd + k
     for j in adv:
         v = example_value(items[j]) if isinstance(items[j], fx.Node) else None
         if isinstance(items[j], fx.Node) and not (isinstance(v, torch.Tensor) and v.dim() <= 1):
@@ -250,6 +270,21 @@ def _advanced_axis(items: tuple, adv: list[int], bd: int) -> int | None:
     if adv[0] > bd:
         return bd
     return bd if adv[0] == bd and _is_arange(items[bd]) else None
+
+
+def _broadcast_arange(items: tuple, adv: list[int]) -> int | None:
+    """For advanced indices whose first is an ``arange`` viewed to several axes (:func:`_viewed_arange`) and whose
+    others have size 1 on the axis it runs along, once broadcast: that axis of the broadcast indices; else None
+    (1-D indices are left to the rule for them)."""
+    vs = [example_value(items[j]) if isinstance(items[j], fx.Node) else None for j in adv]
+    if not all(isinstance(v, torch.Tensor) for v in vs) or vs[0].dim() <= 1 or not _viewed_arange(items[adv[0]]):
+        return None
+    k = next((d for d, s in enumerate(vs[0].shape) if int(s) != 1), 0)
+    rank = max(v.dim() for v in vs)
+    at = rank - vs[0].dim() + k  # NB: indices broadcast right-aligned
+    if any(at - (rank - v.dim()) >= 0 and int(v.shape[at - (rank - v.dim())]) != 1 for v in vs[1:]):
+        return None
+    return at
 
 
 def _indexed_axis(idx: Any, bd: int, nd: int) -> int | None:
