@@ -6,7 +6,8 @@ parameter values alone compute on the copies (element-wise ops, indexing and ops
 the copies' axis). Where a parameter value meets an example's value, the copies
 are re-viewed as [B, 1, ..., *shape] against values that carry the examples on axis 0 (element-wise ops, a norm's
 affine split off), or the op is made per example: a linear's weight or ``x @ W`` / ``W @ x`` as one batched matmul,
-an embedding's table as a lookup in its B copies. On rows merged from [B, ..., d] with the examples first
+an embedding's table as a lookup in its B copies, a conv's weight as a conv grouped by example
+(runtime/per_example_conv.py). On rows merged from [B, ..., d] with the examples first
 ([B·L, d]: ``h.flatten(0, 1) * g``, ``h.view(-1, d) @ W + b``) the op is made on the rows unflattened to [B, L, d].
 The gradient of z_p is then each example's gradient of p.
 
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes, permutation
 from ..analysis.time_local import embedding_ids
+from .per_example_conv import conv_with_copies
 from .shard_program import ShardProgram
 
 __all__ = ["NotExpandable", "expanded_program", "copies", "row_grads"]
@@ -114,6 +116,10 @@ def expanded_program(prog: ShardProgram, ps: Any, L: int, B: int) -> fx.GraphMod
         if (prod := _product(u, chain)) is not None:
             _batched_product(g, u, *prod, B, axis)
             continue
+        if (why := conv_with_copies(g, u, chain, B, axis)) is None:
+            continue
+        if why:
+            raise NotExpandable(why)
         if (m := embedding_ids(u)) is not None and m[1] in chain:
             if (y := _batched_embedding(g, u, chain, m, B, axis)) is not None:  # a table of the copies' own rows
                 chain.add(y)
@@ -303,8 +309,8 @@ class _Axes:
 _AMONG = frozenset("mul add sub truediv div pow".split())
 _AMONG_FNS = {*_MEET_FNS, operator.pow, torch.pow}
 #: ops on a parameter value's own axes besides permutations, shifted past its copies' leading axis
-_AXES = frozenset("unsqueeze view reshape".split())
-_AXES_FNS = (torch.unsqueeze, torch.reshape)
+_AXES = frozenset("unsqueeze squeeze view reshape".split())
+_AXES_FNS = (torch.unsqueeze, torch.squeeze, torch.reshape)
 
 
 def _same_rank(u: fx.Node) -> bool:
@@ -338,6 +344,8 @@ def _param_op(u: fx.Node, B: int) -> bool:
             return False
         if name == "unsqueeze" and len(rest) == 1:
             args = (x, rest[0] % (_val(x).dim() + 1) + 1)
+        elif name == "squeeze" and len(rest) == 1:  # NB: one named axis: a bare squeeze would drop B = 1 copies
+            args = (x, rest[0] % _val(x).dim() + 1)
         elif name in ("view", "reshape"):
             # NB: reshape: the copies of a value that was a contiguous view (``W[0]``) need not be one
             args, name = (x, B, *rest), "reshape"

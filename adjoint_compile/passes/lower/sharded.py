@@ -37,7 +37,7 @@ from ...runtime.shard_parts import own_bytes
 from ...runtime.sharded import ShardedRegion
 from ...runtime.sharded_ps import expandable_reason
 from ..decide import declines
-from .sharded_ps import per_sample_region, pull_in_parameter_math
+from .sharded_ps import per_sample_region, pull_in_parameter_math, with_halo_axes
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,8 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
         mod.per_sample = per_sample_region(gm, inputs, outputs, scans, info, ps_kinds[0], opts, ps_kinds[1])
     # checks the shard programs on fake tensors now (raises UnsupportedRegion)
     S = mod.prepare([_ev(a) for a in inputs])
+    if ps_kinds is not None:
+        mod.per_sample = with_halo_axes(mod.per_sample, mod._plan, opts.batch_dim)
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
     # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
     S_all = mod._plan.shard_size if mod.tail is not None else S
@@ -408,8 +410,8 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
     scans = list(dict.fromkeys(scan_of.values()))
     try:
         # NB: causal convs and token shifts join regions in the exact sweep only (runtime/sharded.py carries their
-        # halos); the other sweeps (truncated, per-example, sequence-parallel) carry scan states alone
-        halo = opts.mode == "exact" and opts.sequence_parallel is None and opts.per_sample_clip is None
+        # halos, per example too); the truncated and sequence-parallel sweeps carry scan states alone
+        halo = opts.mode == "exact" and opts.sequence_parallel is None
         # NB: the truncated and per-example sweeps take in embeddings and the loss too (they hold no carries between
         # shards; per example, the loss is told apart by the expanded parameters: runtime/sharded_ps.py)
         ends = halo or (opts.sequence_parallel is None and (opts.mode == "truncated" or

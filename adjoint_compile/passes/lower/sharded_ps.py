@@ -9,16 +9,19 @@ parameters get per-example gradients (runtime/sharded_ps.py).
   book-keeping of its parameters), and explain() says why. A scalar sum over time the region ends in (the loss)
   sums over the examples too: it has no examples' axis, and its kind ("R" or "D") is recorded for the per-example
   analysis of the graph around the region.
+- A causal conv's halo (the steps of its input before a shard, carried from shard to shard like a scan state) has
+  the examples on its conv input's axis (:func:`with_halo_axes`, once the shard programs know their convs).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ...analysis.batch_axes import moved_batch_axes
+from ...analysis.batch_axes import broadcast_over_examples, moved_batch_axes
 from ...analysis.fx import example_value as _ev
 from ...analysis.rules import TimeLocalInfo
 from ...errors import UnsupportedRegion
@@ -28,7 +31,7 @@ from .per_sample import classify_kinds, warn_batch_mean
 
 log = logging.getLogger(__name__)
 
-__all__ = ["pull_in_parameter_math", "per_sample_region"]
+__all__ = ["pull_in_parameter_math", "per_sample_region", "with_halo_axes"]
 
 
 def pull_in_parameter_math(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
@@ -108,3 +111,28 @@ def per_sample_region(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[f
 def _scalar(n: fx.Node) -> bool:
     v = _ev(n)
     return isinstance(v, torch.Tensor) and v.dim() == 0
+
+
+def with_halo_axes(ps: PerSampleRegion, plan: Any, bd: int) -> PerSampleRegion:
+    """``ps`` with the examples' axis of each conv halo the sweep carries after the scans' states (``plan``: the
+    region's prepared :class:`~adjoint_compile.runtime.shard_program.ShardProgram`): its conv input's, followed from
+    the region's inputs through the region graph. Its per-example backward pairs every carry's cotangent with that
+    axis; a halo without the examples is refused (the region keeps ordinary autograd)."""
+    if len(ps.carry_bdims) != len(plan.scans) or not plan.convs:
+        return ps
+    gm, B = plan.region_gm, ps.batch
+    seeds = {n: None if k < 0 else k for n, k in zip(plan.placeholders, ps.in_bdims) if k is not None}
+    acts = set(seeds)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or broadcast_over_examples(n, bd, B)):
+            acts.add(n)
+    moved = moved_batch_axes(gm, acts, bd, B, seeds)
+    halos = []
+    for cc in plan.convs:
+        k = moved.get(cc.input, bd) if cc.input in acts else None
+        v = _ev(cc.input)
+        if k is None or k == cc.dim or not (isinstance(v, torch.Tensor) and v.dim() > k and int(v.shape[k]) == B):
+            raise UnsupportedRegion(f"per_sample_clip: the causal conv input {cc.input.name} does not carry the {B} "
+                                    f"examples on an axis followed from the region's inputs; kept unsharded")
+        halos.append(k)
+    return dataclasses.replace(ps, carry_bdims=(*ps.carry_bdims, *halos))
