@@ -9,13 +9,15 @@ before the backward), B = 1:
 * ``adjoint``: ``backend="adjoint"`` (default options), unpatched: the head and the loss run in the sharded region,
   but the logits are an output of the graph, so they are made whole too (``[1, T, 32000]`` fp32);
 * ``adjoint+loss_only``: the same with ``adjoint_compile.loss_only(model)``: the output has ``logits=None``, the
-  logits exist one shard at a time.
+  logits exist one shard at a time;
+* ``adjoint+loss_only+dp`` (not run by default): the same with ``per_sample_clip=1.0`` (DP-SGD's step: every
+  example's gradient clipped, then summed; ``--batch`` > 1 to have several examples).
 
 Each (method, T) runs in a fresh process: one step (compiling) and ``--warmup`` more, then one step under
 ``adjoint_compile.measure.track_peak`` (live tensor bytes: the profiler's allocator events on CPU, inductor's
 buffers included; ``max_memory_allocated`` on CUDA), then ``--repeats`` timed steps (median).
 
-Writes ``benchmarks/results/hf_loss_only.json`` and ``hf_loss_only.md`` (``--out``) and prints the table.
+Writes ``benchmarks/results/hf_loss_only<tag>.json`` (``--out``, ``--tag``) and prints the table.
 
     nice python benchmarks/hf_loss_only.py                   # CPU: T 2048 and 8192 (about 10 minutes, 2 cores)
     python benchmarks/hf_loss_only.py --device cuda --lengths 2048,8192,32768
@@ -35,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 METHODS = ("compile", "adjoint", "adjoint+loss_only")
+#: run when named in ``--methods``
+EXTRA = ("adjoint+loss_only+dp",)
 
 
 def run_one(method: str, T: int, args: argparse.Namespace) -> dict:
@@ -55,10 +59,11 @@ def run_one(method: str, T: int, args: argparse.Namespace) -> dict:
                                    num_hidden_layers=args.layers, expand=2, conv_kernel=4)
     model = transformers.MambaForCausalLM(cfg).to(dev)
     model.train()
-    if method == "adjoint+loss_only":
+    if method.startswith("adjoint+loss_only"):
         ac.loss_only(model)
+    opts = {"per_sample_clip": 1.0} if method.endswith("+dp") else {}
     f = torch.compile(model, dynamic=False) if method == "compile" else torch.compile(model, backend="adjoint",
-                                                                                      dynamic=False)
+                                                                                      dynamic=False, options=opts)
     ids = torch.randint(0, args.vocab, (args.batch, T), generator=torch.Generator().manual_seed(1)).to(dev)
     losses = []
 
@@ -90,13 +95,14 @@ def run_one(method: str, T: int, args: argparse.Namespace) -> dict:
         lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
         row["rewrites"] = sorted({r.rewrite for r in lin})
         row["loss_in_region"] = any("sum(s) over time" in r.reason for r in lin)
+        row["regions"] = len({r.details.get("region_call") for r in lin})
         row["report_says_logits_kept"] = any("loss_only" in r.reason for r in lin)
         row["shard_size"] = lin[0].details.get("shard_size") if lin else None
         row["fallbacks"] = [fb.cause for fb in rep.fallbacks]
     return row
 
 
-def table(rows: list[dict], lengths: list[int]) -> str:
+def table(rows: list[dict], lengths: list[int], methods: list[str]) -> str:
     def cell(method: str, T: int) -> str:
         r = next((r for r in rows if r.get("method") == method and r.get("T") == T), None)
         if r is None or "peak_bytes" not in r:
@@ -105,7 +111,7 @@ def table(rows: list[dict], lengths: list[int]) -> str:
 
     out = ["| method | " + " | ".join(f"T = {T}: peak, step" for T in lengths) + " |",
            "|---|" + "---|" * len(lengths)]
-    out += [f"| {m} | " + " | ".join(cell(m, T) for T in lengths) + " |" for m in METHODS]
+    out += [f"| {m} | " + " | ".join(cell(m, T) for T in lengths) + " |" for m in methods]
     return "\n".join(out)
 
 
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tag", default="", help="suffix of the JSON's name (hf_loss_only<tag>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "method@T", prints its JSON
     args = p.parse_args(argv)
     if args.one:
@@ -135,9 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     dev_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                 else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+    methods = args.methods.split(",")
+    if unknown := set(methods) - set(METHODS + EXTRA):
+        p.error(f"--methods: unknown {sorted(unknown)}; expected some of {METHODS + EXTRA}")
     rows = []
     for T in args.lengths:
-        for method in args.methods.split(","):
+        for method in methods:
             cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", f"{method}@{T}"]
             try:
                 proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
@@ -160,12 +170,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"model(input_ids=ids, labels=ids).loss.backward()"}
     peaks = {(r["method"], r["T"]): r.get("peak_bytes") for r in rows}
     ratios = {f"{m} / compile at T={T}": round(peaks[(m, T)] / peaks[("compile", T)], 4)
-              for T in args.lengths for m in METHODS[1:]
+              for T in args.lengths for m in methods if m != "compile"
               if peaks.get((m, T)) and peaks.get(("compile", T))}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_loss_only.json").write_text(json.dumps({"meta": meta, "rows": rows, "peak_ratios": ratios}, indent=1))
-    print(table(rows, args.lengths))
+    (out / f"hf_loss_only{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "peak_ratios": ratios},
+                                                                 indent=1))
+    print(table(rows, args.lengths, methods))
     for k, v in ratios.items():
         print(f"peak {k}: {v}x")
 

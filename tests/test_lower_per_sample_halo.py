@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import adjoint_compile as ac
 from adjoint_compile.runtime import sharded_ps
 from adjoint_compile.runtime.per_example_conv import example_conv
+from test_capture_token_shift import TokenShiftStack
 from test_lower_halo import ConvScan
 from test_lower_per_sample import check
 
@@ -43,6 +44,14 @@ def test_masked_vjps_take_the_halo_cotangents(monkeypatch):
     monkeypatch.setattr(sharded_ps, "_EXPANDED", [False])
     model = ConvScan("slice")
     _one_region(check(model, torch.randn(3, 11, 6), clip=0.5, shard_size=4))
+
+
+@pytest.mark.parametrize("form,p", [("pad", 1), ("cat", 3), ("fill", 2)])
+@pytest.mark.parametrize("shard", [1, 4])
+def test_token_shift_stack_is_one_region_with_exact_per_example_gradients(form, p, shard):
+    """RWKV-like token shifts (``F.pad(x, (0, 0, p, -p))``, a cat with zeros, a constant fill): the shifted-out steps
+    are carried per example like a conv's halo."""
+    _one_region(check(TokenShiftStack(form, p), torch.randn(3, 11, 5), clip=0.5, shard_size=shard))
 
 
 @pytest.mark.parametrize("groups", [1, 2, 6])
