@@ -7,8 +7,9 @@ aten it becomes ``view(x, [B*T, D]) @ W`` and the step axis is merged away.
 
 Normalization, in this order, each pass in its own module and each recording provenance on the nodes it makes:
 
-0. :mod:`.noop_ops` and :mod:`.buffer_writes`: casts and slices that do nothing are dropped, and an output
-   buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack``, so loops written with them match;
+0. :mod:`.noop_ops`, :mod:`.buffer_writes` and :mod:`.masked_writes`: casts and slices that do nothing are
+   dropped, an output buffer written step by step (``o[:, t] = h``) becomes one ``torch.stack``, so loops written
+   with them match, and a number written into a copy (``t[t == pad] = -100``) becomes a new value;
 1. :mod:`.known_scans`: calls of registered scan implementations (a custom ``autograd.Function`` such as
    mambapy's ``PScan``), each checked against its original, become one ``linear_scan`` node;
 2. :mod:`.scan_forms`: closed forms of a linear recurrence (minGRU's log-space form, cumprod form, torch's
@@ -46,6 +47,7 @@ from ...analysis.fx import is_linear_scan, written_inputs
 from ...timing import timed
 from ...regions import Recurrence, Rejection
 from .buffer_writes import stack_buffer_writes
+from .masked_writes import rewrite_masked_writes
 from .canonical_shifts import canonicalize_shifts, canonicalize_token_shifts
 from ..match.find_recurrences import find_recurrences
 from .known_scans import replace_known_scans
@@ -113,6 +115,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     detached = timed("no_grad_blocks", detach_no_grad_outputs, gm)
     known = timed("known_scans", replace_known_scans, gm)
     noops, buffers = timed("noop_ops", drop_noop_ops, gm), timed("buffer_writes", stack_buffer_writes, gm)
+    masked = timed("masked_writes", rewrite_masked_writes, gm)
     captured.writes = timed("written_inputs", written_inputs, gm.graph)[1]
     if captured.writes:
         captured.normalized = {"known_scans": known, "noop_ops": noops, "buffer_writes": buffers}
@@ -144,6 +147,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.normalized["reverse_scans"] = reversed_
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
+    if masked:
+        captured.normalized["masked_writes"] = masked
     if detached:
         captured.normalized["no_grad_detached"] = detached
     # NB: the matchers ran after the no-op, buffer-write and closed-form passes: only what changed the graph since
