@@ -734,3 +734,50 @@ ALIGNED_STEPS = {
 def test_values_of_one_example_meeting_through_indexing_are_exact(form):
     torch.manual_seed(8)
     _exact(AlongAxis(ALIGNED_STEPS[form]).double(), torch.randn(3, 4, 5, dtype=torch.float64))
+
+
+# --- inputs whose examples are not on axis 0 --------------------------------------------------------------------------
+
+class _TimeMajor(nn.Module):
+    """A time-major input ([T, B, D], batch_dim=1) moved to [B, T, D] first; ``mix``: the loss sums over the examples
+    before a square (the examples interact), else the output is time-major again."""
+
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.mix, self.lin = mix, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x.transpose(0, 1)))
+        return y.sum(0).pow(2).sum() if self.mix else y.transpose(0, 1)
+
+
+def test_an_inputs_moved_examples_are_followed_and_mixing_them_is_refused():
+    """The input's own move was not followed (its axis taken as batch_dim=1 after the transpose): ``y.sum(0)`` over
+    the examples passed for a sum over time, and the clipped step was silently wrong. Refused now."""
+    torch._dynamo.reset()
+    f = torch.compile(_TimeMajor(True).double(), backend="adjoint",
+                      options={"per_sample_clip": 1.0, "batch_dim": 1, **OPTS})
+    with pytest.raises(ac.PerSampleError, match="reduced over the batch axis"):
+        f(torch.randn(5, 3, 4, dtype=torch.float64)).backward()
+
+
+def test_a_time_major_input_moved_to_batch_first_is_exact():
+    from test_lower_per_sample import check
+    torch.manual_seed(9)
+    check(_TimeMajor(False), torch.randn(5, 3, 4), clip=0.5, bd=1)
+
+
+def test_a_time_major_conv_scan_stack_is_exact():
+    """[T, B, D] moved to [B, T, D], then a Mamba-like stack whose ``chunk(2, -1)`` cuts the features (its parts were
+    left without an examples' axis, refused as mixing the examples)."""
+    from test_lower_halo import ConvScan
+    from test_lower_per_sample import check
+
+    class TimeMajorStack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = ConvScan("slice")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.m(x.transpose(0, 1)).transpose(0, 1)
+    check(TimeMajorStack(), torch.randn(11, 3, 6), clip=0.5, bd=1, shard_size=4)

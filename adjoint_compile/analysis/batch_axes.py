@@ -30,6 +30,8 @@ _RESHAPES = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as",
 
 
 _EXPANDS = frozenset("expand expand_as broadcast_to".split())
+#: ops that cut a value into parts along one axis (its ``dim``, the third argument)
+_SPLITS = frozenset("chunk split tensor_split split_with_sizes".split())
 
 
 def broadcast_over_examples(n: fx.Node, bd: int, batch: int) -> bool:
@@ -159,6 +161,10 @@ class BatchAxes:
             if use_name(n) == "unbind" and k is not None and isinstance(d, int) and len(ins) == 1:
                 d %= example_value(n.args[0]).dim()  # NB: the unbound axis goes; the examples' shifts past it
                 elems[n] = [None if d == k else k - 1 if d < k else k] * len(v)
+            elif use_name(n) in _SPLITS and k is not None and len(ins) == 1 and isinstance(
+                    d := n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), int):
+                # NB: parts along another axis keep the examples where they were (``u, g = x.chunk(2, -1)``)
+                elems[n] = [None if d % example_value(n.args[0]).dim() == k else k] * len(v)
             else:
                 elems[n] = [None] * len(v)
             return

@@ -113,6 +113,8 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
             elif not static and isinstance(v, torch.Tensor) and v.dim() > bd:
                 batch = int(v.shape[bd]) if batch is None else batch
                 kind_of[n] = "A" if int(v.shape[bd]) == batch else "C"
+                if kind_of[n] == "A":  # NB: followed from here: an input's examples moved (``x.transpose(0, 1)``)
+                    acts.add(n)
             else:
                 kind_of[n] = "C"
             continue
