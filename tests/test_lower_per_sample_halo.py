@@ -120,3 +120,26 @@ def test_transformers_mamba_with_its_loss_is_one_region_under_per_example_clippi
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
     rows = _one_region(ac.report(f))
     assert all(r.details.get("sums_over_time") and r.details.get("embeddings") for r in rows), str(ac.report(f))
+
+
+def test_mingru_lm_with_convs_is_exact_and_sharded_as_without_clipping():
+    """mingru-pytorch's ``minLM(enable_conv=True)`` (a causal depthwise conv before each minGRU): under
+    per_sample_clip the same regions as without it, exact against vmap and a loop."""
+    mingru = pytest.importorskip("minGRU_pytorch.minLM")
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = mingru.minLM(num_tokens=17, dim=8, depth=2, enable_conv=True)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(ids)
+    ids = torch.randint(0, 17, (3, 13), generator=torch.Generator().manual_seed(4))
+    clipped = check(Logits(), ids, clip=0.3, shard_size=5)
+    plain = ac.explain(Logits(), ids, options={"shard_size": 5})
+    rows = [r for r in clipped.regions if r.kind == "linear_recurrence"]
+    assert rows and all(r.rewrite == "adjoint" for r in rows), str(clipped)
+    assert len({r.details["region_call"] for r in rows}) == len(
+        {r.group if r.group is not None else r.name for r in plain.regions
+         if r.kind == "linear_recurrence" and r.rewrite == "adjoint"}), (str(clipped), str(plain))
