@@ -73,8 +73,8 @@ def _mask(idx: Any, x: torch.Tensor) -> fx.Node | None:
     return m
 
 
-def _why_not(w: fx.Node, pos: dict[fx.Node, int]) -> str:
-    """Why the write ``w`` (a setitem) cannot become a value ("" when it can)."""
+def _why_not(w: fx.Node) -> str:
+    """Why the write ``w`` (a setitem) cannot become a value, by its operands alone ("" when it may)."""
     x, idx, value = w.args
     xv = example_value(x)
     if not (isinstance(x, fx.Node) and x.op in ("call_function", "call_method") and _name(x) in _FRESH):
@@ -83,7 +83,12 @@ def _why_not(w: fx.Node, pos: dict[fx.Node, int]) -> str:
         return "the value written is not a number"
     if _mask(idx, xv) is None and not _basic(idx):
         return "its index is neither a boolean mask nor ints and slices"
-    for u in x.users:
+    return ""
+
+
+def _seen_before(w: fx.Node, pos: dict[fx.Node, int]) -> str:
+    """Why the tensor ``w`` writes into may be seen through another name: a view or a write of it before ``w``."""
+    for u in w.args[0].users:
         if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u)):
             return f"{u.name} viewed or wrote the tensor before"
     return ""
@@ -92,11 +97,14 @@ def _why_not(w: fx.Node, pos: dict[fx.Node, int]) -> str:
 def rewrite_masked_writes(gm: fx.GraphModule) -> int:
     """Rewrite every write into a fresh copy that qualifies (module docstring), in place; returns how many."""
     done = 0
+    pos: dict[fx.Node, int] = {}
     for w in list(gm.graph.nodes):
         if w.op != "call_function" or w.target is not operator.setitem or len(w.args) != 3 or w.kwargs:
             continue
-        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        why = _why_not(w, pos)
+        if not (why := _why_not(w)):
+            # NB: positions made again only after a rewrite moved them (a graph of many writes stays linear)
+            pos = pos if w in pos else {n: i for i, n in enumerate(gm.graph.nodes)}
+            why = _seen_before(w, pos)
         if why:
             log.debug("masked_writes: %s keeps its write: %s", w.name, why)
             continue
@@ -120,6 +128,7 @@ def rewrite_masked_writes(gm: fx.GraphModule) -> int:
         later = {u for u in x.users if pos.get(u, -1) > pos[w]}
         x.replace_all_uses_with(new, delete_user_cb=lambda u: u in later)
         gm.graph.erase_node(w)
+        pos = {}
         done += 1
     if done:
         gm.graph.lint()
