@@ -38,12 +38,14 @@ def test_conv_scan_stack_is_one_region_with_exact_per_example_gradients(form, di
     _one_region(check(model, x, clip=0.5, shard_size=shard))
 
 
-def test_masked_vjps_take_the_halo_cotangents(monkeypatch):
+@pytest.mark.parametrize("which", ["conv", "token shift"])
+def test_masked_vjps_take_the_halo_cotangents(monkeypatch, which):
     """Where the parameters are not expanded, one backward per example (masked cotangents) pairs every carry with its
-    examples' axis, the conv halos' too (they were left out of the pairing: their cotangents dropped)."""
+    examples' axis, the conv halos' and token shifts' too (they were left out of the pairing: their cotangents
+    dropped)."""
     monkeypatch.setattr(sharded_ps, "_EXPANDED", [False])
-    model = ConvScan("slice")
-    _one_region(check(model, torch.randn(3, 11, 6), clip=0.5, shard_size=4))
+    model, d = (ConvScan("slice"), 6) if which == "conv" else (TokenShiftStack("fill", 2), 5)
+    _one_region(check(model, torch.randn(3, 11, d), clip=0.5, shard_size=4))
 
 
 @pytest.mark.parametrize("form,p", [("pad", 1), ("cat", 3), ("fill", 2)])
