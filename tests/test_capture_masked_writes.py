@@ -87,6 +87,13 @@ def _view_before(lg, t):
     return F.cross_entropy(lg.flatten(0, 1), flat)
 
 
+def _cast_before(lg, t):
+    t = t.clone()
+    same = t.long()  # NB: already int64: ``same`` is t itself and sees the write
+    t[t == 3] = -100
+    return F.cross_entropy(lg.flatten(0, 1), same.flatten())
+
+
 def _tensor_value(lg, t):
     t = t.clone()
     t[:, :2] = t[:, 2:4]  # NB: a tensor written, not a number
@@ -99,7 +106,7 @@ def _not_a_copy(lg, t):
     return F.cross_entropy(lg.flatten(0, 1), t.flatten())
 
 
-@pytest.mark.parametrize("loss", [_view_before, _tensor_value, _not_a_copy])
+@pytest.mark.parametrize("loss", [_view_before, _cast_before, _tensor_value, _not_a_copy])
 def test_writes_it_cannot_prove_safe_keep_the_refusal_and_eagers_results(loss):
     torch.manual_seed(0)
     model = Step(loss).double()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .fx import example_value, is_linear_scan, scan_args
 
-__all__ = ["permutation", "moved_batch_axes", "BatchAxes", "broadcast_over_examples", "use_name"]
+__all__ = ["permutation", "moved_batch_axes", "followed_axes", "BatchAxes", "broadcast_over_examples", "use_name"]
 
 
 _PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
@@ -183,6 +183,19 @@ def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, bat
         if n in activations:
             axes.visit(n, activations)
     return axes.moved
+
+
+def followed_axes(gm: fx.GraphModule, seeds: dict[fx.Node, int | None], bd: int,
+                  batch: int) -> tuple[set[fx.Node], dict[fx.Node, int | None]]:
+    """From placeholders with the examples on the axes ``seeds`` gives (None: lost): the values that read them, or
+    expand a constant over the examples (position ids: every example's own), and the axes of those not on ``bd``
+    (:func:`moved_batch_axes`). For a program whose inputs are a region's (its examples' axes already known)."""
+    acts = set(seeds)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or
+                                      broadcast_over_examples(n, bd, batch)):
+            acts.add(n)
+    return acts, moved_batch_axes(gm, acts, bd, batch, seeds)
 
 
 def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | None:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..analysis.batch_axes import broadcast_over_examples, moved_batch_axes, permutation
+from ..analysis.batch_axes import followed_axes, permutation
 from ..analysis.time_local import embedding_ids
 from .per_example_conv import conv_with_copies
 from .shard_program import ShardProgram
@@ -261,11 +261,7 @@ def _example_axes(gm: fx.GraphModule, holders: list[fx.Node], ps: Any, B: int) -
             seeds[n] = None if k < 0 else k
     for n, k in zip(holders[len(ps.in_bdims):], ps.carry_bdims):
         seeds[n] = k
-    acts = set(seeds)
-    for n in gm.graph.nodes:
-        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or broadcast_over_examples(n, 0, B)):
-            acts.add(n)  # NB: a constant expanded over the examples (position ids) is every example's own
-    moved = moved_batch_axes(gm, acts, 0, B, seeds)
+    acts, moved = followed_axes(gm, seeds, 0, B)
     return _Axes(acts, moved)
 
 

@@ -19,8 +19,8 @@ write becomes a new node and every later read of the tensor reads it:
   positions it writes are not each step's own, so a region ends before it).
 
 Only where it is safe: the tensor is a fresh copy the graph made (``clone``, or a factory such as ``zeros_like`` or
-``full``: nothing else shares its memory), the value written is a number, and nothing viewed the tensor or wrote
-into it before this write (a view taken earlier would see the write). Anything else keeps its write, and the graph
+``full``: nothing else shares its memory), the value written is a number, and nothing viewed the tensor, cast it
+(``.to`` of its own dtype is the tensor itself) or wrote into it before this write (they would see the write). Anything else keeps its write, and the graph
 its refusal, as before.
 
 Part of the capture stage (passes/capture/), with :mod:`.buffer_writes`, before the check for writes left.
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["rewrite_masked_writes", "written"]
 
+#: ops that may return their input itself (a cast to its own dtype or device): a read of one before the write
+#: would see the write
+_MAY_ALIAS = frozenset("to type type_as float double half bfloat16 long int short bool byte char cpu cuda "
+                       "contiguous requires_grad_".split())
 #: ops whose result is a tensor of its own (no other tensor shares its memory)
 _FRESH = frozenset("clone zeros zeros_like empty empty_like full full_like ones ones_like new_zeros new_empty "
                    "new_full new_ones masked_fill written".split())
@@ -89,8 +93,8 @@ def _why_not(w: fx.Node) -> str:
 def _seen_before(w: fx.Node, pos: dict[fx.Node, int]) -> str:
     """Why the tensor ``w`` writes into may be seen through another name: a view or a write of it before ``w``."""
     for u in w.args[0].users:
-        if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u)):
-            return f"{u.name} viewed or wrote the tensor before"
+        if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u) or _name(u) in _MAY_ALIAS):
+            return f"{u.name} viewed, cast or wrote the tensor before"
     return ""
 
 

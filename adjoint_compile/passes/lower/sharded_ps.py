@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...analysis.batch_axes import broadcast_over_examples, moved_batch_axes
+from ...analysis.batch_axes import followed_axes, moved_batch_axes
 from ...analysis.fx import example_value as _ev
 from ...analysis.rules import TimeLocalInfo
 from ...errors import UnsupportedRegion
@@ -122,11 +122,7 @@ def with_halo_axes(ps: PerSampleRegion, plan: Any, bd: int) -> PerSampleRegion:
         return ps
     gm, B = plan.region_gm, ps.batch
     seeds = {n: None if k < 0 else k for n, k in zip(plan.placeholders, ps.in_bdims) if k is not None}
-    acts = set(seeds)
-    for n in gm.graph.nodes:
-        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or broadcast_over_examples(n, bd, B)):
-            acts.add(n)
-    moved = moved_batch_axes(gm, acts, bd, B, seeds)
+    acts, moved = followed_axes(gm, seeds, bd, B)
     halos = []
     for cc in plan.convs:
         k = moved.get(cc.input, bd) if cc.input in acts else None
