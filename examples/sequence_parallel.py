@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| one process | {args.seq_len} | {single / mib:.1f} | 1.00x |")
         for r, (n, pk) in enumerate(peaks):
             print(f"| rank {r} of {world} | {n} | {pk / mib:.1f} | {pk / max(single, 1):.2f}x |")
+    dist.barrier()  # NB: no rank tears its gloo connections down while another still prints or reads them
     dist.destroy_process_group()
     return 0
 
