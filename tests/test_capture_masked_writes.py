@@ -133,3 +133,42 @@ def test_per_example_clipping_with_targets_edited_in_place(form):
     from test_lower_per_sample_lm_loss import check
     torch.manual_seed(0)
     check(PerExampleStep(LM(), FORMS[form][0]).double(), *_data(), shard=4)
+
+
+class _LoopWithWrites(torch.nn.Module):
+    """A loop over steps, each writing a number into a copy of its state (``g[g.abs() > 1] = 0``) for its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.dec = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 4, dtype=x.dtype)
+        outs = []
+        for t in range(x.shape[1]):
+            h = torch.sigmoid(self.dec(x[:, t])) * h + self.lin(x[:, t])
+            g = h.clone()
+            g[g.abs() > 1.0] = 0.0
+            outs.append(g)
+        return torch.stack(outs, 1)
+
+
+def test_a_loop_writing_into_copies_of_its_state_is_sharded_and_exact():
+    """The writes become values, so the recurrence is re-rolled and sharded (the graph was refused whole)."""
+    torch.manual_seed(1)
+    model = _LoopWithWrites().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 9, 4, dtype=torch.float64)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager", "roll_loops": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(x)
+    want = ref(x)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    rows = [r for r in ac.report(f).regions if r.kind == "linear_recurrence"]
+    assert rows and all(r.rewrite == "adjoint" for r in rows), str(ac.report(f))
