@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value, is_inplace, is_view_op, refresh_example_values
+from ...regions import PROVENANCE
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def rewrite_masked_writes(gm: fx.GraphModule) -> int:
                 new = gm.graph.call_function(written, (x, idx, value))
                 new.meta["example_value"] = xv  # NB: the same shape, dtype and device
         new.meta["stack_trace"] = w.meta.get("stack_trace")
-        new.meta["adjoint_compile"] = {"pass": "masked_writes", "write": w.name}
+        new.meta[PROVENANCE] = {"pass": "masked_writes", "write": w.name}
         later = {u for u in x.users if pos.get(u, -1) > pos[w]}
         x.replace_all_uses_with(new, delete_user_cb=lambda u: u in later)
         gm.graph.erase_node(w)
