@@ -18,6 +18,11 @@ The cut is a minimum cut over the region's graph at the cheapest values per step
 smaller than the logits). What is kept: ∂ℓ/∂y for every step and ∂ℓ/∂θ; the split is made only where the tail makes at
 least twice the bytes per step that it keeps. A tail with a causal conv or a token shift, a loss per sequence (not a
 scalar), or a cut through a value without the step axis is not split: the region runs as one sweep as before.
+
+Under ``per_sample_clip`` the tail's chunks run their program made per example (runtime/sharded_ps.py): one backward
+gives ∂ℓ/∂y and the per-example gradients of the tail's parameters, summed over the chunks and scaled by g in the
+backward, where they are recorded with the rest's. The head then runs as written (not fused), and a region that ends
+in two losses keeps them in the sweep (their per-example gradients would need one backward each).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from .graphed import captured, graphable, replayed
 from .shard_parts import (accumulate, accumulated, arg_layout, autocast_as, autocast_off, autocast_state,
                           min_chunk_bytes, serial_kernels, wanted_shard_size)
 from .shard_program import ShardProgram, _devices, _ev
+from .sharded_ps import record_region, tail_example_grads
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,8 @@ class TailSplit:
     step_bytes: int = 0
     #: the heads whose cross-entropy runs fused, without their logits (:mod:`.fused_loss`)
     fused_heads: int = 0
+    #: the region's values the tail reads, in the order of ``sources``
+    frontier: list[fx.Node] = dataclasses.field(default_factory=list)
 
     def chunk(self, shard_size: int | None, device: torch.device | None) -> int | None:
         """The tail's steps per chunk: None (chosen by the tail from its own activations) when ``shard_size`` is
@@ -114,7 +122,8 @@ def split_tail(plan: ShardProgram, fused: bool | str = False) -> TailSplit | str
     n_rest = len(outs) - len(tail_pos)
     sources = [("input", plan.placeholders.index(f)) if f.op == "placeholder" else ("rest", n_rest + inner.index(f))
                for f in frontier]
-    split = TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos], made)
+    split = TailSplit(rest, tail_prog, sources, tail_pos, [i for i in range(len(outs)) if i not in tail_pos], made,
+                      frontier=frontier)
     heads = [hl for hl in find_head_losses(gm, _ev) if hl.logits in tail] if fused else []
     if heads and (fused is True or all(kernel_serves(_ev(hl.h), _ev(hl.weight)) for hl in heads)):
         # NB: the chunks are then sized without the logits (a chunk holds its rows' hidden states and their gradient)
@@ -225,10 +234,17 @@ class _TailFn(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         want, graphs = how
         wrt = [i for i, (x, n) in enumerate(zip(inputs, ctx.needs_input_grad[2:])) if want and n]
-        if graphs and wrt and not tail.random and graphable(inputs, tail.inner):
+        ps = getattr(tail, "per_sample", None) if wrt else None
+        # per_sample_clip: the parameters' per-example gradients, made with the loss's (runtime/sharded_ps.py)
+        acc: dict[int, torch.Tensor] | None = {} if ps is not None else None
+        ctx.tail, ctx.ps_params = tail, {i: inputs[i] for i in ps.params if i in wrt} if ps is not None else {}
+        if ps is None and graphs and wrt and not tail.random and graphable(inputs, tail.inner):
             outs, grads = _looped(tail, inputs, wrt)
         else:
-            outs, grads = _chunks(tail, inputs, wrt, graphs)
+            outs, grads = _chunks(tail, inputs, wrt, graphs and ps is None, acc)
+        # NB: saved, not kept on ctx: autograd frees them once the backward has used them, before the rest's sweep
+        ctx.ps_keys = list(acc or ())
+        ctx.save_for_backward(*(acc or {}).values())
         ctx.grads = grads
         ctx.mark_non_differentiable(*outs[len(grads):])  # the counts of a mean over valid targets
         return tuple(outs)
@@ -245,21 +261,27 @@ class _TailFn(torch.autograd.Function):
                 if G is not None:
                     v = (G * gj).to(G.dtype)
                     res[i] = v if res[i] is None else res[i] + v
+        if ctx.ps_keys and gouts[0] is not None:
+            record_region(ctx.tail.per_sample, ctx.ps_params,
+                          {i: a * gouts[0].to(a.dtype) for i, a in zip(ctx.ps_keys, ctx.saved_tensors)})
         return (None, None, *res)
 
 
-def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int],
-            graphs: bool) -> tuple[list[torch.Tensor], list[list[Any]]]:
+def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int], graphs: bool,
+            ps_acc: dict[int, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[list[Any]]]:
     """The tail's outputs, summed over its chunks, and per differentiable output j and input i the gradient
     ∂out_j/∂x_i (None where the loss does not reach x_i), chunk by chunk; ``graphs``: each chunk's program replayed
-    from a CUDA graph where it can be."""
+    from a CUDA graph where it can be; ``ps_acc`` (per_sample_clip): the parameters' per-example gradients are
+    added there instead."""
     n_out = len(tail.out_nodes)
     outs: list[torch.Tensor] | None = None
     grads: list[list[Any]] = [[None] * len(inputs) for _ in range(n_out)]
     free: list[dict[int, torch.Tensor]] = [{} for _ in range(n_out)]  # the step-free inputs' gradients
     for s, e in tail.bounds():
         xs = tail.shard_inputs(inputs, s, e - s)
-        if wrt:
+        if wrt and ps_acc is not None:
+            vals, got = tail_example_grads(tail, e - s, xs, wrt, s, ps_acc)
+        elif wrt:
             vals, got = value_and_grad(tail, e - s, xs, wrt, s, graphs)
         else:
             vals, got = tail.run(e - s, xs, [], first_shard=s == 0, t0=s, graphs=graphs)[0], {}

@@ -76,9 +76,12 @@ def least_shard_steps(prog: Any, device: torch.device | None) -> int:
         ps = getattr(prog, "per_sample", None)
         least = max(min_shard_bytes(device), ps.example_bytes if ps is not None else 0)
         return wanted_shard_size(prog.T, prog.boundary_bytes(), prog.step_bytes(), least)
-    # NB: a chunk whose head runs fused (runtime/fused_loss.py) holds no logits
+    # NB: a chunk whose head runs fused (runtime/fused_loss.py) holds no logits; under per_sample_clip each chunk
+    # makes and sums B copies of the head's gradient, as a shard does
     step = getattr(prog, "fused_step_bytes", None) or prog.step_bytes()
-    S = wanted_shard_size(prog.T, prog.boundary_bytes(), step, min_chunk_bytes(device))
+    ps = getattr(prog, "per_sample", None)
+    S = wanted_shard_size(prog.T, prog.boundary_bytes(), step,
+                          max(min_chunk_bytes(device), ps.example_bytes if ps is not None else 0))
     return S - S % CHUNK_ROWS_GPU if S >= CHUNK_ROWS_GPU and _gpu(device) else S
 
 

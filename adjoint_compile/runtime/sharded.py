@@ -37,7 +37,8 @@ from .first_order import first_order
 from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
 from .shard_parts import accumulate, accumulated, zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
-from .sharded_ps import PerSampleRegion, add_example_grad, per_example_param_grads, record_region
+from .sharded_ps import PerSampleRegion, add_example_grad, expandable_reason, per_example_param_grads, record_region
+from .sharded_ps import split_per_sample
 
 log = logging.getLogger(__name__)
 
@@ -232,19 +233,24 @@ class ShardedRegion(torch.nn.Module):
                 S_rest = split.rest.prepare(inputs, self.shard_size)
                 split.tail.prepare(tail_inputs(split, inputs, [_ev(o) for o in split.rest.out_nodes]),
                                    split.chunk(self.shard_size, _device(inputs)))
-                why = check_tail(split.tail)
+                why = check_tail(split.tail) or _expands(split)
             except UnsupportedRegion as e:
                 why = str(e)
             if not why:
+                for prog in (split.rest, split.tail):
+                    if getattr(prog, "per_sample", None) is not None:  # NB: the lowering gives the region's its site after the split
+                        prog.per_sample.site = self.per_sample.site
                 return S_rest
             log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, why)
             self._split = why
         return S
 
     def _split_tail(self) -> TailSplit | str:
-        if self.per_sample is not None:
-            return "per-example clipping records the loss's parameters shard by shard"
-        got = split_tail(self._plan, self.fused_loss)
+        ps = self.per_sample
+        # NB: under per_sample_clip the head runs as written: its per-example gradients need its logits' chunks
+        got = split_tail(self._plan, False if ps is not None else self.fused_loss)
+        if isinstance(got, TailSplit) and ps is not None:
+            got = split_per_sample(got, ps, self._plan) or got
         if isinstance(got, str):
             log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, got)
         return got
@@ -278,6 +284,17 @@ class ShardedRegion(torch.nn.Module):
             for i, o in [*zip(split.rest_pos, rest), *zip(split.tail_pos, got)]:
                 outs[i] = o
         return outs[0] if self._plan.single_output else tuple(outs)
+
+
+def _expands(split: TailSplit) -> str:
+    """Why a split region under per_sample_clip would not expand its parameters per example in every program of its
+    rest and its tail ("" when it does; the whole region did, or it was not lowered)."""
+    for prog in (split.rest, split.tail):
+        ps = getattr(prog, "per_sample", None)
+        for L in sorted({e - s for s, e in prog.bounds()}) if ps is not None else ():
+            if why := expandable_reason(prog, ps, L):
+                return f"per-example clipping of the split loss: {why}"
+    return ""
 
 
 _DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default}

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..analysis.batch_axes import followed_axes
 from .per_example_program import NotExpandable, expanded_program, row_grads
 from .per_sample import DirectRecord, Site, _record
-from .shard_parts import accumulate, differentiable
-from .shard_program import ShardProgram, autocast_as
+from .shard_parts import accumulate, autocast_off, autocast_state, differentiable
+from .shard_program import ShardProgram, _ev, autocast_as
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,71 @@ def per_example_param_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs:
     return out, None
 
 
+def split_per_sample(split: Any, ps: PerSampleRegion, plan: ShardProgram) -> str:
+    """Under ``per_sample_clip``, a region whose loss is split off (:mod:`.loss_tail`): ``per_sample`` of its rest
+    (the parameters it reads; its frontier outputs have the examples on axis 0) and of its tail (one loss, summed
+    over the examples: the parameters it reads, the head's weight, get their per-example gradients with the loss's
+    in the forward, scaled by its cotangent in the backward). Returns why not ("" when set)."""
+    rest, tail = split.rest, split.tail
+    if len(split.tail_pos) != 1:
+        return "per-example clipping takes one loss split off a region"
+    seeds = {n: None if k < 0 else k for n, k in zip(plan.placeholders, ps.in_bdims) if k is not None}
+    acts, moved = followed_axes(plan.region_gm, seeds, 0, ps.batch)
+    bdims: list[int | None] = []
+    for f, (src, i) in zip(split.frontier, split.sources):
+        if src == "input":
+            bdims.append(ps.in_bdims[i])
+            continue
+        v, k = _ev(f), moved.get(f, 0) if f in acts else None
+        if k != 0 or plan.info.step_dim.get(f) == 0 or not (isinstance(v, Tensor) and v.dim() > 0 and
+                                                             int(v.shape[0]) == ps.batch):
+            return f"the loss reads {f.name}, which does not carry the examples on axis 0"
+        bdims.append(0)
+
+    def used(prog: ShardProgram, params: Sequence[int], region_input: Any) -> PerSampleRegion | None:
+        """The parameters ``prog`` reads, with the bytes of their per-example gradients; None: it reads none."""
+        mine = tuple(i for i in params if prog.placeholders[i].users)
+        if not mine:
+            return None
+        vs = [_ev(plan.placeholders[region_input(i)]) for i in mine]
+        return PerSampleRegion(mine, (), (), site=ps.site, batch=ps.batch,
+                               example_bytes=ps.batch * sum(v.numel() * v.element_size() for v in vs))
+
+    rest.per_sample = used(rest, ps.params, lambda i: i)
+    if rest.per_sample is not None:
+        rest.per_sample = dataclasses.replace(
+            rest.per_sample, carry_bdims=ps.carry_bdims, in_bdims=ps.in_bdims,
+            out_bdims=(*(ps.out_bdims[i] for i in split.rest_pos),
+                       *(d for (src, _), d in zip(split.sources, bdims) if src == "rest")),
+            loss_kinds={k: ps.loss_kinds[i] for k, i in enumerate(split.rest_pos) if i in ps.loss_kinds})
+    tail.per_sample = used(tail, [k for k, (src, i) in enumerate(split.sources) if src == "input" and i in ps.params],
+                           lambda k: split.sources[k][1])
+    if tail.per_sample is not None:
+        tail.per_sample = dataclasses.replace(tail.per_sample, out_bdims=(None,), in_bdims=tuple(bdims),
+                                              loss_kinds={0: ps.loss_kinds.get(split.tail_pos[0], "R")})
+    return ""
+
+
+def tail_example_grads(tail: ShardProgram, L: int, xs: Sequence[Any], wrt: list[int], t0: int,
+                       acc: dict[int, Tensor]) -> tuple[list[Tensor], dict[tuple[int, int], Tensor]]:
+    """One chunk of a loss tail under per_sample_clip (:func:`split_per_sample`), from its expanded program: its
+    outputs, and per input i in ``wrt`` other than a parameter the loss's gradient ``{(0, i): ∂ℓ/∂x_i}`` (as
+    loss_tail.value_and_grad gives them); its parameters' per-example gradients are added to ``acc``."""
+    ps = tail.per_sample
+    fwd = autocast_state()
+    want = [i for i in ps.params if i in wrt]
+    wrt_x = [i for i in wrt if i not in ps.params]
+    values: list[Tensor] = []
+    # NB: the loss's cotangent is 1 here (1/T for a length-free mean over time); the backward scales by the real one
+    with autocast_off():
+        got, res = _expanded_grads(tail, ps, L, xs, [], t0 == 0, tail._mean_scaled([1.0]), [], t0, fwd, want, wrt_x,
+                                   [], values)
+    for i, g in got.items():
+        add_example_grad(acc, i, g)
+    gx = res[0] if res is not None else [None] * len(xs)
+    return tail._mean_scaled(values), {(0, i): gx[i] for i in wrt_x if gx[i] is not None}
+
+
 def expandable_reason(prog: ShardProgram, ps: PerSampleRegion, L: int) -> str:
     """Why the region's parameters cannot be made per example in its ``L``-step program ("" when they can). A region
     whose loss sums over the examples needs that: its masked VJPs could not tell the examples apart."""
@@ -150,7 +216,10 @@ def expandable_reason(prog: ShardProgram, ps: PerSampleRegion, L: int) -> str:
 
 def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequence[Any], carries: Sequence[Any],
                     first_shard: bool, gos: Sequence[Any], adjs: Sequence[Any], t0: int, autocast: tuple,
-                    want: list[int], wrt_x: list[int], wrt_c: list[int]) -> tuple[dict[int, "ExampleGrad"], Any]:
+                    want: list[int], wrt_x: list[int], wrt_c: list[int],
+                    values: list[Tensor] | None = None) -> tuple[dict[int, "ExampleGrad"], Any]:
+    """The expanded program's backward (``gos``: a float c is ``full_like(output, c)``); ``values``: filled with
+    the program's outputs."""
     if ps.out_bdims and any(d not in (0, None) for d in (*ps.out_bdims, *ps.carry_bdims)):
         raise NotExpandable("the examples are not on axis 0")
     B = ps.batch or next(g.shape[0] for g, d in zip([*gos, *adjs], [*ps.out_bdims, *ps.carry_bdims])
@@ -165,7 +234,10 @@ def _expanded_grads(prog: ShardProgram, ps: PerSampleRegion, L: int, xs: Sequenc
         prevs = [None if first_shard else cs[k] for k in prog.shift_scans]
         with autocast_as(autocast):
             res = gm(*x_in, *cs, *prevs, *prog._offset(t0), *zs)
-        pairs = [(y, g) for y, g in zip(res, [*gos, *adjs]) if g is not None and y.requires_grad]
+        if values is not None:
+            values[:] = [r.detach() for r in res]
+        pairs = [(y, torch.full_like(y, g) if isinstance(g, float) else g) for y, g in zip(res, [*gos, *adjs])
+                 if g is not None and y.requires_grad]
         wrt = [z for i, z in zip(ps.params, zs) if i in want]
         if not pairs:
             return {}, None

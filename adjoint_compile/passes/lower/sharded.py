@@ -149,6 +149,7 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     S = mod.prepare([_ev(a) for a in inputs])
     if ps_kinds is not None:
         mod.per_sample = with_halo_axes(mod.per_sample, mod._plan, opts.batch_dim)
+        S = mod.prepare([_ev(a) for a in inputs])  # NB: again: a split loss's per-example parts read the halos' axes
     # NB: with its loss split off (runtime/loss_tail.py) the rest's shards are longer, but the loss runs in chunks
     # the size of the whole region's shards: its estimate and its one-shard test are those of the whole region
     S_all = mod._plan.shard_size if mod.tail is not None else S
