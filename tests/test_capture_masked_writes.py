@@ -106,7 +106,28 @@ def _not_a_copy(lg, t):
     return F.cross_entropy(lg.flatten(0, 1), t.flatten())
 
 
-@pytest.mark.parametrize("loss", [_view_before, _cast_before, _tensor_value, _not_a_copy])
+def _aliased_before(alias):
+    """A value sharing the copy's memory made before the write, by an op no list of views names: it sees the write."""
+    def loss(lg, t):
+        t = t.clone()
+        a = alias(t)
+        t[t == 3] = -100
+        return F.cross_entropy(lg.flatten(0, 1), a.reshape(t.shape).flatten())
+    loss.__name__ = f"_aliased_before_{alias.__name__}"
+    return loss
+
+
+def _ravel(t): return t.ravel()
+def _swapdims(t): return t.swapdims(0, 1).swapdims(0, 1)
+def _atleast_2d(t): return torch.atleast_2d(t)
+def _positive(t): return torch.positive(t)
+def _data_attr(t): return t.data
+def _sum_to_size(t): return t.sum_to_size(t.shape)
+def _split_part(t): return t.split(t.shape[1], 1)[0]
+
+
+@pytest.mark.parametrize("loss", [_view_before, _cast_before, _tensor_value, _not_a_copy, *map(_aliased_before, [
+    _ravel, _swapdims, _atleast_2d, _positive, _data_attr, _sum_to_size, _split_part])], ids=lambda f: f.__name__)
 def test_writes_it_cannot_prove_safe_keep_the_refusal_and_eagers_results(loss):
     torch.manual_seed(0)
     model = Step(loss).double()

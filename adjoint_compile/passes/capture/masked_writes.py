@@ -20,8 +20,9 @@ write becomes a new node and every later read of the tensor reads it:
 
 Only where it is safe: the tensor is a fresh copy the graph made (``clone``, or a factory such as ``zeros_like`` or
 ``full``: nothing else shares its memory), the value written is a number, and nothing viewed the tensor, cast it
-(``.to`` of its own dtype is the tensor itself) or wrote into it before this write (they would see the write). Anything else keeps its write, and the graph
-its refusal, as before.
+(``.to`` of its own dtype is the tensor itself), made a value sharing its memory (by the traced fake tensors'
+storages) or wrote into it before this write (they would see the write). Anything else keeps its write, and the
+graph its refusal, as before.
 
 Part of the capture stage (passes/capture/), with :mod:`.buffer_writes`, before the check for writes left.
 """
@@ -33,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...analysis.fx import example_value, is_inplace, is_view_op, refresh_example_values
 from ...regions import PROVENANCE
@@ -93,10 +96,24 @@ def _why_not(w: fx.Node) -> str:
 
 def _seen_before(w: fx.Node, pos: dict[fx.Node, int]) -> str:
     """Why the tensor ``w`` writes into may be seen through another name: a view or a write of it before ``w``."""
-    for u in w.args[0].users:
-        if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u) or _name(u) in _MAY_ALIAS):
+    x = w.args[0]
+    for u in x.users:
+        if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u) or _name(u) in _MAY_ALIAS or
+                                               _shares_memory(u, x)):
             return f"{u.name} viewed, cast or wrote the tensor before"
     return ""
+
+
+def _shares_memory(u: fx.Node, x: fx.Node) -> bool:
+    """Whether a value ``u`` makes may share ``x``'s memory, by their fake tensors' storages (dynamo's tracing
+    keeps them: ``ravel``, ``swapdims``, ``.data``, ``atleast_2d``, a ``split``'s parts of ``x`` share it); True
+    when either is unknown."""
+    xv, v = example_value(x), example_value(u)
+    if not isinstance(xv, torch.Tensor) or v is None:
+        return True
+    ref = StorageWeakRef(xv.untyped_storage())
+    return any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == ref
+               for t in pytree.tree_leaves(v))
 
 
 def rewrite_masked_writes(gm: fx.GraphModule) -> int:
