@@ -31,7 +31,7 @@ from . import options as _options
 from . import timing
 from . import polyfills  # noqa: F401 - registers library polyfills when dynamo starts a compile
 from .errors import AdjointCompileWarning, AdjointVerifyReport, PerSampleError
-from .frames import count_loop_compiles, frame_modules, frame_self, refuse_data_parallel
+from .frames import calling_modules, count_loop_compiles, frame_modules, frame_self, refuse_data_parallel
 from .inner import compile_inner
 from .lengths import LengthDispatch
 from .options import Options
@@ -195,6 +195,12 @@ def guard_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     for _, mod in frame_modules():
         for pname, p in mod.named_parameters():
             guard_parameter(p, pname)
+            n += 1
+    # NB: and those of the modules running eagerly around this frame: a forward dynamo skipped runs its parameters'
+    # uses eagerly (unclipped) while only an inner frame, without them, compiles
+    for cls, mod in calling_modules():
+        for pname, p in mod.named_parameters():
+            guard_parameter(p, f"{cls}.{pname}")
             n += 1
     holders = [m for m in gm.graph.nodes if m.op == "placeholder"]
     for m, ex in zip(holders, example_inputs):

@@ -368,7 +368,9 @@ def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
     given = options_given(compiled_model)
     if not clippers or (given is not None and given.get("per_sample_clip") is None):
         raise ValueError("adjoint_compile.per_sample_grad_norms: the model was not compiled with "
-                         "options={'per_sample_clip': C} (or has not been called yet)")
+                         "options={'per_sample_clip': C}, has not been called yet, or dynamo compiled none of it "
+                         "(a forward whose loop has a graph break in it runs eagerly: its gradients are NOT "
+                         "clipped; ac.report(compiled) lists the graphs compiled)")
     # NB: the graphs (and their clippers) of one class serve all its compiled instances: this one's parameters say
     # which backward they last took part in
     model = getattr(compiled_model, "_orig_mod", compiled_model)
@@ -376,7 +378,10 @@ def per_sample_grad_norms(compiled_model: Any) -> torch.Tensor:
     own = [n[1:] for p in params if (n := getattr(p, "_adjoint_ps_norms", None)) is not None and n[0] == id(p)]
     done = own or [(c.step, c.last_norms) for c in clippers if c.last_norms is not None]
     if not done:
-        raise RuntimeError("adjoint_compile.per_sample_grad_norms: no backward has run through the model yet")
+        raise RuntimeError("adjoint_compile.per_sample_grad_norms: no backward has run through the model's compiled "
+                           "graphs yet. If one did run, the model ran eagerly and its gradients were NOT clipped: "
+                           "dynamo skips a whole forward whose loop has a graph break in it (a data-dependent `if`, "
+                           "a .item()); ac.report(compiled) lists the graphs compiled")
     return max(done, key=lambda sn: sn[0])[1]
 
 

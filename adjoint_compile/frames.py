@@ -13,7 +13,7 @@ import torch
 from .errors import AdjointCompileWarning, PerSampleError
 from .regions import Fallback
 
-__all__ = ["frame_modules", "frame_self", "count_loop_compiles", "refuse_data_parallel"]
+__all__ = ["frame_modules", "calling_modules", "frame_self", "count_loop_compiles", "refuse_data_parallel"]
 
 
 def frame_modules() -> list[tuple[str, torch.nn.Module]]:
@@ -25,6 +25,22 @@ def frame_modules() -> list[tuple[str, torch.nn.Module]]:
     except (AttributeError, ImportError):  # NB: no frame under way (explain() on a bare graph)
         return []
     return [(k, v) for k, v in (getattr(tx, "f_locals", None) or {}).items() if isinstance(v, torch.nn.Module)]
+
+
+def calling_modules() -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose methods are running eagerly below the frame dynamo is compiling (``self`` of each frame on
+    the Python stack): a forward dynamo skipped (a graph break inside its loop over layers) calls a compiled frame
+    that holds none of its parameters, which would otherwise never be guarded."""
+    out = []
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            own = f.f_locals.get("self")
+            if isinstance(own, torch.nn.Module):
+                out.append((type(own).__name__, own))
+        f = f.f_back
+    return out
 
 
 def frame_self() -> torch.nn.Module | None:

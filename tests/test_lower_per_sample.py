@@ -413,6 +413,45 @@ def test_a_parameter_used_outside_the_backend_raises_naming_it():
         _loss(f(torch.randn(3, 4))).backward()
 
 
+class _BreakInLoop(nn.Module):
+    """A sanity check inside the loop over layers (a graph break there): dynamo runs the whole forward eagerly and
+    compiles only frames it calls (``linear_scan``'s own, with no parameter in it), or none (``scan=False``)."""
+
+    def __init__(self, scan: bool = True) -> None:
+        super().__init__()
+        self.scan = scan
+        self.inp, self.gate = (nn.ModuleList([nn.Linear(4, 4) for _ in range(2)]) for _ in range(2))
+
+    def forward(self, x):
+        for inp, gate in zip(self.inp, self.gate):
+            u = inp(x)
+            a = torch.sigmoid(gate(u))
+            x = x + ac.ops.linear_scan(a, (1 - a) * u, dim=1) if self.scan else torch.tanh(a * u)
+            if x.abs().max() > 1e6:
+                x = x / 2
+        return x
+
+
+def test_a_forward_dynamo_runs_eagerly_around_a_compiled_frame_raises():
+    """The parameters of the modules running eagerly around a compiled frame are guarded too: the backward of their
+    eager uses would be unclipped."""
+    torch.manual_seed(21)
+    f = torch.compile(_BreakInLoop(), backend="adjoint", options={"per_sample_clip": 0.5, "shard_size": 4,
+                                                                    "inner": "aot_eager"})
+    with pytest.raises(ac.PerSampleError, match=r"parameter _BreakInLoop\.(inp|gate)\.\d\.(weight|bias) .* unclipped"):
+        _loss(f(torch.randn(3, 13, 4))).backward()
+
+
+def test_a_forward_dynamo_never_compiles_is_named_by_the_norms():
+    """No frame compiled at all (the backend never runs): the norms say the gradients were not clipped."""
+    torch.manual_seed(22)
+    f = torch.compile(_BreakInLoop(scan=False), backend="adjoint", options={"per_sample_clip": 0.5,
+                                                                              "inner": "aot_eager"})
+    _loss(f(torch.randn(3, 13, 4))).backward()
+    with pytest.raises(ValueError, match="NOT clipped"):
+        ac.per_sample_grad_norms(f)
+
+
 def test_the_guard_stays_quiet_in_ordinary_use():
     """Several steps with zero_grad (to None and in place) between them, gradient accumulation, eval without a
     backward and under no_grad, an optimizer step: no spurious PerSampleError."""
