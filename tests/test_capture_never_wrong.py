@@ -384,3 +384,86 @@ def test_first_call_check_never_skipped_without_a_sharded_region(monkeypatch):
     assert timing == {}
     assert verify.check_skipped(timing, gm, [region, unsharded])
     assert timing["check_forward_skipped_bytes"] == verify.forward_peak_bytes(gm) > 0
+
+
+def _record_states(first_only: bool):
+    """Each step's state written into a buffer under ``torch.no_grad()`` (every step, or the first only, before the
+    loop): in eager a constant of the buffer, which gives the written states no gradient."""
+    def f(a, b, w):
+        B, T, D = a.shape
+        h = b[:, 0] if first_only else a.new_zeros(B, D)
+        out = a.new_zeros(B, T, D)
+        if first_only:
+            with torch.no_grad():
+                out[:, 0] = h
+        for t in range(1 if first_only else 0, T):
+            h = a[:, t] * h + b[:, t]
+            if first_only:
+                out[:, t] = h
+            else:
+                with torch.no_grad():
+                    out[:, t] = h
+        return ((out * a + h[:, None]) * w).sum()
+    return f
+
+
+@pytest.mark.parametrize("first_only", [False, True], ids=["every write", "the first write"])
+@pytest.mark.parametrize("shard", [1, 4])
+def test_buffer_writes_under_no_grad_stay_constant(first_only, shard):
+    """Stacked into one value, the writes made under no_grad give their values no gradient, as eager's do."""
+    f = _record_states(first_only)
+    compiled = torch.compile(f, backend="adjoint", options={"inner": "aot_eager", "shard_size": shard})
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        a = torch.sigmoid(torch.randn(2, 13, 4, generator=g, dtype=DT)).requires_grad_()
+        b = torch.randn(2, 13, 4, generator=g, dtype=DT).requires_grad_()
+        _assert_same(f, compiled, [a, b], a, b, torch.randn(2, 13, 4, generator=g, dtype=DT))
+
+
+class _Streaming(nn.Module):
+    """A streaming RNN: its last state kept in a module buffer, updated in place, and read again after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(2, 4, dtype=DT))
+
+    def forward(self, a, b):
+        b = nn.functional.normalize(b, dim=-1)
+        h = self.state.clone()
+        hs = []
+        for t in range(a.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        self.state.copy_(h.detach())
+        return torch.stack(hs, 1) + self.state[:, None]
+
+
+@pytest.mark.parametrize("roll", [True, False])
+def test_an_input_read_again_after_its_update_reads_the_new_values(roll):
+    """Only the graph's order puts the read after the write: the graph keeps ordinary autograd (its passes move
+    nodes by data flow), and every call's output and the buffer equal eager's."""
+    eager, model = _Streaming(), _Streaming()
+    compiled = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager",
+                                                                "roll_loops": roll})
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        a, b = torch.sigmoid(torch.randn(2, 13, 4, generator=g, dtype=DT)), torch.randn(2, 13, 4, generator=g, dtype=DT)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            want, got = eager(a, b), compiled(a, b)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got - want).abs().max()
+        assert torch.equal(model.state, eager.state)
+    rep = ac.report(compiled)
+    assert any("an input it reads again after the write" in j.reason for j in rep.rejections), str(rep)
+
+
+def test_normalize_draws_no_random_numbers_and_keeps_the_first_call_check():
+    """``F.normalize`` holds "normal" in its name; read as a random draw, it switched the first-call check off."""
+    from adjoint_compile.analysis.optable import draws_random
+
+    def f(x):
+        return torch.nn.functional.normalize(x, dim=-1), torch.randn_like(x), torch.nn.functional.dropout(x)
+
+    gm = torch.fx.symbolic_trace(f)
+    drawn = {n.name: draws_random(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert drawn == {"normalize": False, "randn_like": True, "dropout": True}, drawn

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs", "source_line", "source_at", "changed_modes", "mode_states",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "source_line", "source_at", "changed_modes", "mode_states",
     "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg", "refresh_example_values",
 ]
 
@@ -116,6 +117,32 @@ def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
             t = t.args[0]
         (into_inputs if isinstance(t, fx.Node) and t.op == "placeholder" else into_made).append(n)
     return into_inputs, into_made
+
+
+def reread_inputs(graph: fx.Graph, into_inputs: list[fx.Node]) -> list[fx.Node]:
+    """The writes of ``into_inputs`` (into a graph input, :func:`written_inputs`) after which an op reads that input
+    again, directly or through a value sharing its memory made without going through a write (``self.state.copy_(h)``
+    then ``self.state[:, None]``): only the graph's order puts that read after the write, and a pass that moves nodes
+    by data flow could read the old values."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for w in into_inputs:
+        root = w.args[0]
+        while root.op != "placeholder":
+            root = root.args[0]
+        rv = example_value(root)
+        ref = StorageWeakRef(rv.untyped_storage()) if isinstance(rv, torch.Tensor) else None
+        seen, todo = {root}, [root]
+        while todo:  # NB: the input and the values sharing its memory, not through a write (its users are ordered)
+            for u in todo.pop().users:
+                v = example_value(u)
+                if u not in seen and not is_inplace(u) and isinstance(v, torch.Tensor) and ref is not None and \
+                        StorageWeakRef(v.untyped_storage()) == ref:
+                    seen.add(u)
+                    todo.append(u)
+        if any(pos[u] > pos[w] and u.op != "output" and not is_inplace(u) for a in seen for u in a.users):
+            out.append(w)
+    return out
 
 
 def stable_toposort(graph: fx.Graph) -> None:

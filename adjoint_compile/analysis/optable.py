@@ -192,12 +192,19 @@ def name_of(n: fx.Node) -> str:
 
 #: words in the name of an op that draws from torch's generator (``rand``, ``randn_like``, ``x.uniform_``, dropout)
 RANDOM_WORDS = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential",
-                "geometric", "cauchy")
+                "geometric", "cauchy", "rrelu")
+#: names holding such a word that draw nothing (``F.normalize``): read as random, they switched the first-call check off
+_NOT_RANDOM = ("normalize",)
 
 
 def draws_random(n: fx.Node) -> bool:
     """Whether the node draws random numbers: a recomputation draws others, and so does another compiler."""
-    return n.op in ("call_function", "call_method") and any(w in name_of(n) for w in RANDOM_WORDS)
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = name_of(n)
+    for w in _NOT_RANDOM:
+        name = name.replace(w, "")
+    return any(w in name for w in RANDOM_WORDS)
 
 
 def target_key(n: fx.Node) -> str:

@@ -28,8 +28,9 @@ Normalization, in this order, each pass in its own module and each recording pro
    ``hashed_dropout``, whose mask a shard's recomputation reproduces.
 
 The passes after 0 move nodes by data flow alone. A graph that still writes in place into a tensor it made (a
-partial buffer write, a write through a view) after step 0 is therefore left as it is, with every region refused:
-its writes order its reads in a way data flow does not show (``Captured.writes``).
+partial buffer write, a write through a view) after step 0, or that reads an input again after writing into it
+(a module's state updated, then read), is therefore left as it is, with every region refused: its writes order its
+reads in a way data flow does not show (``Captured.writes``).
 
 A graph with symbolic sizes (dynamic shapes) is not normalized: it is specialized per call (passes/capture/specialize.py)
 and each specialization is captured again. Recognition then runs once on the normalized graph.
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ...analysis.fx import is_linear_scan, written_inputs
+from ...analysis.fx import is_linear_scan, reread_inputs, written_inputs
 from ...timing import timed
 from ...regions import Recurrence, Rejection
 from .buffer_writes import stack_buffer_writes
@@ -116,7 +117,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     known = timed("known_scans", replace_known_scans, gm)
     noops, buffers = timed("noop_ops", drop_noop_ops, gm), timed("buffer_writes", stack_buffer_writes, gm)
     masked = timed("masked_writes", rewrite_masked_writes, gm)
-    captured.writes = timed("written_inputs", written_inputs, gm.graph)[1]
+    into_inputs, into_made = timed("written_inputs", written_inputs, gm.graph)
+    captured.writes = into_made + reread_inputs(gm.graph, into_inputs)
     if captured.writes:
         captured.normalized = {"known_scans": known, "noop_ops": noops, "buffer_writes": buffers}
         log.debug("capture: in-place writes left (%s): not normalized", ", ".join(n.name for n in captured.writes))

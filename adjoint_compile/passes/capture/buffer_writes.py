@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...analysis.fx import example_value
+from ...analysis.fx import example_value, mode_states
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,25 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
     assert dim is not None
     if sorted(by_index) != list(range(ev.shape[dim])):
         return f"the writes cover {len(by_index)} of {ev.shape[dim]} indices"
-    values = [by_index[t][1] for t in range(ev.shape[dim])]
     last_write = max((found[w][0] for w in writes), key=pos.__getitem__)
-    with gm.graph.inserting_after(last_write):
+    states = mode_states(gm.graph)
+    at = states.get(last_write, (True, ()))
+    if any(states.get(found[w][0], at)[1] != at[1] for w in writes):
+        return "its writes run under other autocast or inference-mode blocks"
+    if not at[0] and any(states.get(found[w][0], at)[0] for w in writes):
+        return "its last write runs under torch.no_grad() and others do not"
+    values = []
+    for t in range(ev.shape[dim]):
+        node, value = by_index[t]
+        if not states.get(node, at)[0]:
+            # NB: a value written under torch.no_grad() is a constant of the buffer: autograd gives it nothing (and
+            # a stack of the loop's states under no_grad must not become the scan's output, which is not)
+            with gm.graph.inserting_after(last_write):
+                value = gm.graph.call_method("detach", (value,))
+            value.meta["example_value"] = example_value(by_index[t][1])
+        values.append(value)
+    with gm.graph.inserting_after(max([last_write, *(v for v in values if v.op == "call_method" and
+                                                      v.target == "detach")], key=lambda n: pos.get(n, len(pos)))):
         st = gm.graph.call_function(torch.stack, (values, dim))
     st.meta["example_value"] = ev  # NB: the same shape, dtype and device
     st.meta["adjoint_compile"] = {"pass": "buffer_writes", "buffer": buf.name}

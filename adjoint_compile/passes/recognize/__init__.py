@@ -218,9 +218,10 @@ def recognize_captured(captured: Captured, opts: Options) -> tuple[list[Region],
     if captured.writes:
         w = captured.writes[0]
         line = source_line(w)
-        return [], [Rejection("graph", w.name, f"the graph writes in place into a tensor it made ({len(captured.writes)} "
-                              f"write(s), the first {w.name}{f' at {line}' if line else ''}) in a way that could not be "
-                              f"turned into values: it keeps ordinary autograd; collect a loop's outputs in a list and "
+        return [], [Rejection("graph", w.name, f"the graph writes in place into a tensor it made, or into an input "
+                              f"it reads again after the write ({len(captured.writes)} write(s), the first "
+                              f"{w.name}{f' at {line}' if line else ''}) in a way that could not be turned into "
+                              f"values: it keeps ordinary autograd; collect a loop's outputs in a list and "
                               f"torch.stack them, or write each step's whole slice of a buffer made in the loop's "
                               f"graph (o[:, t] = h)")]
     try:
