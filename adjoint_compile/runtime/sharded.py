@@ -238,7 +238,7 @@ class ShardedRegion(torch.nn.Module):
                 why = str(e)
             if not why:
                 for prog in (split.rest, split.tail):
-                    if getattr(prog, "per_sample", None) is not None:  # NB: the lowering gives the region's its site after the split
+                    if getattr(prog, "per_sample", None) is not None:  # NB: the lowering sets the site after the split
                         prog.per_sample.site = self.per_sample.site
                 return S_rest
             log.debug("adjoint-compile: %s keeps its loss in the sweep: %s", self.label, why)
