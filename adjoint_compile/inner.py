@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.exc import RestartAnalysis
 
 from . import timing
 from .errors import AdjointCompileWarning
@@ -94,6 +95,10 @@ def inductor_or_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             return compile_fx(gm, list(example_inputs))
     except Exception as e:  # noqa: BLE001 - whatever inductor cannot compile runs with aot_eager
+        if isinstance(e, RestartAnalysis) and _under_dynamo():
+            # NB: inductor asks dynamo to trace the frame again (a Python float made a tensor): under way, dynamo
+            # does, and calls the backend with the new graph; caught, the graph would lose inductor
+            raise
         cause = _cause(e)
         log.debug("adjoint-compile: inductor failed on a graph of %d nodes (%s); using aot_eager",
                   len(gm.graph.nodes), cause, exc_info=True)
@@ -104,6 +109,15 @@ def inductor_or_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
                           f"everywhere, or TORCH_LOGS='+adjoint_compile' for inductor's traceback",
                           AdjointCompileWarning, stacklevel=4)
     return lookup_backend("aot_eager")(gm, list(example_inputs))
+
+
+def _under_dynamo() -> bool:
+    """Whether dynamo is tracing a frame in this thread (the backend called from it)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        return InstructionTranslator.current_tx() is not None
+    except (AttributeError, ImportError):
+        return False
 
 
 def _cause(e: BaseException) -> str:

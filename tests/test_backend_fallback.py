@@ -112,3 +112,48 @@ def test_graph_break_gives_two_graphs_through_the_pipeline():
     f = torch.compile(m, backend="adjoint", options={"inner": "eager"})
     f(torch.ones(2, 6))
     assert len(adjoint_compile.report(f).compiled) >= 2
+
+
+def test_a_retrace_inductor_asks_for_reaches_dynamo(monkeypatch):
+    """Inductor asks dynamo to trace the frame again (``TensorifyScalarRestartAnalysis``: a Python float made a
+    tensor). Under dynamo's compile the request goes through and the retraced graph keeps inductor; outside it (a
+    program compiled at its first use) the graph runs with aot_eager, with a warning naming the cause."""
+    import warnings
+
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._inductor import compile_fx as cfx
+
+    from adjoint_compile import inner
+    from adjoint_compile.errors import AdjointCompileWarning
+
+    calls = []
+
+    def compile_fx(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        if len(calls) == 1:
+            raise TensorifyScalarRestartAnalysis
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", compile_fx)
+    monkeypatch.setattr(inner, "_warned", set())
+    torch._dynamo.reset()
+    model, x = MLP(), torch.randn(4, 12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="adjoint")(x)
+    assert len(calls) == 2, calls
+    assert not [w for w in caught if "could not compile" in str(w.message)], [str(w.message) for w in caught]
+    torch.testing.assert_close(out, model(x))
+    calls.clear()
+
+    class Tupled(nn.Module):  # NB: aot_eager takes graphs with tuple outputs, as dynamo's are
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return (self.m(x),)
+
+    with pytest.warns(AdjointCompileWarning, match="TensorifyScalarRestartAnalysis"):
+        fn = inner.inductor_or_aot_eager(torch.fx.symbolic_trace(Tupled()), [x])
+    torch.testing.assert_close(fn(x)[0], model(x))
