@@ -341,6 +341,15 @@ def test_a_regularizer_of_the_parameters_alone_is_refused_naming_it():
         step(torch.randn(3, 4)).backward()
 
 
+def test_the_loss_scaled_by_a_parameter_is_refused_as_such():
+    """The loss times a learned scalar: refused with a reason of its own (it said "a regularizer")."""
+    model, temp = _mlp(), torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+    step = torch.compile(lambda x: model(x).pow(2).sum() * temp, backend="adjoint",
+                         options={"per_sample_clip": 1.0, **OPTS})
+    with pytest.raises(Exception, match="scales the loss by a value of the parameters alone"):
+        step(torch.randn(3, 4)).backward()
+
+
 # --- the training set-ups around it ---------------------------------------------------------------------------------
 
 class _Named(nn.Module):

@@ -141,6 +141,10 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
                              "gradients are not defined")
         if "R" in ins or "D" in ins:  # NB: the loss's tail (passes/lower/per_sample_loss.py)
             if (tail := tail_kind(n, kind_of)) is None and any(kind_of.get(a) == "P" for a in n.all_input_nodes):
+                if _name(n).strip("_").lstrip("ri") not in ("add", "sub"):
+                    raise _refuse(n, "scales the loss by a value of the parameters alone (a learned temperature "
+                                     "times the loss): not supported under per_sample_clip; apply the factor outside "
+                                     "the compiled code, or make it a constant")
                 raise _refuse(n, "adds a term of the parameters alone to the loss (a regularizer, 0.1 * (w**2).sum()):"
                                  " its gradient belongs to no example; apply it as the optimizer's weight decay, or "
                                  "add its gradient after the clipped backward")
