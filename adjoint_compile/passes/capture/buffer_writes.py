@@ -114,18 +114,18 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
         return "its writes run under other autocast or inference-mode blocks"
     if not at[0] and any(states.get(found[w][0], at)[0] for w in writes):
         return "its last write runs under torch.no_grad() and others do not"
-    values = []
+    values, after = [], last_write
     for t in range(ev.shape[dim]):
         node, value = by_index[t]
         if not states.get(node, at)[0]:
             # NB: a value written under torch.no_grad() is a constant of the buffer: autograd gives it nothing (and
             # a stack of the loop's states under no_grad must not become the scan's output, which is not)
-            with gm.graph.inserting_after(last_write):
-                value = gm.graph.call_method("detach", (value,))
-            value.meta["example_value"] = example_value(by_index[t][1])
+            with gm.graph.inserting_after(after):
+                after = gm.graph.call_method("detach", (value,))
+            after.meta["example_value"] = example_value(value)
+            value = after
         values.append(value)
-    with gm.graph.inserting_after(max([last_write, *(v for v in values if v.op == "call_method" and
-                                                      v.target == "detach")], key=lambda n: pos.get(n, len(pos)))):
+    with gm.graph.inserting_after(after):
         st = gm.graph.call_function(torch.stack, (values, dim))
     st.meta["example_value"] = ev  # NB: the same shape, dtype and device
     st.meta["adjoint_compile"] = {"pass": "buffer_writes", "buffer": buf.name}
