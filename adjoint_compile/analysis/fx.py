@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "source_line", "source_at", "changed_modes", "mode_states",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs",
+    "shares_memory", "source_line", "source_at", "changed_modes", "mode_states",
     "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg", "refresh_example_values",
 ]
 
@@ -119,6 +121,18 @@ def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
     return into_inputs, into_made
 
 
+def shares_memory(n: fx.Node, x: fx.Node) -> bool:
+    """Whether a value ``n`` makes (a tensor, or tensors in a tuple: a ``split``'s parts) may share ``x``'s memory,
+    by their traced fake tensors' storages (dynamo's tracing keeps them: ``ravel``, ``swapdims``, ``.data``,
+    ``atleast_2d`` of x share it, whatever their names); True when either value is unknown."""
+    xv, v = example_value(x), example_value(n)
+    if not isinstance(xv, torch.Tensor) or v is None:
+        return True
+    ref = StorageWeakRef(xv.untyped_storage())
+    return any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == ref
+               for t in pytree.tree_leaves(v))
+
+
 def reread_inputs(graph: fx.Graph, into_inputs: list[fx.Node]) -> list[fx.Node]:
     """The writes of ``into_inputs`` (into a graph input, :func:`written_inputs`) after which an op reads that input
     again, directly or through a value sharing its memory made without going through a write (``self.state.copy_(h)``
@@ -130,14 +144,10 @@ def reread_inputs(graph: fx.Graph, into_inputs: list[fx.Node]) -> list[fx.Node]:
         root = w.args[0]
         while root.op != "placeholder":
             root = root.args[0]
-        rv = example_value(root)
-        ref = StorageWeakRef(rv.untyped_storage()) if isinstance(rv, torch.Tensor) else None
         seen, todo = {root}, [root]
         while todo:  # NB: the input and the values sharing its memory, not through a write (its users are ordered)
             for u in todo.pop().users:
-                v = example_value(u)
-                if u not in seen and not is_inplace(u) and isinstance(v, torch.Tensor) and ref is not None and \
-                        StorageWeakRef(v.untyped_storage()) == ref:
+                if u not in seen and u.op != "output" and not is_inplace(u) and shares_memory(u, root):
                     seen.add(u)
                     todo.append(u)
         if any(pos[u] > pos[w] and u.op != "output" and not is_inplace(u) for a in seen for u in a.users):

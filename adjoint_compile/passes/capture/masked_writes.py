@@ -34,10 +34,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ...analysis.fx import example_value, is_inplace, is_view_op, refresh_example_values
+from ...analysis.fx import example_value, is_inplace, is_view_op, refresh_example_values, shares_memory
 from ...regions import PROVENANCE
 
 log = logging.getLogger(__name__)
@@ -99,21 +97,9 @@ def _seen_before(w: fx.Node, pos: dict[fx.Node, int]) -> str:
     x = w.args[0]
     for u in x.users:
         if u is not w and pos[u] < pos[w] and (is_view_op(u) or is_inplace(u) or _name(u) in _MAY_ALIAS or
-                                               _shares_memory(u, x)):
+                                               shares_memory(u, x)):
             return f"{u.name} viewed, cast or wrote the tensor before"
     return ""
-
-
-def _shares_memory(u: fx.Node, x: fx.Node) -> bool:
-    """Whether a value ``u`` makes may share ``x``'s memory, by their fake tensors' storages (dynamo's tracing
-    keeps them: ``ravel``, ``swapdims``, ``.data``, ``atleast_2d``, a ``split``'s parts of ``x`` share it); True
-    when either is unknown."""
-    xv, v = example_value(x), example_value(u)
-    if not isinstance(xv, torch.Tensor) or v is None:
-        return True
-    ref = StorageWeakRef(xv.untyped_storage())
-    return any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == ref
-               for t in pytree.tree_leaves(v))
 
 
 def rewrite_masked_writes(gm: fx.GraphModule) -> int:
