@@ -519,15 +519,15 @@ class _Reordered(nn.Module):
         elif self.how == "x[perm[:, None], t[None]]":  # NB: a 2-D index whose rows are other examples'
             t = torch.arange(x.shape[1])[None]
             y = (x[perm[:, None], t] * self.g)[perm[:, None], t]
-        else:  # NB: [T, D] where T == B: values of no example
+        else:  # NB: [T, D] where T == B: values of no example, every example's alike
             y = x + x.new_ones(x.shape[1], x.shape[2]) * self.g
         return self.lin(y)
 
 
-@pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "x[perm[:, None], t[None]]", "new_ones"])
-def test_examples_reordered_along_the_batch_or_constants_of_their_shape_are_refused(how):
-    """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B), and
-    ``x.new_ones(T, D)`` holds no example's values though T == B: refused, never attributed by position."""
+@pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "x[perm[:, None], t[None]]"])
+def test_examples_reordered_along_the_batch_are_refused(how):
+    """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B):
+    refused, never attributed by position. (``x.new_ones(T, D) * g``, a constant: test_lower_per_sample_constants.py.)"""
     f = torch.compile(_Reordered(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError,
                        match="examples' axis of its input .* is not known|roll .*mixes the examples|"

@@ -21,7 +21,20 @@ import torch.nn.functional as F
 
 from .fx import example_value, is_linear_scan, scan_args
 
-__all__ = ["permutation", "moved_batch_axes", "followed_axes", "BatchAxes", "broadcast_over_examples", "use_name"]
+__all__ = ["permutation", "moved_batch_axes", "followed_axes", "BatchAxes", "broadcast_over_examples", "use_name",
+           "reads_no_values"]
+
+#: methods making a new tensor that read their operand's dtype and device only
+_FACTORIES = frozenset("new_zeros new_ones new_full new_empty new_tensor".split())
+
+
+def reads_no_values(n: fx.Node) -> bool:
+    """Whether ``n`` makes a constant from its operand's dtype and device alone (``x.new_zeros(B, D)``: an RNN's
+    initial state): no example's values are in it, as in ``torch.zeros(B, D)``."""
+    if n.op == "call_method":
+        return n.target in _FACTORIES
+    return n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+        and n.target.__name__.split(".")[0] in _FACTORIES  # NB: aten's, in a program traced to aten
 
 
 _PERMUTES = {"movedim", "moveaxis", "permute", "transpose", "swapaxes", "swapdims", "t"}
@@ -192,8 +205,8 @@ def followed_axes(gm: fx.GraphModule, seeds: dict[fx.Node, int | None], bd: int,
     (:func:`moved_batch_axes`). For a program whose inputs are a region's (its examples' axes already known)."""
     acts = set(seeds)
     for n in gm.graph.nodes:
-        if n.op != "placeholder" and (any(a in acts for a in n.all_input_nodes) or
-                                      broadcast_over_examples(n, bd, batch)):
+        if n.op != "placeholder" and not reads_no_values(n) and (any(a in acts for a in n.all_input_nodes) or
+                                                                 broadcast_over_examples(n, bd, batch)):
             acts.add(n)
     return acts, moved_batch_axes(gm, acts, bd, batch, seeds)
 
@@ -209,7 +222,7 @@ def _unmoved_axis(n: fx.Node, ins: list[fx.Node], bd: int, batch: int) -> int | 
     if not isinstance(v, torch.Tensor) or not isinstance(x, torch.Tensor):
         return bd
     if name in _LOST or name.startswith("new_"):  # NB: new_ones(T, V): values of no example, [T, V] where T == B
-        return None
+        return None  # (reached only where a caller did not leave such constants out: reads_no_values)
     if name == "diag_embed":  # NB: its new axes come last unless told otherwise
         return bd if len(n.args) <= 2 and not (n.kwargs.keys() - {"offset"}) else None
     if name in _ALONG_DIM and _along(n, name, x.dim()) in (None, bd):

@@ -455,21 +455,28 @@ def is_copy(n: fx.Node) -> bool:
 
 #: parameter-only ops whose size arguments can broadcast a parameter to the batch
 _BROADCASTS = {"expand", "broadcast_to", "repeat", torch.Tensor.expand, torch.broadcast_to, torch.Tensor.repeat}
+#: factories of tensors whose rows along any axis are alike (zeros, ones, one value): per op, the position of its sizes
+_ROW_CONSTANTS = {torch.zeros: 0, torch.ones: 0, torch.full: 0, "new_zeros": 1, "new_ones": 1, "new_full": 1}
+_KWARGS = frozenset("dtype device layout pin_memory requires_grad fill_value".split())
 
 
 def batch_size_arg(m: fx.Node, bd: int, batch: int) -> tuple[int | None, int] | None:
-    """Where ``m`` (a node of a parameter alone) gives the batch size ``batch`` of its result along ``bd``, when it
-    broadcasts to the batch: (None, k) for its k-th size argument, (i, k) for entry k of the list in argument i;
-    else None."""
+    """Where ``m`` gives the batch size ``batch`` of its result along ``bd``, when it broadcasts a parameter to the
+    batch (``h0.expand(B, -1)``) or makes a constant with alike rows (``torch.zeros(B, D)``, ``x.new_ones(B, D)``):
+    (None, j) for its j-th argument, (i, k) for entry k of the list in argument i; else None. Per example the batch
+    is 1, and such a value made for one example is the same for every one."""
     key = m.target if m.op in ("call_function", "call_method") else None
     val = example_value(m)
-    if key not in _BROADCASTS or not isinstance(val, torch.Tensor) or not 0 <= bd < val.dim() or \
-            val.shape[bd] != batch or m.kwargs:
+    first = 1 if key in _BROADCASTS else _ROW_CONSTANTS.get(key) if isinstance(key, str) or callable(key) else None
+    if first is None or not isinstance(val, torch.Tensor) or not 0 <= bd < val.dim() or val.shape[bd] != batch or \
+            (m.kwargs.keys() - (_KWARGS if key in _ROW_CONSTANTS else set())):
         return None
-    if len(m.args) == 2 and isinstance(m.args[1], (list, tuple)):
-        sizes, at = m.args[1], 1
+    if len(m.args) > first and isinstance(m.args[first], (list, tuple)):
+        sizes, at, k0 = m.args[first], first, 0
+    elif key in (torch.full, "new_full"):
+        return None  # NB: their sizes are a list, never spread
     else:
-        sizes, at = m.args[1:], None
+        sizes, at, k0 = m.args[first:], None, first
     k = bd - (val.dim() - len(sizes))  # NB: sizes align with the result's last dims
     if not 0 <= k < len(sizes):
         return None
@@ -477,4 +484,4 @@ def batch_size_arg(m: fx.Node, bd: int, batch: int) -> tuple[int | None, int] | 
     v = example_value(v) if isinstance(v, fx.Node) else v
     if not isinstance(v, (int, torch.SymInt)) or v != batch or batch == 1:
         return None
-    return (at, k)
+    return (at, k + k0)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..errors import PerSampleError
-from .per_sample_backward import accumulates, refuse_autograd_grad
+from .per_sample_backward import accumulates, per_example_vjp, refuse_autograd_grad
 
 log = logging.getLogger(__name__)
 
@@ -404,6 +404,7 @@ class _Generic(torch.autograd.Function):
         args = ctx.saved_tensors
         fn, dims, is_param, bd = ctx.fn, ctx.dims, ctx.is_param, ctx.site.bd
         grads: list[Tensor | None] = [None] * len(args)
+        out = None  # NB: the op's output on the batch, when the inputs' VJP has computed it
         want = [i for i, a in enumerate(args) if not is_param[i] and ctx.needs_input_grad[4 + i]]
         if want:
             def f_in(*xs: Tensor) -> Tensor:
@@ -411,25 +412,12 @@ class _Generic(torch.autograd.Function):
                 for i, x in zip(want, xs):
                     full[i] = x
                 return fn(*full)
-            _, vjp = torch.func.vjp(f_in, *[args[i] for i in want])
+            out, vjp = torch.func.vjp(f_in, *[args[i] for i in want])
             for i, gi in zip(want, vjp(g)):
                 grads[i] = gi
         pidx = [i for i in range(len(args)) if is_param[i] and ctx.needs_input_grad[4 + i]]
         if pidx:
-            batched = [i for i in range(len(args)) if dims[i] is not None]
-
-            def one(xs_n: Sequence[Tensor], g_n: Tensor) -> tuple[Tensor, ...]:
-                full = list(args)
-                for i, x in zip(batched, xs_n):
-                    full[i] = x.unsqueeze(dims[i])
-
-                def f_p(*ps: Tensor) -> Tensor:
-                    for i, p in zip(pidx, ps):
-                        full[i] = p
-                    return fn(*full)
-                _, vjp = torch.func.vjp(f_p, *[args[i] for i in pidx])
-                return vjp(g_n.unsqueeze(bd))
-            per = torch.func.vmap(one, in_dims=([dims[i] for i in batched], bd))([args[i] for i in batched], g)
+            per = per_example_vjp(ctx.site.node, fn, args, dims, pidx, g, bd, out)
             for i, gp in zip(pidx, per):
                 _record(ctx.params[i], DirectRecord(gp), ctx.site)
         return (None, None, None, None, *grads)

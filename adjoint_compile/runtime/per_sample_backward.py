@@ -6,18 +6,21 @@ params)`` never writes ``p.grad`` and would get nothing back (autograd's "appear
 graph", or None with ``allow_unused=True``): it is refused with a :class:`PerSampleError` that says to call
 ``.backward()``, and p.grad is left as it was. ``torch.autograd.grad`` with respect to inputs only runs as usual
 and records nothing; ``loss.backward(inputs=...)`` clips over the parameters it names and writes only theirs.
+
+Also here: the per-example VJP of a use with no book-keeping of its own (:func:`per_example_vjp`), checked against
+the batch's run of the op.
 """
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ..errors import PerSampleError
 
-__all__ = ["accumulates", "refuse_autograd_grad"]
+__all__ = ["accumulates", "refuse_autograd_grad", "per_example_vjp"]
 
 
 def accumulates(p: Tensor) -> bool | None:
@@ -55,3 +58,46 @@ def refuse_autograd_grad(p: Tensor, name: str) -> Callable[[Tensor | None], None
         if q is not None and accumulates(q) is None:
             raise PerSampleError(_message(name, shape))
     return hook
+
+
+#: how far an op run per example may be from the batch's run by rounding alone, per dtype
+_ROUNDING = {torch.float64: 1e-9, torch.complex128: 1e-9, torch.float32: 1e-4, torch.complex64: 1e-4}
+
+
+def per_example_vjp(node: str, fn: Callable[..., Tensor], args: Sequence[Tensor], dims: Sequence[int | None],
+                    pidx: Sequence[int], g: Tensor, bd: int, out: Tensor | None) -> tuple[Tensor, ...]:
+    """Per parameter argument ``args[i]`` (i in ``pidx``), [B, *shape] gradients of ``fn(*args)`` at cotangent ``g``
+    (examples on ``bd``), one example at a time by ``torch.func.vmap``: the arguments with an axis in ``dims`` are
+    cut to one example, the rest passed whole. ``out``: ``fn(*args)`` where already known."""
+    batched = [i for i in range(len(args)) if dims[i] is not None]
+
+    def one(xs_n: Sequence[Tensor], g_n: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        full = list(args)
+        for i, x in zip(batched, xs_n):
+            full[i] = x.unsqueeze(dims[i])
+
+        def f_p(*ps: Tensor) -> Tensor:
+            for i, p in zip(pidx, ps):
+                full[i] = p
+            return fn(*full)
+        y, vjp = torch.func.vjp(f_p, *[args[i] for i in pidx])
+        return y.squeeze(bd), vjp(g_n.unsqueeze(bd))
+    y, per = torch.func.vmap(one, in_dims=([dims[i] for i in batched], bd), out_dims=(bd, 0))(
+        [args[i] for i in batched], g)
+    check_lined_up(node, y, fn(*args) if out is None else out, bd)
+    return per
+
+
+def check_lined_up(node: str, per_example: Tensor, batched: Tensor, bd: int) -> None:
+    """Raise unless ``per_example`` (an op run for each example alone, stacked) is ``batched`` (the op run on the
+    batch): a size taken for the batch's that was another axis of the same length (``p.expand(T, D)`` where
+    T == B) makes each example's run differ from its rows of the batch's, and its gradient would not be its own."""
+    tol = _ROUNDING.get(batched.dtype, 2e-2)
+    scale = float(batched.detach().abs().max()) if batched.numel() else 0.0
+    if per_example.shape != batched.shape or not torch.allclose(
+            per_example, batched, rtol=tol, atol=tol * scale, equal_nan=True):
+        raise PerSampleError(
+            f"adjoint-compile per_sample_clip: {node}, run for each example alone, is not that example's part of its "
+            f"run on the batch: a value of parameters or constants with an axis as long as the batch "
+            f"({batched.shape[bd]}) was taken for one row per example, which it is not, so its per-example "
+            "gradients would be wrong; use a batch size other than that value's other axes' lengths")

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...analysis.batch_axes import reads_no_values
 from ...analysis.fx import batch_size_arg, refresh_example_values, source_at
 from ...errors import AdjointCompileWarning, PerSampleError
 from ...ops import scan_op
@@ -130,6 +131,9 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
         tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
                                                      any(isinstance(x, torch.Tensor) for x in v))
         if not tensorish:
+            kind_of[n] = "C"
+            continue
+        if reads_no_values(n):  # NB: x.new_zeros(B, D) is torch.zeros(B, D): x gives its dtype and device only
             kind_of[n] = "C"
             continue
         red = reduction(n, kind_of, bd, axes)
@@ -380,20 +384,27 @@ class _Lowerer:
         dims: list[int | None] = []
         is_param: list[bool] = []
         p_nodes: list[fx.Node] = []
-        todo = [a for a in n.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+
+        def inlined(a: fx.Node) -> bool:  # NB: a constant of alike rows is made again for each example's batch of 1
+            return (k.get(a) == "P" and a.op not in ("placeholder", "get_attr")) or (
+                k.get(a) == "C" and batch_size_arg(a, self.bd, self.batch) is not None)
+        todo = [a for a in n.all_input_nodes if inlined(a)]
         while todo:
             m = todo.pop()
             if m not in p_nodes:
                 p_nodes.append(m)
-                todo += [a for a in m.all_input_nodes if k.get(a) == "P" and a.op not in ("placeholder", "get_attr")]
+                todo += [a for a in m.all_input_nodes if inlined(a)]
         order = {m: i for i, m in enumerate(self.gm.graph.nodes)}
         p_nodes.sort(key=order.__getitem__)
+
+        # NB: x of x.new_zeros(B, D) gives a dtype and device: whole, not an example's part
+        read = {a for m in [*p_nodes, n] if not reads_no_values(m) for a in m.all_input_nodes}
 
         def inp(a: fx.Node) -> fx.Node:
             if a not in env:
                 env[a] = sub.placeholder(f"in_{len(inputs)}")
                 inputs.append(a)
-                batched = k.get(a) in ("A", "M") and isinstance(_val(a), torch.Tensor)
+                batched = k.get(a) in ("A", "M") and isinstance(_val(a), torch.Tensor) and a in read
                 dims.append(self._batched(n, a, moved_ok=True) if batched else None)
                 is_param.append(k.get(a) == "P")
             return env[a]
@@ -413,7 +424,7 @@ class _Lowerer:
                     size = sub.call_function(torch.ops.aten.sym_size.int, (held, held_dim))
                 args = list(env[m].args)
                 if at[0] is None:
-                    args[1 + at[1]] = size
+                    args[at[1]] = size
                 else:
                     args[at[0]] = [*args[at[0]][:at[1]], size, *args[at[0]][at[1] + 1:]]
                 env[m].args = tuple(args)
