@@ -103,11 +103,13 @@ class _RowsAlongTime(nn.Module):
     def forward(self, x):
         B, T, D = x.shape
         c = self.p.expand(T, D) if self.kind.startswith("expand") else self.w(torch.ones(T, D, dtype=x.dtype))
+        if self.kind.endswith("last"):  # NB: for a batch of one, [1, D]: the step T - 1 is not there
+            return self.out(torch.tanh(x * c.cumsum(0)[T - 1]))
         c = c.cumsum(0) if self.kind.endswith("cumsum") else c * torch.arange(T, dtype=x.dtype)[:, None]
         return self.out(torch.tanh(x * c))
 
 
-@pytest.mark.parametrize("kind", ["expand_cumsum", "ones_cumsum", "expand_scaled", "ones_scaled"])
+@pytest.mark.parametrize("kind", ["expand_cumsum", "ones_cumsum", "expand_scaled", "ones_scaled", "expand_last"])
 @pytest.mark.parametrize("B", [3, 4])
 def test_a_value_of_the_parameters_along_time_as_long_as_the_batch(kind, B):
     """At B == T a [T, D] value of the parameters is made for a batch of one as if its rows were examples': exact
@@ -115,7 +117,7 @@ def test_a_value_of_the_parameters_along_time_as_long_as_the_batch(kind, B):
     exact at B != T."""
     torch.manual_seed(B)
     x = torch.randn(B, 4, 6)
-    if B == 4 and kind.endswith("cumsum"):
+    if B == 4 and kind.endswith(("cumsum", "last")):
         with pytest.raises(ac.PerSampleError, match="not that example's part of its run on the batch"):
             check(_RowsAlongTime(kind), x, clip=0.5)
     else:

@@ -82,8 +82,11 @@ def per_example_vjp(node: str, fn: Callable[..., Tensor], args: Sequence[Tensor]
             return fn(*full)
         y, vjp = torch.func.vjp(f_p, *[args[i] for i in pidx])
         return y.squeeze(bd), vjp(g_n.unsqueeze(bd))
-    y, per = torch.func.vmap(one, in_dims=([dims[i] for i in batched], bd), out_dims=(bd, 0))(
-        [args[i] for i in batched], g)
+    try:
+        y, per = torch.func.vmap(one, in_dims=([dims[i] for i in batched], bd), out_dims=(bd, 0))(
+            [args[i] for i in batched], g)
+    except (RuntimeError, IndexError) as e:  # NB: a [T, D] value made [1, D] for one example, then indexed at t
+        raise PerSampleError(_misread(node, int(g.shape[bd])) + f" (run for one example it failed: {e})") from e
     check_lined_up(node, y, fn(*args) if out is None else out, bd)
     return per
 
@@ -96,8 +99,11 @@ def check_lined_up(node: str, per_example: Tensor, batched: Tensor, bd: int) -> 
     scale = float(batched.detach().abs().max()) if batched.numel() else 0.0
     if per_example.shape != batched.shape or not torch.allclose(
             per_example, batched, rtol=tol, atol=tol * scale, equal_nan=True):
-        raise PerSampleError(
-            f"adjoint-compile per_sample_clip: {node}, run for each example alone, is not that example's part of its "
-            f"run on the batch: a value of parameters or constants with an axis as long as the batch "
-            f"({batched.shape[bd]}) was taken for one row per example, which it is not, so its per-example "
-            "gradients would be wrong; use a batch size other than that value's other axes' lengths")
+        raise PerSampleError(_misread(node, int(batched.shape[bd])))
+
+
+def _misread(node: str, batch: int) -> str:
+    return (f"adjoint-compile per_sample_clip: {node}, run for each example alone, is not that example's part of its "
+            f"run on the batch: a value of parameters or constants with an axis as long as the batch ({batch}) was "
+            "taken for one row per example, which it is not, so its per-example gradients would be wrong; use a batch "
+            "size other than that value's other axes' lengths")
