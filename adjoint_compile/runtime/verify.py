@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
-from ..analysis.fx import written_inputs
+from ..analysis.fx import is_view_op, written_inputs
 from ..errors import AdjointCompileWarning
 from ..regions import Fallback
 from .shard_parts import own_bytes
@@ -184,13 +185,25 @@ def check_skipped(timing: dict[str, float], gm: fx.GraphModule, regions: Sequenc
     return True
 
 
+#: functions that update tensor arguments inside the op, not by a visible in-place op: batch norm's running
+#: statistics in training mode (``nn.BatchNorm1d``, ``InstanceNorm1d(track_running_stats=True)``)
+_UPDATES_ARGS = frozenset({F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm,
+                           torch.native_batch_norm, torch.fused_moving_avg_obs_fake_quant})
+#: module buffers the check runs on private copies of (any op may update one inside it), up to this size in all
+BUFFER_COPY_BYTES = 64 * 2**20
+
+
 def written_placeholders(gm: fx.GraphModule) -> set[int]:
-    """The positions of the graph's inputs that it writes into in place (a module buffer updated by the forward)."""
+    """The positions of the graph's inputs that it writes into in place (a module buffer updated by the forward,
+    running statistics updated by batch norm)."""
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    targets = [w.args[0] for w in written_inputs(gm.graph)[0]]
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _UPDATES_ARGS:
+            targets += [a for a in (*n.args[1:], *n.kwargs.values()) if isinstance(a, fx.Node)]
     roots = set()
-    for w in written_inputs(gm.graph)[0]:
-        t = w.args[0]
-        while t.op != "placeholder":
+    for t in targets:
+        while t.op != "placeholder" and t.args and isinstance(t.args[0], fx.Node) and is_view_op(t):
             t = t.args[0]
         roots.add(t)
     return {i for i, h in enumerate(holders) if h in roots}
@@ -199,7 +212,7 @@ def written_placeholders(gm: fx.GraphModule) -> set[int]:
 class ForwardCheck:
     """The callable of a rewritten graph while its first call has not run: that call also runs ``reference`` (the
     graph as captured, eager, under ``no_grad``, from the same RNG state, with private copies of the inputs it writes
-    into) and compares the outputs. On a difference it warns (naming ``regions``), records a :class:`Fallback` in
+    into and of the module buffers, so that module state is updated once) and compares the outputs. On a difference it warns (naming ``regions``), records a :class:`Fallback` in
     ``fallbacks``, puts back the inputs the graph writes into, and this call and every later one run
     ``fallback(reference, args)`` (the captured graph, inner-compiled)."""
 
@@ -209,14 +222,29 @@ class ForwardCheck:
         self.fn, self._reference, self._fallback = fn, reference, fallback
         self._regions, self._fallbacks, self._timing = regions, fallbacks, timing
         self._written = written_placeholders(reference)
+        self._static = [i for i, h in enumerate(n for n in reference.graph.nodes if n.op == "placeholder")
+                        if "_dynamo_static_input_type" in (h.meta.get("tensor_dict") or {})]
         self._checked = False
+
+    def _buffers(self, args: Sequence[Any]) -> set[int]:
+        """Module buffers among ``args`` (static inputs that are not parameters), the first up to
+        :data:`BUFFER_COPY_BYTES`: an op the check does not know may update one inside it."""
+        out, total = set(), 0
+        for i in self._static:
+            if isinstance(a := args[i], torch.Tensor) and not isinstance(a, torch.nn.Parameter):
+                total += a.numel() * a.element_size()
+                if total > BUFFER_COPY_BYTES:
+                    break
+                out.add(i)
+        return out
 
     def __call__(self, *args: Any) -> Any:
         if self._checked:
             return self.fn(*args)
         self._checked = True
         reference, self._reference = self._reference, None  # NB: one check; the copy is not kept alive
-        saved = {i: args[i].detach().clone() for i in self._written if isinstance(args[i], torch.Tensor)}
+        saved = {i: args[i].detach().clone() for i in self._written | self._buffers(args)
+                 if isinstance(args[i], torch.Tensor)}
         ref_args = [saved[i].clone() if i in saved else a for i, a in enumerate(args)]
         rng = torch.get_rng_state()
         t0 = time.perf_counter()

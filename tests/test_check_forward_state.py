@@ -1,0 +1,85 @@
+"""The first-call check runs the graph as captured next to the rewritten one: what the forward writes into module
+state must be written once. Batch norm in training mode updates its running statistics inside the op (no visible
+in-place op in the graph); the check runs it on private copies. An op the check does not know to write its inputs
+still gets private copies of the module buffers. Oracle: the eager model, buffers and gradients."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+from adjoint_compile.errors import AdjointCompileWarning
+from adjoint_compile.runtime import verify
+
+
+class _NormedScan(nn.Module):
+    """A linear scan with a running-statistics norm before or after it."""
+
+    def __init__(self, norm: str, where: str, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b, self.where, self.kind = nn.Linear(d, d), nn.Linear(d, d), where, norm
+        self.norm = {"batch": nn.BatchNorm1d(d), "instance": nn.InstanceNorm1d(d, track_running_stats=True),
+                     "functional": nn.BatchNorm1d(d)}[norm]
+
+    def _norm(self, h):  # h: [B, T, D]
+        if self.kind == "batch":
+            return self.norm(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        if self.kind == "instance":
+            return self.norm(h.transpose(1, 2)).transpose(1, 2)
+        n = self.norm
+        return F.batch_norm(h.transpose(1, 2), n.running_mean, n.running_var, n.weight, n.bias, True, 0.1,
+                            1e-5).transpose(1, 2)
+
+    def forward(self, x):
+        x = self._norm(x) if self.where == "before" else x
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        return self._norm(h) if self.where == "after" else h
+
+
+def _train(model, x, steps=2, compiled=True):
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4}) if compiled else model
+    for _ in range(steps):
+        model.zero_grad()
+        f(x).square().sum().backward()
+    return f
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance", "functional"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_running_statistics_are_updated_once_per_call(norm, where):
+    torch.manual_seed(0)
+    model = _NormedScan(norm, where).double()
+    eager, x = copy.deepcopy(model), torch.randn(3, 13, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AdjointCompileWarning)
+        f = _train(model, x)
+    _train(eager, x, compiled=False)
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), ac.report(f)
+    for (name, b), want in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    model.eval(), eager.eval()
+    torch.testing.assert_close(model(x), eager(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("known", ["ops", "buffers"])
+def test_either_safeguard_alone_updates_the_statistics_once(monkeypatch, known):
+    """Batch norm's statistics get private copies as arguments of an op known to update them, and as module
+    buffers (any op); each alone keeps them right (with neither, they were updated twice)."""
+    if known == "ops":
+        monkeypatch.setattr(verify, "BUFFER_COPY_BYTES", 0)
+    else:
+        monkeypatch.setattr(verify, "_UPDATES_ARGS", frozenset())
+    torch.manual_seed(0)
+    model = _NormedScan("batch", "after").double()
+    eager, x = copy.deepcopy(model), torch.randn(3, 13, 6, dtype=torch.float64)
+    _train(model, x, steps=1)
+    _train(eager, x, steps=1, compiled=False)
+    torch.testing.assert_close(model.norm.running_mean, eager.norm.running_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.norm.running_var, eager.norm.running_var, rtol=1e-12, atol=1e-12)
