@@ -83,3 +83,17 @@ def test_either_safeguard_alone_updates_the_statistics_once(monkeypatch, known):
     _train(eager, x, steps=1, compiled=False)
     torch.testing.assert_close(model.norm.running_mean, eager.norm.running_mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.norm.running_var, eager.norm.running_var, rtol=1e-12, atol=1e-12)
+
+
+def test_verify_runs_on_copies_of_every_input():
+    """``verify=True`` runs the graph as captured and the rewritten one on copies of the first call's inputs, integer
+    buffers too (batch norm's step counter was advanced by both runs)."""
+    torch.manual_seed(0)
+    model = _NormedScan("batch", "after").double()
+    eager, x = copy.deepcopy(model), torch.randn(3, 13, 6, dtype=torch.float64)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "verify": True})
+    with pytest.warns(ac.AdjointVerifyReport):
+        f(x).square().sum().backward()
+    _train(eager, x, steps=1, compiled=False)
+    for (name, b), want in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")

@@ -48,11 +48,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 def grads_of(run: Callable[..., Any], args: Sequence[Any], named: dict[str, torch.Tensor] | None = None,
              seed: int = 0) -> dict[str, torch.Tensor]:
     """Gradients of Σ ⟨output, cotangent⟩ (module docstring) of ``run(*args)``, the forward run from RNG state
-    ``seed``: w.r.t. ``named`` (tensors ``args`` lead to), or when None w.r.t. detached copies of the floating-point
-    ``args`` that require grad (named ``input i``)."""
+    ``seed``: w.r.t. ``named`` (tensors ``args`` lead to), or when None w.r.t. detached copies of the ``args`` (all of
+    them copied) that require grad (named ``input i``)."""
     if named is None:
-        args = [x.detach().clone().requires_grad_(x.requires_grad)
-                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) else x for x in args]
+        # NB: every tensor copied, integer ones too: a forward's in-place updates (a step counter) stay on the copy
+        args = [x.detach().clone().requires_grad_(x.requires_grad and (x.is_floating_point() or x.is_complex()))
+                if isinstance(x, torch.Tensor) else x for x in args]
         named = {f"input {i}": x for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad}
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(seed)
