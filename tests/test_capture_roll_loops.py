@@ -589,3 +589,26 @@ def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled(
     said = [str(w.message) for w in got if "recompile_limit" in str(w.message)]
     assert len(said) == 1 and "compiled 3 times" in said[0] and "ops.linear_scan" in said[0], said
     assert any("recompile_limit" in fb.cause for fb in ac.report(f).fallbacks)
+
+
+@pytest.mark.parametrize("importable", [False, True])
+def test_a_module_loaded_from_a_file_path_keeps_its_loop_unrolled(tmp_path, monkeypatch, importable):
+    """A model file loaded with spec_from_file_location and not put in sys.modules (a config's path): dynamo guards a
+    rolled loop's runtime through sys.modules[name], where the module is missing (or, with its folder importable,
+    another copy of it is); dynamo raised. The loop stays as written (unrolled) and the report says why."""
+    path = tmp_path / "model_from_path.py"
+    path.write_text("import torch\n\n\ndef scan(a, b):\n    h = torch.zeros_like(b[:, 0])\n    hs = []\n"
+                    "    for t in range(b.shape[1]):\n        h = a[:, t] * h + b[:, t]\n        hs.append(h)\n"
+                    "    return torch.stack(hs, 1)\n")
+    if importable:
+        monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("model_from_path", path)
+    space = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(space)
+    a, b = torch.rand(2, 9, 3, requires_grad=True), torch.randn(2, 9, 3, requires_grad=True)
+    with pytest.warns(ac.AdjointCompileWarning, match="not rolled: its module 'model_from_path' is not sys.modules'"):
+        f = torch.compile(space.scan, backend="adjoint", options={"shard_size": 4, "inner": "eager"})
+        got = torch.autograd.grad(f(a, b).square().sum(), (a, b))
+    want = torch.autograd.grad(space.scan(a, b).square().sum(), (a, b))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert [(r.source, r.rewrite) for r in ac.report(f).regions] == [("unrolled_loop", "adjoint")], ac.report(f)

@@ -54,11 +54,13 @@ import dataclasses
 import logging
 import sys
 import types
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
+from ..errors import AdjointCompileWarning
 from . import _ORIGINS, loop_runtime
 from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root
 
@@ -83,6 +85,8 @@ class LoopReport:
 _RESULTS: dict[types.CodeType, tuple[types.CodeType | None, tuple[LoopReport, ...], set[tuple[str, ...]]]] = {}
 #: function -> its rolled form (the rewritten code with this function's globals, closure cells and defaults)
 _ROLLED: weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType] = weakref.WeakKeyDictionary()
+#: (file, line) of the functions already warned about: their module is not sys.modules' (loops left unrolled)
+_UNREGISTERED: set[tuple[str, int]] = set()
 
 
 def rolled() -> dict[str, tuple[LoopReport, ...]]:
@@ -397,6 +401,17 @@ def analyse(fn: types.FunctionType) -> tuple[types.FunctionType | None, tuple[Lo
     new_code, reports, calls = _RESULTS[code]
     if new_code is None:
         return None, reports, calls
+    if getattr(sys.modules.get(fn.__globals__.get("__name__", "")), "__dict__", None) is not fn.__globals__:
+        # NB: dynamo guards the runtime global through sys.modules[name]: a module loaded from a file path
+        # (spec_from_file_location) is not there, or another module is
+        why = (f"its module {fn.__globals__.get('__name__')!r} is not sys.modules' (loaded from a file path?): "
+               "register it there (sys.modules[name] = module) to roll its loops")
+        if (at := (code.co_filename, code.co_firstlineno)) not in _UNREGISTERED:  # NB: equal code objects of two files
+            _UNREGISTERED.add(at)
+            warnings.warn(AdjointCompileWarning(
+                f"adjoint-compile: the loop(s) of {fn.__qualname__} are not rolled: {why}; dynamo unrolls them "
+                "(compile time grows with the length)"), stacklevel=2)
+        return None, tuple(dataclasses.replace(r, rolled=False, reason=why) for r in reports if r.rolled), calls
     if fn not in _ROLLED:
         # NB: dynamo reaches a closure cell and a global of the inlined function through the original function, so
         # the cells are the original's, in its order, and the runtime is a global of the function's module
