@@ -612,3 +612,33 @@ def test_a_module_loaded_from_a_file_path_keeps_its_loop_unrolled(tmp_path, monk
     want = torch.autograd.grad(space.scan(a, b).square().sum(), (a, b))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert [(r.source, r.rewrite) for r in ac.report(f).regions] == [("unrolled_loop", "adjoint")], ac.report(f)
+
+
+class _StridedGate(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        a, b = torch.sigmoid(gate), self.b(x)
+        h = torch.zeros_like(b[:, 0])
+        hs = []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        return torch.stack(hs, 1)
+
+
+@pytest.mark.parametrize("shard_size", [1, 4, 5])
+def test_a_carry_of_strided_inputs_rolls_exact(shard_size):
+    """A gate permuted from a [D, T, B] buffer: each step's carry takes its strides, not the initial state's; scan
+    refused the loop (dynamo raised) until the carries were made contiguous."""
+    torch.manual_seed(shard_size)
+    model = _StridedGate()
+    x, gate = torch.randn(2, 13, 6), torch.randn(6, 13, 2).permute(2, 1, 0).requires_grad_()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": shard_size, "inner": "eager"})
+    out = f(x, gate)
+    got = torch.autograd.grad(out.square().sum(), [gate, *model.parameters()])
+    want = torch.autograd.grad(model(x, gate).square().sum(), [gate, *model.parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert [r.source for r in ac.report(f).regions] == ["scan"], ac.report(f)

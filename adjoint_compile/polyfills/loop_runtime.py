@@ -67,11 +67,17 @@ def _same_meta(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool
 
 def _fresh(step: Callable[..., Any]) -> Callable[..., Any]:
     """The step with its carries and outputs cloned: scan refuses outputs that alias its inputs or each other (a
-    loop that appends its carry, ``h = x_t``)."""
+    loop that appends its carry, ``h = x_t``). The carries are made contiguous, as their initial values are
+    (:func:`_carried`): a step of strided inputs (a gate permuted from [D, T, B]) makes carries whose strides follow
+    them, which scan would refuse as another layout than the initial one's."""
     def body(c: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         c2, y = step(c, x)
-        return tuple(v.clone() for v in c2), tuple(v.clone() for v in y)
+        return _carried(c2), tuple(v.clone() for v in y)
     return body
+
+
+def _carried(c: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(v.clone(memory_format=torch.contiguous_format) for v in c)
 
 
 def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor, ...], dims: tuple[int, ...],
@@ -94,9 +100,9 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
         return c, lists
     body = _fresh(step)
     # NB: the carries go through the same clone as scan's own, so their strides are those scan compares
-    c2 = tuple(v.clone() for v in c2)
+    c2 = _carried(c2)
     if _tensors(carry):
-        c0 = tuple(v.clone() for v in carry)
+        c0 = _carried(carry)
         if _same_meta(c0, c2):
             # NB: the peeled steps only proved the metadata; scan all n steps, so the outputs are scan's own (the
             # peeled ones are dead code)
