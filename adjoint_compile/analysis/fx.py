@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
-    "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs",
+    "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "registers_hook",
     "shares_memory", "source_line", "source_at", "changed_modes", "mode_states",
     "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg", "refresh_example_values",
 ]
@@ -88,7 +88,8 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
     graph.lint()
     changed = False
     for n in reversed(graph.nodes):
-        if not n.users and n.op not in ("placeholder", "output") and not (n.is_impure() or is_inplace(n)):
+        if not n.users and n.op not in ("placeholder", "output") and not (n.is_impure() or is_inplace(n) or
+                                                                          registers_hook(n)):
             graph.erase_node(n)
             changed = True
     return changed
@@ -443,6 +444,13 @@ def moved_across_modes(graph: fx.Graph, members: list[fx.Node]) -> fx.Node | Non
             if states.get(n, at) != at:
                 return n
     return None
+
+
+def registers_hook(n: fx.Node) -> bool:
+    """``t.register_hook(fn)`` on a value the graph made (dynamo's ``register_hook`` higher-order op; its result,
+    t itself, is often unused)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) and \
+        n.target.__name__ == "register_hook"
 
 
 def is_copy(n: fx.Node) -> bool:

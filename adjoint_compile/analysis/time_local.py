@@ -39,7 +39,7 @@ from . import layout_rules as lr
 from . import optable as ops
 from .losses import loss_sum, row_loss
 from . import rules as r
-from .fx import changed_modes, example_value, is_linear_scan, nodes_in
+from .fx import changed_modes, example_value, is_linear_scan, nodes_in, registers_hook
 from ..kernels.shift import shift_steps
 from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_arg, norm_dim, op_label, step_shape
 
@@ -502,6 +502,13 @@ def analyze(gm: fx.GraphModule, seeds: dict[fx.Node, int], halo: bool = False, f
     for node, why in changed_modes(gm.graph).items():
         if info.step_dim.get(node) is not None or node in info.sums:
             info.mixing.setdefault(node, why)
+            info.sums.pop(node, None)
+    # NB: a gradient hook on a value must see its whole gradient; inside a region, the value's uses there would send
+    # theirs around it (the shard programs' VJPs never call it)
+    for node in gm.graph.nodes:
+        if any(registers_hook(u) for u in node.users) and (info.step_dim.get(node) is not None or node in info.sums):
+            info.mixing.setdefault(node, "a gradient hook is registered on it (t.register_hook): it is computed "
+                                         "outside regions, so that the hook sees its whole gradient")
             info.sums.pop(node, None)
     log.debug("time-local analysis: %d nodes, %d mixing", len(info.step_dim), len(info.mixing))
     return info

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from ...analysis.fx import registers_hook
 from ...errors import AdjointCompileWarning
 from ...inner import COMPILE_LOCK, _cause, compile_inner, inductor_or_aot_eager
 from ...options import Options
@@ -101,11 +102,23 @@ def stitch_partitions(gm: fx.GraphModule, region_nodes: Sequence[str], inner: st
                       fallbacks: list[Fallback] | None = None) -> Callable[..., Any]:
     """Split ``gm`` at the nodes named in ``region_nodes`` and compile the rest with ``inner``.
 
-    ``region_nodes`` are call nodes made by a lowering pass; each becomes its own partition and is run as is.
+    ``region_nodes`` are call nodes made by a lowering pass; each becomes its own partition and is run as is. A
+    gradient hook registered on a value (``registers_hook``) moves right after the value, into its partition.
     ``dynamic``: ``gm`` has symbolic sizes, and each partition is compiled once for all of them; a partition that
     then runs eagerly is added to ``fallbacks`` (the graph's record, listed by ``report()``).
     """
     region_set = set(region_nodes)
+    for hook in [n for n in gm.graph.nodes if registers_hook(n)]:
+        # NB: right after the value it hooks, in that value's partition: the inner compiler applies it to the value's
+        # whole gradient there (it registers nothing on a partition's input, nor sees another partition's uses)
+        value, body = hook.args[0], [a for a in hook.all_input_nodes if a.op == "get_attr"]
+        if isinstance(value, fx.Node) and value.op != "placeholder" and value.name not in region_set and \
+                all(len(b.users) == 1 for b in body):
+            at = value
+            for n in [*body, hook]:
+                at.append(n)
+                at = n
+    gm.graph.lint()
     part_of: dict[str, int] = {}
     part = 0
     region_parts: set[int] = set()
