@@ -194,8 +194,10 @@ class _ScanFn(torch.autograd.Function):
             h, _ = chain.step(h, [x[t] for x in xs], extra)
             for c, hc in enumerate(h):
                 states[c].append(hc)
+        for s in states:  # NB: an initial state broadcast by the first step (a learned [H] against [B, H] states)
+            s[0] = s[0].expand(s[1].shape) if len(s) > 1 and s[0].shape != s[1].shape else s[0]
         H = [torch.stack(s) for s in states]  # x_0..x_T per carry
-        ctx.chain, ctx.n = chain, (n_c, n_x)
+        ctx.chain, ctx.n, ctx.init_shapes = chain, (n_c, n_x), [h.shape for h in init]
         ctx.save_for_backward(*H, *xs, *[e if isinstance(e, Tensor) else None for e in extra])
         ctx.extra_const = [None if isinstance(e, Tensor) else e for e in extra]
         return (*[hc[-1].clone() for hc in H], *[H[c][1:].clone() for c in chain.y_of])
@@ -221,7 +223,7 @@ class _ScanFn(torch.autograd.Function):
             ex_l = [_leaf(e, need[n_c + n_x + i]) for i, e in enumerate(extra)]
             batched = torch.func.vmap(lambda hp, xt, ex: chain.g(hp, xt, ex), in_dims=(0, 0, None),
                                       randomness="error")
-            Z = list(batched(xprev, xs_l, ex_l))
+            Z = _aligned(list(batched(xprev, xs_l, ex_l)), xprev)
         lin = _Linearized(xprev, Z, chain.r)
         K = lin.diag_K()
         w, P = solve(G, lambda v: cumsumprod(v, K), lin.jT, chain.iterations, chain.tolerance, chain.stats)
@@ -231,9 +233,17 @@ class _ScanFn(torch.autograd.Function):
             g0 = torch.zeros_like(H[c][0]) if K[c] is None else (K[c][0].broadcast_to(w[c][0].shape) * w[c][0])
             if P is not None:
                 g0 = g0 + P[c][0]
-            d_init.append(g0.sum_to_size(H[c][0].shape))
+            d_init.append(g0.sum_to_size(ctx.init_shapes[c]))
         rest = _grads(Z, xs_l + ex_l, lin.dz(w), retain=False)
         return (None, None, None, *d_init, *rest)
+
+
+def _aligned(Z: list[Tensor], xprev: list[Tensor]) -> list[Tensor]:
+    """The steps' Z (steps on dim 0) with singleton axes after the steps' up to the carries' rank: ``r`` combines
+    them with the carries for all steps at once, where a gate of no example (``sigmoid(A[t])``, [T, H]) would align
+    its steps with the carries' batch ([T, B, H]) instead of broadcasting over it, as each step did."""
+    n = max(v.dim() for v in [*Z, *xprev])
+    return [z.reshape(z.shape[:1] + (1,) * (n - z.dim()) + z.shape[1:]) for z in Z]
 
 
 def highway_scan(chain: StepChain, init: Sequence[Tensor], xs: Sequence[Tensor],
