@@ -73,3 +73,37 @@ def test_a_gate_of_no_example_matches_the_oracle(gate, h0, B, k):
     assert [r.rewrite for r in ac.report(c).regions] == ["highway"], ac.report(c)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-10, msg=lambda s: f"{n}: {s}")
+
+
+class _DropoutChain(nn.Module):
+    def __init__(self, L: int = 4, d: int = 5) -> None:
+        super().__init__()
+        self.fs = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Dropout(0.3), nn.Linear(d, d))
+                                for _ in range(L))
+
+    def forward(self, x):
+        for f in self.fs:
+            x = x + f(x)
+        return x
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_residual_chain_with_dropout_in_eval_mode_is_rewritten(training):
+    """In eval mode a dropout is the identity and draws nothing (it was refused as drawing random numbers); in
+    training mode it still is."""
+    torch.manual_seed(3)
+    m = _DropoutChain().double().train(training)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    ref = copy.deepcopy(m)
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="adjoint", options={"mode": "highway", "iterations": 4, "inner": "aot_eager"})
+    torch.manual_seed(0)
+    got = _grads(c, m, x, torch.ones(3, 5, dtype=torch.float64))
+    rows = ac.report(c).regions
+    if training:
+        assert not any(r.rewrite == "highway" for r in rows) and any("random" in r.reason for r in rows), rows
+        return
+    assert [r.rewrite for r in rows] == ["highway"], ac.report(c)
+    want = _grads(ref, ref, x, torch.ones(3, 5, dtype=torch.float64))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-10, msg=lambda s: f"{n}: {s}")
