@@ -13,7 +13,7 @@ B, D = 2, 5
 
 
 class PrevReadout(nn.Module):
-    """y_t = W h_{t-1} + x_t with h_{-1} = ``first`` (h0, zeros or a learned vector)."""
+    """y_t = W h_{t-1} + x_t with h_{-1} = ``first`` (h0, zeros, a learned vector, or a fill made from h's shape)."""
 
     def __init__(self, first: str):
         super().__init__()
@@ -29,6 +29,10 @@ class PrevReadout(nn.Module):
             first = h0.unsqueeze(1)
         elif self.first == "zeros":
             first = torch.zeros(x.shape[0], 1, D)
+        elif self.first == "zeros_like_slice":  # NB: fills made from h's shape: they read h
+            first = torch.zeros_like(h[:, :1])
+        elif self.first == "ones_like_step":
+            first = torch.ones_like(h[:, 0])[:, None]
         else:
             first = self.h_init.expand(x.shape[0], 1, D)
         h_prev = torch.cat([first, h[:, :-1]], dim=1)
@@ -46,7 +50,7 @@ def _grads(f, model, x, h0):
     return out.detach(), [None if t.grad is None else t.grad.clone() for t in [*model.parameters(), *leaves]]
 
 
-@pytest.mark.parametrize("first", ["h0", "zeros", "learned"])
+@pytest.mark.parametrize("first", ["h0", "zeros", "learned", "zeros_like_slice", "ones_like_step"])
 @pytest.mark.parametrize("T,shard", [(1, 3), (7, 3), (10, 1), (10, 4)])
 def test_previous_state_readout_is_sharded_with_exact_gradients(first, T, shard):
     torch.manual_seed(0)

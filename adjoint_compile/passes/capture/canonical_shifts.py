@@ -73,10 +73,42 @@ def _front_shift_dim(pad: list[int], ndim: int) -> tuple[int, int] | None:
     return (d, hi) if lo == 1 and hi in (0, -1) else None
 
 
+def _filled_first(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """(first, fill) of a readout ``cat([first, h[..., :-1]], d)`` of a scan output h whose first step is a fill made
+    from a value's shape alone (``zeros_like(h[:, :1])``, ``zeros_like(h[:, 0])[:, None]``): it reads h, so the
+    analysis could not take it for a constant."""
+    m = cat_pair(node) if node.op == "call_function" and node.target in (torch.cat, torch.concat) else None
+    if m is None or not (m[1].op == "call_function" and m[1].target is operator.getitem and is_linear_scan(h :=
+                                                                                                      m[1].args[0])):
+        return None
+    first, hv, fv = m[0], _ev(h), _ev(m[0])
+    if not (isinstance(hv, torch.Tensor) and isinstance(fv, torch.Tensor)) or m[2] % hv.ndim != scan_args(h)["dim"] \
+            % hv.ndim or not drops_last_step(m[1], m[2] % hv.ndim) or fv.shape[m[2] % hv.ndim] != 1:
+        return None
+    inner = first
+    if first.op == "call_method" and first.target == "unsqueeze" or (first.target is operator.getitem and all(
+            i is None or i == slice(None) for i in (first.args[1] if isinstance(first.args[1], tuple) else ()))):
+        inner = first.args[0]  # NB: a fill of one step, then a view that puts the step axis back
+    fill = _fill_of(inner, list(_ev(inner).shape)) if isinstance(inner, fx.Node) and isinstance(
+        _ev(inner), torch.Tensor) else None
+    return (first, fill) if fill is not None and inner.all_input_nodes else None
+
+
 def canonicalize_shifts(gm: fx.GraphModule) -> int:
-    """Rewrite pad-style previous-state readouts of ``linear_scan`` outputs in place; returns how many."""
+    """Rewrite pad-style previous-state readouts of ``linear_scan`` outputs in place, and those whose first step is a
+    fill made from h's shape (:func:`_filled_first`); returns how many."""
     done = 0
     for node in list(gm.graph.nodes):
+        if (ff := _filled_first(node)) is not None:
+            first, fill = ff
+            fv = _ev(first)
+            with gm.graph.inserting_before(node):
+                const = gm.graph.call_function(torch.full, (list(fv.shape), fill),
+                                               {"dtype": fv.dtype, "device": fv.device})
+            const.meta["example_value"], const.meta[PROVENANCE] = fv, {"pass": "canonical_shifts", "from": first.name}
+            node.replace_input_with(first, const)
+            done += 1
+            continue
         spec = _pad_spec(node)
         if spec is None:
             continue
