@@ -78,7 +78,10 @@ def install() -> dict[str, str]:
     return installed()
 
 
+@torch._dynamo.disable(recursive=True)
 def _on_compile_start(*_: Any) -> None:
+    # NB: never traced: a compile that starts inside a compiled frame (a backward in a compiled train step compiles
+    # its graphs there) runs this under dynamo, which would trace it while holding the lock of the callbacks: a hang
     install()
     # NB: imported by name: the loop roller reads this module's trace state (no import cycle)
     importlib.import_module(f"{__name__}.loop_install").roll_reachable()

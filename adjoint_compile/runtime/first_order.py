@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["first_order", "SECOND_ORDER_MESSAGE"]
+__all__ = ["first_order", "untraced", "SECOND_ORDER_MESSAGE"]
 
 SECOND_ORDER_MESSAGE = (
     "adjoint-compile: a backward with create_graph=True (for a second derivative: a gradient penalty, MAML, a "
@@ -25,9 +25,16 @@ SECOND_ORDER_MESSAGE = (
     "backend, or leave create_graph off")
 
 
+def untraced(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward`` never traced by dynamo: one run from a compiled train step (``loss.backward()`` inside
+    ``torch.compile``, a graph break) runs under dynamo's frame callback, which would compile its Python frame by
+    frame."""
+    return torch._dynamo.disable(backward, recursive=True)
+
+
 def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
     """``backward`` (an ``autograd.Function``'s) run without grad, refusing ``create_graph=True`` (module
-    docstring)."""
+    docstring), and never traced by dynamo."""
     once = torch.autograd.function.once_differentiable(backward)
 
     @functools.wraps(backward)
@@ -37,4 +44,4 @@ def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
             raise RuntimeError(SECOND_ORDER_MESSAGE)
         return once(ctx, *grads)
 
-    return wrapper
+    return untraced(wrapper)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..ops import linear_scan
+from .first_order import untraced
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ class _ScanFn(torch.autograd.Function):
         return (*[hc[-1].clone() for hc in H], *[H[c][1:].clone() for c in chain.y_of])
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
         chain: StepChain = ctx.chain
         n_c, n_x = ctx.n
@@ -290,6 +292,7 @@ class _LayersFn(torch.autograd.Function):
         return tuple(s.clone() for s in states[1:])
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
         mod: HighwayLayers = ctx.mod
         L = len(mod.gs)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..analysis.batch_axes import followed_axes, permutation
 from ..analysis.time_local import embedding_ids
+from .first_order import untraced
 from .per_example_conv import conv_with_copies
 from .shard_program import ShardProgram
 
@@ -410,6 +411,7 @@ class _Copies(torch.autograd.Function):
         return p.expand(z.shape)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor]:
         return (g.sum(0) if ctx.needs_input_grad[0] else None), g
 
@@ -435,6 +437,7 @@ class _Lookup(torch.autograd.Function):
         return torch.nn.functional.embedding(ids, p)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[None, None, None]:
         (ids,) = ctx.saved_tensors
         sink = getattr(_ROWS, "sink", None)

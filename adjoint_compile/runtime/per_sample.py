@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..errors import PerSampleError
+from .first_order import untraced
 from .per_sample_backward import accumulates, per_example_vjp, refuse_autograd_grad
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ class _Linear(torch.autograd.Function):
         return torch.nn.functional.linear(x, wv, bv)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         site, bd = ctx.site, ctx.site.bd
@@ -336,6 +338,7 @@ class _Embedding(torch.autograd.Function):
         return torch.nn.functional.embedding(idx, w, padding_idx)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[None, ...]:
         (idx,) = ctx.saved_tensors
         bd = ctx.site.bd
@@ -369,6 +372,7 @@ class _Elementwise(torch.autograd.Function):
         return {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "rsub": lambda a, b: b - a}[op](x, p)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, p = ctx.saved_tensors
         op, bd = ctx.op, ctx.site.bd
@@ -400,6 +404,7 @@ class _Generic(torch.autograd.Function):
         return fn(*args)
 
     @staticmethod
+    @untraced
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         args = ctx.saved_tensors
         fn, dims, is_param, bd = ctx.fn, ctx.dims, ctx.is_param, ctx.site.bd

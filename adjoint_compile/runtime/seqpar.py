@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import AdjointCompileWarning, SequenceParallelError
+from .first_order import untraced
 from .truncated import truncated_scan_backward
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class _SeqScanFn(torch.autograd.Function):
         return h
 
     @staticmethod
+    @untraced
     def backward(ctx, g: Tensor):
         a, h, c, A = ctx.saved_tensors
         dim, window, st, b_dtype, grad_h0 = ctx.args
@@ -219,6 +221,7 @@ class _HaloFn(torch.autograd.Function):
         return torch.cat(parts, dim)
 
     @staticmethod
+    @untraced
     def backward(ctx, g: Tensor):
         p, dim, st, shape = ctx.args
         gathered = _gather(g, st.group)  # every rank's halo cotangent
@@ -256,6 +259,7 @@ class _ReduceGradsFn(torch.autograd.Function):
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
+    @untraced
     def backward(ctx, *grads: Tensor):
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (_, dt, _) in enumerate(ctx.meta):

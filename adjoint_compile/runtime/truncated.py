@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..analysis.fx import is_linear_scan, scan_args
+from .first_order import untraced
 
 __all__ = ["truncated_scan", "truncated_scan_backward", "truncate_program", "nu_shape"]
 
@@ -114,6 +115,7 @@ class _TruncatedScan(torch.autograd.Function):
         return h, torch.zeros_like(nu)
 
     @staticmethod
+    @untraced
     def backward(ctx, g: Tensor, g_nu: Tensor):
         a, h, h0 = ctx.saved_tensors
         dim, window, reverse, b_dtype = ctx.args
