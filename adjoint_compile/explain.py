@@ -159,9 +159,9 @@ class Report:
                 lines.append("  " + "  ".join(cells).rstrip())
             lines.append(GROUP_LEGEND)
         elif not self.graphs and not self.graph_breaks:
-            lines.append("  no graph compiled: the compiled model has not been called yet, its calls held no tensor ops, "
-                         "or dynamo ran them without a graph (as it runs torch's nn.RNN, nn.LSTM and nn.GRU where "
-                         "mode='highway' does not decompose them)")
+            lines.append("  no graph compiled: the compiled model has not been called yet, its calls held no tensor "
+                         "ops, or dynamo ran them without a graph (as it runs torch's nn.RNN, nn.LSTM and nn.GRU "
+                         "where mode='highway' does not decompose them)")
         else:
             lines.append("  no recurrence or residual chain recognized: the model compiles with the inner compiler "
                          "as is")

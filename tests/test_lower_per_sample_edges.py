@@ -527,7 +527,8 @@ class _Reordered(nn.Module):
 @pytest.mark.parametrize("how", ["x[perm]", "roll", "index_select", "x[perm[:, None], t[None]]"])
 def test_examples_reordered_along_the_batch_are_refused(how):
     """Each row of a reordered value is another example's (the gradient of g would go to the wrong one, at any B):
-    refused, never attributed by position. (``x.new_ones(T, D) * g``, a constant: test_lower_per_sample_constants.py.)"""
+    refused, never attributed by position. (``x.new_ones(T, D) * g``, a constant: in
+    test_lower_per_sample_constants.py.)"""
     f = torch.compile(_Reordered(how).double(), backend="adjoint", options={"per_sample_clip": 1.0, **OPTS})
     with pytest.raises(ac.PerSampleError,
                        match="examples' axis of its input .* is not known|roll .*mixes the examples|"

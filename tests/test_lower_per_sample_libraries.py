@@ -29,7 +29,8 @@ def test_library_layers_clip_each_example_exactly(make):
     model, x, clip = make(), torch.randn(3, 21, 8), 0.5
     want, norms = loop_clipped(model, (x,), clip)
     assert (norms > clip).any()
-    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "shard_size": 4, "inner": "aot_eager"})
+    f = torch.compile(model, backend="adjoint",
+                      options={"per_sample_clip": clip, "shard_size": 4, "inner": "aot_eager"})
     _loss(f(x)).backward()
     rep = ac.report(f)
     assert any(r.rewrite == "adjoint" for r in rep.regions), rep

@@ -213,9 +213,9 @@ def written_placeholders(gm: fx.GraphModule) -> set[int]:
 class ForwardCheck:
     """The callable of a rewritten graph while its first call has not run: that call also runs ``reference`` (the
     graph as captured, eager, under ``no_grad``, from the same RNG state, with private copies of the inputs it writes
-    into and of the module buffers, so that module state is updated once) and compares the outputs. On a difference it warns (naming ``regions``), records a :class:`Fallback` in
-    ``fallbacks``, puts back the inputs the graph writes into, and this call and every later one run
-    ``fallback(reference, args)`` (the captured graph, inner-compiled)."""
+    into and of the module buffers, so that module state is updated once) and compares the outputs. On a difference
+    it warns (naming ``regions``), records a :class:`Fallback` in ``fallbacks``, puts back the inputs the graph writes
+    into, and this call and every later one run ``fallback(reference, args)`` (the captured graph, inner-compiled)."""
 
     def __init__(self, fn: Callable[..., Any], reference: fx.GraphModule,
                  fallback: Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]],
