@@ -258,3 +258,22 @@ def test_a_frozen_head_skips_its_weight_gradient(impl, monkeypatch):
     ref_loss, _ = _eager(h64, W64, b64, t64, 0.1)
     torch.testing.assert_close(gh, torch.autograd.grad(ref_loss.sum(), [h64])[0], rtol=1e-10, atol=1e-12)
     assert asked == [False]
+
+
+@pytest.mark.parametrize("layout", ["column", "expanded"])
+def test_triton_reads_a_strided_bias(layout):
+    """A bias that is a column of a [V, 2] parameter (stride 2) or a scalar expanded to [V] (stride 0) reads its own
+    entries (the kernels read it as [V] one apart, silently off before)."""
+    h, W, _, t = (x.detach() for x in _case(5, 3, 7, dtype=torch.float32))
+    base = torch.randn(7, 2) if layout == "column" else torch.randn(1)
+    b = base[:, 0] if layout == "column" else base.expand(7)
+    assert not b.is_contiguous()
+    gl, gs = torch.randn(5), torch.randn(5)
+    want = linear_ce.lce_forward(h, W, b.contiguous(), t, impl="reference")
+    got = linear_ce.lce_forward(h, W, b, t, impl="triton")
+    for name, x, y in zip(("loss", "lse"), got, want):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5, msg=name)
+    want_g = linear_ce.lce_backward(gl, gs, h, W, b.contiguous(), t, want[1], impl="reference")
+    got_g = linear_ce.lce_backward(gl, gs, h, W, b, t, want[1], impl="triton")
+    for name, x, y in zip(("h", "weight", "bias"), got_g, want_g):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5, msg=name)

@@ -200,7 +200,9 @@ def lce_forward_triton(h: Tensor, weight: Tensor, bias: Tensor | None, target: T
     """(loss [N], lse [N]) in fp32 (see :func:`.ref.lce_forward_ref`)."""
     N, D = h.shape
     V = weight.shape[0]
-    target = target.contiguous()  # NB: the kernels read the targets as [N] rows one apart
+    # NB: the kernels read the targets as [N] rows one apart and the bias as [V] entries one apart (a column of a
+    # [V, 2] parameter, a scalar expanded to [V], would be read out of place)
+    target, bias = target.contiguous(), None if bias is None else bias.contiguous()
     loss = torch.empty(N, dtype=acc_dtype(h), device=h.device)
     lse = torch.empty_like(loss)
     blocks = _blocks(D)
@@ -223,6 +225,7 @@ def lce_backward_triton(g_loss: Tensor | None, g_lse: Tensor | None, h: Tensor, 
     g_lse = zero.expand(N) if g_lse is None else g_lse
     # NB: strides of a 0-stride expand: the kernels read the rows' cotangents as contiguous [N]
     g_loss, g_lse, target, lse = g_loss.contiguous(), g_lse.contiguous(), target.contiguous(), lse.contiguous()
+    bias = None if bias is None else bias.contiguous()
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=h.device) if need_weight else None
     db = None if bias is None or not need_weight else torch.empty(V, dtype=bias.dtype, device=h.device)
