@@ -475,7 +475,7 @@ def batch_size_arg(m: fx.Node, bd: int, batch: int) -> tuple[int | None, int] | 
     is 1, and such a value made for one example is the same for every one."""
     key = m.target if m.op in ("call_function", "call_method") else None
     val = example_value(m)
-    first = 1 if key in _BROADCASTS else _ROW_CONSTANTS.get(key) if isinstance(key, str) or callable(key) else None
+    first = 1 if key in _BROADCASTS else _ROW_CONSTANTS.get(key)
     if first is None or not isinstance(val, torch.Tensor) or not 0 <= bd < val.dim() or val.shape[bd] != batch or \
             (m.kwargs.keys() - (_KWARGS if key in _ROW_CONSTANTS else set())):
         return None
