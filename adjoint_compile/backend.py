@@ -45,6 +45,7 @@ from .passes.stitch import stitch, stitch_partitions
 from .passes.recognize import recognize_captured as recognize
 from .analysis.fx import source_line
 from .regions import Fallback, NotLowered, Region, Rejection, group_rejections, rejection_lines
+from .runtime.first_order import unhooked
 from .runtime.per_sample import guard_parameter
 from .runtime.seqpar import ReduceGrads, SeqParCall, SequenceParallelError, watch_unreduced
 from .analysis.optable import draws_random
@@ -117,7 +118,8 @@ class CompiledGraphFn:
         return timing.call(self.result.timing, self._fn, args)  # NB: run-time compiles count to this graph
 
     def _verify(self, original: fx.GraphModule, args: tuple) -> None:
-        fid = graph_fidelity(original, self._fn, args)
+        with unhooked():
+            fid = graph_fidelity(original, self._fn, args)
         self.result.fidelity = fid
         log.info("adjoint-compile verify: the whole graph's gradients against plain autograd: %s", fid)
         warnings.warn(AdjointVerifyReport(
@@ -298,7 +300,8 @@ def adjoint_backend(
         refuse_data_parallel(opts.per_sample_clip)
     original = copy_graph_module(gm) if opts.verify else None
     ddp = _ddp_split_of(gm, opts)
-    result = run_pipeline(gm, example_inputs, opts)
+    with unhooked():  # NB: the pipeline's trial runs are not the user's forward (a checkpoint counts what it saves)
+        result = run_pipeline(gm, example_inputs, opts)
     own = frame_self()
     result.frame_module = weakref.ref(own) if own is not None else None
     count_loop_compiles(result)

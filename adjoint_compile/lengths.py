@@ -32,6 +32,7 @@ from .passes.capture.seeded_dropout import seed_dropouts
 from .passes.capture.specialize import attribute_floats, specialize
 from .passes.stitch import stitch_partitions
 from .regions import Fallback
+from .runtime.first_order import unhooked
 from .runtime.verify import ForwardCheck, check_skipped, copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,6 @@ class LengthDispatch:
         key = (*_key(args), *(float(args[i]) for i in self.values))
         fn = self.cache.get(key)
         if fn is None:
-            with COMPILE_LOCK:
+            with COMPILE_LOCK, unhooked():  # NB: the pipeline's trial runs are not the user's forward (backend.py)
                 fn = self._generic_for(args) or self.cache.get(key) or self._specialize(key, args)
         return fn(*args)

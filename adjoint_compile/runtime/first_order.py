@@ -7,22 +7,37 @@ require grad), and a penalty built on them adds nothing to the parameters' gradi
 there is one, hangs off fresh leaves, so ``autograd.grad`` with respect to the parameters never reaches it. So a
 backward with ``create_graph=True`` through a region raises here, with the reason. Under ``torch.func`` transforms
 (wrapped cotangents) the ``once_differentiable`` behaviour is kept: there a second derivative raises when taken.
+
+A region's first call also builds and checks its programs on real tensors, with autograd; :func:`unhooked` keeps
+those trial runs from the user's saved-tensor hooks (non-reentrant checkpointing counts what a forward saves and
+compares it with its recomputation, which runs no trials).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["first_order", "untraced", "SECOND_ORDER_MESSAGE"]
+__all__ = ["first_order", "untraced", "unhooked", "SECOND_ORDER_MESSAGE"]
 
 SECOND_ORDER_MESSAGE = (
     "adjoint-compile: a backward with create_graph=True (for a second derivative: a gradient penalty, MAML, a "
     "Hessian-vector product) reached a region with the adjoint backward, whose gradients are computed shard by shard "
     "outside autograd and cannot be differentiated again. Compute that loss with the uncompiled model or another "
     "backend, or leave create_graph off")
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def unhooked() -> contextlib.AbstractContextManager:
+    """A context in which tensors saved for backward bypass the saved-tensor hooks of the code around it (the
+    innermost hooks are the ones applied)."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
 
 
 def untraced(backward: Callable[..., Any]) -> Callable[..., Any]:

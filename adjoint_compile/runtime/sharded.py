@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AdjointVerifyReport, UnsupportedRegion
-from .first_order import first_order
+from .first_order import first_order, unhooked
 from .loss_tail import TailSplit, check_tail, run_tail, split_tail, tail_inputs
 from .shard_parts import accumulate, accumulated, zero_adjoints, zeros_exact
 from .shard_program import MIN_SHARD_BYTES, ShardProgram, _ev, autocast_state, default_shard_size
@@ -264,11 +264,13 @@ class ShardedRegion(torch.nn.Module):
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"region input {i} is a {type(x).__name__}, expected a tensor")
-        S = self.prepare(inputs)
+        with unhooked():
+            S = self.prepare(inputs)
         if self.verify and not torch.is_inference_mode_enabled():  # NB: no autograd to compare with there
             self.verify = False
-            fid = region_fidelity(self.region_gm, self.in_step_dims, self.out_step_dims, S,
-                                  [x.detach() for x in inputs], window=self.window)
+            with unhooked():
+                fid = region_fidelity(self.region_gm, self.in_step_dims, self.out_step_dims, S,
+                                      [x.detach() for x in inputs], window=self.window)
             self.last_verify_error, self.last_verify = fid["max_rel_err"], fid
             log.info("adjoint-compile verify: %s: %s", self.label, fid)
             warnings.warn(AdjointVerifyReport(f"adjoint-compile verify: {self.label} {_describe(fid)}"), stacklevel=2)
