@@ -150,6 +150,28 @@ def test_a_sum_is_each_examples_own_loss_a_whole_example_ignored(shard):
     check(model, ids, tg, shard)
 
 
+def test_every_target_ignored_sum_over_count():
+    """A batch of padding only, its loss the sum over valid targets divided by their count (0): the loss is nan and
+    the gradients are eager's, zero, whatever the infinite cotangent of the sum; not nan in the optimizer."""
+    torch.manual_seed(2)
+    ids, tg = _data3()
+    tg[:] = -100
+    model = Step(LM(), lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), reduction="sum")
+                 / (t != -100).sum()).double()
+    ref = copy.deepcopy(model)
+    ref(ids, tg).backward()
+    f = torch.compile(model, backend="adjoint", options={"per_sample_clip": 1.0, "shard_size": 4,
+                                                          "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = f(ids, tg)
+    assert any(r.rewrite == "adjoint" for r in ac.report(f).regions), ac.report(f)
+    loss.backward()
+    assert loss.isnan()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert not q.grad.any() and torch.equal(p.grad, q.grad), (k, p.grad)
+
+
 def test_a_mean_divides_each_norm_by_the_count_of_valid_targets(monkeypatch):
     """reduction="mean" (the default): per_sample_clip bounds the norms of the mean loss's per-example gradients,
     each the sum loss's divided by the number of targets that are not ignored in the whole batch (here 39 - 3 - 5 -

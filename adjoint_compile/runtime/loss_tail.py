@@ -259,12 +259,19 @@ class _TailFn(torch.autograd.Function):
                 continue
             for i, G in enumerate(row):
                 if G is not None:
-                    v = (G * gj).to(G.dtype)
+                    v = _scaled(G, gj)
                     res[i] = v if res[i] is None else res[i] + v
         if ctx.ps_keys and gouts[0] is not None:
             record_region(ctx.tail.per_sample, ctx.ps_params,
-                          {i: a * gouts[0].to(a.dtype) for i, a in zip(ctx.ps_keys, ctx.saved_tensors)})
+                          {i: _scaled(a, gouts[0]) for i, a in zip(ctx.ps_keys, ctx.saved_tensors)})
         return (None, None, *res)
+
+
+def _scaled(G: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``G · g``, with 0 where ``G`` is 0 whatever ``g``: eager's cross-entropy writes 0 for an ignored target
+    whatever its cotangent, and a sum over no valid target divided by their count (0) has an infinite one."""
+    v = (G * g).to(G.dtype)
+    return v.masked_fill_((G == 0) & ~torch.isfinite(g), 0)  # NB: no host sync; the mask is False where g is finite
 
 
 def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int], graphs: bool,
