@@ -19,8 +19,7 @@ __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
     "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "registers_hook",
-    "shares_memory", "source_line", "source_at", "changed_modes", "mode_states",
-    "entry_grad_mode", "moved_across_modes", "is_copy", "batch_size_arg", "refresh_example_values",
+    "shares_memory", "source_line", "source_at", "is_copy", "batch_size_arg", "refresh_example_values",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -374,76 +373,6 @@ def source_at(node: fx.Node) -> str:
         return f"node {node.name} (no source line recorded)"
     where, fn, code = frame
     return where + (f" in {fn}" if fn else "") + (f": {code}" if code else "")
-
-
-def entry_grad_mode(graph: fx.Graph) -> bool:
-    """The grad mode the graph is entered with: the value of its last ``_set_grad_enabled`` (dynamo restores it at
-    the end of every block it sets), else True."""
-    toggles = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    return bool(toggles[-1].args[0]) if toggles and toggles[-1].args else True
-
-
-def mode_states(graph: fx.Graph) -> dict[fx.Node, tuple[bool, tuple[str, ...]]]:
-    """Per op node, the grad mode and the autocast / inference-mode blocks (innermost last) it runs under, as the
-    graph itself sets them (``with torch.no_grad():`` inside the compiled code; see :func:`changed_modes`). Two
-    nodes with equal states can trade places; a pass must not move a node to where the state differs."""
-    grad = entry_grad_mode(graph)
-    blocks: list[str] = []
-    out: dict[fx.Node, tuple[bool, tuple[str, ...]]] = {}
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
-            grad = n.args[0] if n.args else grad
-        elif n.op == "call_function" and n.target in _ENTERS:
-            blocks.append(_ENTERS[n.target])
-        elif n.op == "call_function" and n.target in _EXITS:
-            blocks = blocks[:-1]
-        elif n.op in ("call_function", "call_method", "call_module"):
-            out[n] = (grad, tuple(blocks))
-    return out
-
-
-_ENTERS = {torch.amp.autocast_mode._enter_autocast: "a torch.autocast",
-           torch.autograd.grad_mode._enter_inference_mode: "torch.inference_mode"}
-_EXITS = {torch.amp.autocast_mode._exit_autocast, torch.autograd.grad_mode._exit_inference_mode}
-
-
-def changed_modes(graph: fx.Graph) -> dict[fx.Node, str]:
-    """The nodes that run under a grad mode or an autocast the graph itself sets (``with torch.no_grad():``,
-    ``torch.autocast(..., enabled=False)``, ``torch.inference_mode()`` inside the compiled code), each with why.
-
-    Dynamo writes such a block as calls around its ops (``torch._C._set_grad_enabled(False)`` ... ``(True)``,
-    ``_enter_autocast`` ... ``_exit_autocast``)."""
-    states, entry = mode_states(graph), entry_grad_mode(graph)
-    out = {}
-    for n, (grad, blocks) in states.items():
-        if grad != entry:
-            out[n] = f"runs under torch.set_grad_enabled({grad}) set inside the compiled code (left to autograd)"
-        elif blocks:
-            out[n] = f"runs under {blocks[-1]} entered inside the compiled code (left to autograd)"
-    return out
-
-
-def moved_across_modes(graph: fx.Graph, members: list[fx.Node]) -> fx.Node | None:
-    """A node that replacing ``members`` (in graph order) by one call at the last of them would move to another
-    grad mode or autocast block (:func:`mode_states`), or None. Such a node lies between the members and reads
-    one of them: it must follow the call, past whatever toggles the mode in between (a ``torch.no_grad()`` block
-    reading a value the region computes before the block and whose scan comes after it)."""
-    states = mode_states(graph)
-    inside, last = set(members), members[-1]
-    at = states.get(last)
-    after: set[fx.Node] = set(inside)
-    for n in graph.nodes:
-        if n is last:
-            break
-        if n in inside:
-            if states.get(n, at) != at:
-                return n
-            continue
-        if any(a in after for a in n.all_input_nodes):
-            after.add(n)
-            if states.get(n, at) != at:
-                return n
-    return None
 
 
 def registers_hook(n: fx.Node) -> bool:

@@ -39,7 +39,8 @@ from . import layout_rules as lr
 from . import optable as ops
 from .losses import loss_sum, row_loss
 from . import rules as r
-from .fx import changed_modes, example_value, is_linear_scan, nodes_in, registers_hook
+from .fx import example_value, is_linear_scan, nodes_in, registers_hook
+from .modes import changed_modes
 from ..kernels.shift import shift_steps
 from .rules import CausalConv, Ctx, Rule, Shift, TimeLocalInfo, TimeSum, dims_arg, norm_dim, op_label, step_shape
 

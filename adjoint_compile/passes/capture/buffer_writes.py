@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...analysis.fx import example_value, mode_states
+from ...analysis.fx import example_value
+from ...analysis.modes import mode_states
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch.fx as fx
 from ...analysis.fx import example_value as _ev
 from ...analysis.fx import fresh_name, is_convex, is_linear_scan
 from ...analysis.fx import eliminate_dead_code
-from ...analysis.fx import moved_across_modes, stable_toposort as _toposort
+from ...analysis.fx import source_line, stable_toposort as _toposort
+from ...analysis.modes import moved_across_modes, written_after_read
 from ...analysis.grow import infer_seeds, region_around
 from ...analysis.losses import loss_args
 from ...analysis.resets import find_resets
@@ -121,6 +122,10 @@ def _lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo,
     if (moved := moved_across_modes(gm.graph, nodes)) is not None:
         raise UnsupportedRegion(f"{moved.name} runs under another grad mode or autocast than the region's end (a "
                                 f"torch.no_grad() block between its ops reads it): the region's one call would move it")
+    if (w := written_after_read(gm.graph, nodes)) is not None:
+        raise UnsupportedRegion(f"{w.name} writes in place into {w.kwargs.get('out', w.args[0])} between the region's "
+                                f"ops, after one of them reads it (at {source_line(w) or 'an unknown line'}): the "
+                                f"region's one call would read the new values; make the write after the recurrence")
     sub, inputs, outputs = outline(gm, nodes)
     _tensor_inputs(inputs)
     if not outputs:
