@@ -57,12 +57,15 @@ def frame_self() -> torch.nn.Module | None:
 
 #: the code objects whose compiled graphs held re-rolled loops since dynamo's cache for them was last empty
 _LOOP_CODES: weakref.WeakSet = weakref.WeakSet()
+#: the code objects whose compiled graphs held rewritten regions since then
+_REWRITTEN_CODES: weakref.WeakSet = weakref.WeakSet()
 
 
 def count_loop_compiles(result: Any) -> None:
-    """Warn, and list in report(), when a frame holding a Python loop over time has been compiled as often as dynamo's
-    recompile limit allows: the loop's trip count is a guard, so each new length recompiles, and past the limit dynamo
-    runs the frame uncompiled (ordinary autograd, no memory saved) with only its own log line."""
+    """Warn, and list in report(), when a frame whose graphs held rewritten regions has been compiled as often as
+    dynamo's recompile limit allows: past the limit dynamo runs the frame uncompiled (ordinary autograd, no memory
+    saved) with only its own log line. A Python loop over time recompiles at each new length (its trip count is a
+    guard), and so does any frame compiled with ``dynamic=False``."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -74,15 +77,26 @@ def count_loop_compiles(result: Any) -> None:
         return
     if n == 1:
         _LOOP_CODES.discard(code)
+        _REWRITTEN_CODES.discard(code)
     if result.captured.normalized.get("rerolled"):
         _LOOP_CODES.add(code)
-    if code not in _LOOP_CODES or n != getattr(torch._dynamo.config, "recompile_limit", 8):
+    if result.lowered:
+        _REWRITTEN_CODES.add(code)
+    if code not in _LOOP_CODES and code not in _REWRITTEN_CODES or \
+            n != getattr(torch._dynamo.config, "recompile_limit", 8):
         return
-    cause = (f"the code with a Python loop over time has been compiled {n} times, dynamo's recompile_limit: the loop "
-             f"recompiles at every new length (its trip count is a guard), and from the next new length dynamo runs "
-             f"it uncompiled, with ordinary autograd and no memory saved")
-    remedy = ("write the recurrence with adjoint_compile.ops.linear_scan (one graph serves every length), pad batches "
-              "to a few lengths, or raise torch._dynamo.config.recompile_limit")
+    if code in _LOOP_CODES:
+        cause = (f"the code with a Python loop over time has been compiled {n} times, dynamo's recompile_limit: the "
+                 f"loop recompiles at every new length (its trip count is a guard), and from the next new length "
+                 f"dynamo runs it uncompiled, with ordinary autograd and no memory saved")
+        remedy = ("write the recurrence with adjoint_compile.ops.linear_scan (one graph serves every length), pad "
+                  "batches to a few lengths, or raise torch._dynamo.config.recompile_limit")
+    else:
+        cause = (f"the code with rewritten regions has been compiled {n} times, dynamo's recompile_limit (each failed "
+                 f"guard recompiles: a new input size under torch.compile(dynamic=False), a new dtype or mode): from "
+                 f"the next recompile dynamo runs it uncompiled, with ordinary autograd and no memory saved")
+        remedy = ("leave torch.compile's dynamic at its default (a graph for every length), pad batches to a few "
+                  "lengths, or raise torch._dynamo.config.recompile_limit")
     result.fallbacks.append(Fallback(cause, remedy, {"compiles": n}))
     warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}; {remedy}"), stacklevel=3)
 

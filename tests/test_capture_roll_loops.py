@@ -591,6 +591,30 @@ def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled(
     assert any("recompile_limit" in fb.cause for fb in ac.report(f).fallbacks)
 
 
+def test_static_shapes_at_dynamos_recompile_limit_say_the_next_length_runs_uncompiled():
+    """With dynamic=False every new length recompiles, a linear_scan too; past the recompile_limit the saving went
+    away silently (dynamo's log line only). The warning and the report's fallback say so, with the remedy; each call
+    up to the limit is rewritten and exact."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    k, v = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4).double()
+
+    def loss(x):
+        return ac.ops.linear_scan(torch.sigmoid(k(x)), v(x)).square().mean()
+
+    f = torch.compile(loss, backend="adjoint", dynamic=False, options={"shard_size": 4, "inner": "aot_eager"})
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for T in (9, 10, 11):
+            x = torch.randn(2, T, 4, dtype=torch.float64)
+            g = torch.autograd.grad(f(x), [k.weight, v.weight])
+            torch.testing.assert_close(g, torch.autograd.grad(loss(x), [k.weight, v.weight]), rtol=1e-10, atol=1e-12)
+    said = [str(w.message) for w in got if "recompile_limit" in str(w.message)]
+    assert len(said) == 1 and "compiled 3 times" in said[0] and "dynamic" in said[0], said
+    assert any("recompile_limit" in fb.cause for fb in ac.report(f).fallbacks)
+    assert sorted(r.length for r in ac.report(f).regions if r.rewrite == "adjoint") == [9, 10, 11]
+
+
 @pytest.mark.parametrize("importable", [False, True])
 def test_a_module_loaded_from_a_file_path_keeps_its_loop_unrolled(tmp_path, monkeypatch, importable):
     """A model file loaded with spec_from_file_location and not put in sys.modules (a config's path): dynamo guards a
