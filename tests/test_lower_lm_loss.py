@@ -693,7 +693,7 @@ def test_a_parameter_the_loss_reaches_only_through_detach_gets_none(shard):
 
 
 class DetachedToo(nn.Module):
-    """The loss, and the logits and a hidden state detached for metrics."""
+    """The loss, and the logits detached for metrics: whole, and means over time that join the loss (an accuracy)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -701,21 +701,35 @@ class DetachedToo(nn.Module):
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor):
         lg = self.lm(ids)
-        return F.cross_entropy(lg.flatten(0, 1), targets.flatten()), lg.detach(), lg.detach().square() * 2
+        return (F.cross_entropy(lg.flatten(0, 1), targets.flatten()), lg.detach(), lg.detach().square() * 2,
+                (lg.detach().argmax(-1) == targets).to(lg.dtype).mean(), lg.detach().logsumexp(-1).mean())
 
 
-def test_outputs_detached_inside_the_region_require_no_grad():
+class AccuracyToo(nn.Module):
+    """The loss and an accuracy, both means over time: they run in the forward, split off the sweep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = LM()
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor):
+        lg = self.lm(ids)
+        return F.cross_entropy(lg.flatten(0, 1), targets.flatten()), (lg.detach().argmax(-1) == targets).double().mean()
+
+
+@pytest.mark.parametrize("make", [DetachedToo, AccuracyToo])
+def test_outputs_detached_inside_the_region_require_no_grad(make):
     """A region output computed from detached values only requires no grad, as in eager (it came back with the
     region's grad_fn: a backward through it gave zeros where eager gives None); the loss is exact."""
     torch.manual_seed(0)
-    model = DetachedToo().double()
+    model = make().double()
     ref = copy.deepcopy(model)
     f = _compile(model, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = f(*_data())
     want = ref(*_data())
-    assert [o.requires_grad for o in got] == [o.requires_grad for o in want] == [True, False, False]
+    assert [o.requires_grad for o in got] == [o.requires_grad for o in want] == [True] + [False] * (len(got) - 1)
     for g, w in zip(got, want):
         assert _rel(g, w) <= 1e-10
     got[0].backward()

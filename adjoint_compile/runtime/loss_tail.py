@@ -246,7 +246,10 @@ class _TailFn(torch.autograd.Function):
         ctx.ps_keys = list(acc or ())
         ctx.save_for_backward(*(acc or {}).values())
         ctx.grads = grads
-        ctx.mark_non_differentiable(*outs[len(grads):])  # the counts of a mean over valid targets
+        # the counts of a mean over valid targets, and an output no input reaches with grad (an accuracy of detached
+        # logits, returned with the loss): requires no grad, as in eager
+        ctx.mark_non_differentiable(*outs[len(grads):], *(o for j, (o, row) in enumerate(zip(outs, grads)) if wrt and
+                                                          all(g is None for g in row) and not (j == 0 and ctx.ps_keys)))
         return tuple(outs)
 
     @staticmethod

@@ -307,11 +307,15 @@ _DIFFERENTIABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _differentiable(prog: ShardProgram) -> list[bool]:
-    """Per output of ``prog``'s region graph, whether a path from an input reaches it without a ``detach``."""
+    """Per output of ``prog``'s region graph, whether a path from an input reaches it without a ``detach`` and
+    through floating-point values only (an accuracy, ``argmax(...) == targets``, requires no grad)."""
     got = _DIFFERENTIABLE.get(prog)
     if got is None:
         live: set[fx.Node] = set()
         for n in prog.region_gm.graph.nodes:
+            v = _ev(n)
+            if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()):
+                continue
             if n.op == "placeholder" or (n.op != "output" and not (n.target in _DETACH or n.target == "detach")
                                          and any(a in live for a in n.all_input_nodes)):
                 live.add(n)
