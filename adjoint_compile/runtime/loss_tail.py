@@ -45,7 +45,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from .. import timing
 from ..analysis.fx import is_linear_scan, is_view_op
 from ..errors import UnsupportedRegion
-from ..inner import COMPILE_LOCK, compile_inner
+from ..inner import COMPILE_LOCK, compile_inner, stride_checked
 from ..kernels.linear_ce import kernel_serves
 from .first_order import first_order
 from .fused_loss import find_head_losses, fuse_head_losses
@@ -442,8 +442,8 @@ def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: 
     log.debug("adjoint-compile: loss chunk program for L=%d: %d nodes", L, len(gm.graph.nodes))
     # NB: the trace and the compile count as one loss chunk program
     timing.add_run_time("loss_chunks", time.perf_counter() - t, count=tail.inner == "eager")
-    fn = gm if tail.inner == "eager" else compile_inner(gm, example, tail.inner, what="loss_chunks",
-                                                        serial=serial_kernels(tail, L, example))
+    fn = stride_checked(gm) if tail.inner == "eager" else compile_inner(
+        gm, example, tail.inner, what="loss_chunks", serial=serial_kernels(tail, L, example))
     return fn, list(pairs)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import timing
-from ..inner import compile_inner
+from ..inner import compile_inner, stride_checked
 from .shard_parts import autocast_as, serial_kernels
 from .truncated import truncate_program
 
@@ -62,7 +62,8 @@ def build_vjp(sp: Any, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[
     gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
     log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
               len(gm.graph.nodes))
-    fn = gm if sp.inner == "eager" else compile_inner(gm, example, sp.inner, serial=serial_kernels(sp, L, example))
+    fn = stride_checked(gm) if sp.inner == "eager" else compile_inner(gm, example, sp.inner,
+                                                                       serial=serial_kernels(sp, L, example))
     if not any(unused):
         return fn
     return lambda *a: [None if u else g for g, u in zip(fn(*a), unused)]
