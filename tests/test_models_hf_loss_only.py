@@ -238,6 +238,36 @@ def test_idempotent_reversible_and_per_instance():
     assert model.__dict__["forward"] is mine
 
 
+def test_a_deepcopy_runs_its_own_weights():
+    """A deepcopy of a patched model (a reference or EMA model, trl's create_reference_model) ran the original's
+    forward and weights: its logits were the original's and its parameters got no gradient. Each runs its own, and
+    each keeps its own ``when`` and restores to its own forward."""
+    model = _mamba().double()
+    ac.loss_only(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    plain = copy.deepcopy(twin)
+    ac.loss_only(plain, False)
+    assert not ac.is_loss_only(plain) and "forward" not in plain.__dict__
+    ids, labels = _data()
+    twin.eval()
+    plain.eval()
+    torch.testing.assert_close(twin(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    twin.train()
+    out = twin(input_ids=ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    assert all(p.grad is not None for p in twin.parameters()) and all(p.grad is None for p in model.parameters())
+    ac.loss_only(twin, when="always")
+    model.eval()
+    twin.eval()
+    assert model(input_ids=ids, labels=labels).logits is not None and twin(input_ids=ids, labels=labels).logits is None
+    ac.loss_only(twin, False)
+    assert type(twin).forward is type(model).forward and "forward" not in twin.__dict__ and ac.is_loss_only(model)
+
+
 class NoHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         return input_ids.float().mean()

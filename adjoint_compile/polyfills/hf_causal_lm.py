@@ -30,8 +30,11 @@ import torch
 
 __all__ = ["loss_only", "is_loss_only"]
 
-#: attribute on the patched forward: (the forward it wraps, whether that one was an instance attribute, {"when": ...})
+#: attribute on the patched forward: (the forward it wraps, or its function when it was a method of the instance;
+#: whether that one was an instance attribute; whether it was a method of the instance)
 _MARK = "_adjoint_compile_loss_only"
+#: instance attribute: the ``when`` of the patch (on the instance, so that a ``copy.deepcopy`` has its own)
+_WHEN = "_adjoint_compile_loss_only_when"
 WHEN = ("training", "always")
 
 
@@ -84,50 +87,53 @@ def loss_only(model: torch.nn.Module, enabled: bool = True, *, when: str = "trai
     done = getattr(current, _MARK, None)
     if not enabled:
         if done is not None:
-            original, own, _ = done
-            if own:
-                target.forward = original
+            original, own, bound = done
+            if own:  # NB: a method of the instance is bound again: to this instance, when it is a deepcopy
+                target.forward = types.MethodType(original, target) if bound else original
             else:
                 del target.__dict__["forward"]
+            target.__dict__.pop(_WHEN, None)
         return model
     if done is not None:
-        done[2]["when"] = when
+        target.__dict__[_WHEN] = when
         return model
     if why := _refuse(target):
         raise TypeError(f"adjoint_compile.loss_only: {why}")
     original = target.forward
-    target.forward = _patched(target, original, own=current is not None, when=when)
+    target.__dict__[_WHEN] = when
+    target.forward = _patched(target, original, own=current is not None)
     return model
 
 
-def _patched(model: torch.nn.Module, original: Any, *, own: bool, when: str) -> Any:
+def _patched(model: torch.nn.Module, original: Any, *, own: bool) -> Any:
     """The forward that wraps ``original`` (the bound forward the instance had): a method bound to ``model`` whose
     ``__wrapped__`` is the function behind ``original`` (so signature checks and ``report()`` see the library's),
-    or, for a plain function stored on the instance, a function wrapping it."""
+    or, for a plain function stored on the instance, a function wrapping it.
+
+    NB: the method reads its model and the library's forward through ``self`` at each call: ``copy.deepcopy`` binds
+    the method to the copy (a reference or EMA model), which then runs its own weights, not the original's."""
     sig = inspect.signature(original).parameters
     params = list(sig)
     at = {k: params.index(k) for k in ("labels", "return_dict") if k in params}
     # NB: return_dict=True is passed only where the forward takes it (by name, or in its **kwargs)
     takes_rd = "return_dict" in sig or any(p.kind is p.VAR_KEYWORD for p in sig.values())
-    cls = type(model).__name__
-    state = {"when": when}
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(self: torch.nn.Module, run: Any, *args: Any, **kwargs: Any) -> Any:
         labels = kwargs.get("labels", args[at["labels"]] if len(args) > at["labels"] else None)
         drop = labels is not None  # NB: a ForCausalLM computes its loss when given labels (shift_labels only with them)
-        if drop and state["when"] == "training":
-            drop = model.training and torch.is_grad_enabled()
+        if drop and self.__dict__.get(_WHEN, "training") == "training":
+            drop = self.training and torch.is_grad_enabled()
         if not drop:
-            return original(*args, **kwargs)
+            return run(*args, **kwargs)
         as_dict = None
         if takes_rd:
-            args, as_dict = _ask_for_a_dict(model, args, kwargs, at.get("return_dict"))
-        out = original(*args, **kwargs)
+            args, as_dict = _ask_for_a_dict(self, args, kwargs, at.get("return_dict"))
+        out = run(*args, **kwargs)
         names = [f.name for f in dataclasses.fields(out)] if dataclasses.is_dataclass(out) else []
         if "logits" not in names or getattr(out, "loss", None) is None:
-            raise TypeError(f"adjoint_compile.loss_only: {cls}.forward with labels returned {type(out).__name__} "
-                            f"without a loss and a `logits` field: not a transformers ...ForCausalLM output; "
-                            f"loss_only(model, False) restores the forward")
+            raise TypeError(f"adjoint_compile.loss_only: {type(self).__name__}.forward with labels returned "
+                            f"{type(out).__name__} without a loss and a `logits` field: not a transformers "
+                            f"...ForCausalLM output; loss_only(model, False) restores the forward")
         # NB: the fields the unpatched model's tuple holds (a ModelOutput's tuple skips None fields), in order
         kept = [k for k in names if getattr(out, k) is not None]
         out = type(out)(**{k: None if k == "logits" else getattr(out, k) for k in names})
@@ -138,14 +144,16 @@ def _patched(model: torch.nn.Module, original: Any, *, own: bool, when: str) -> 
         return tuple(None if k == "logits" else getattr(out, k) for k in kept)
 
     func = getattr(original, "__func__", None)
-    if func is None:
-        patched = functools.wraps(original)(forward)
+    if func is None or getattr(original, "__self__", None) is not model:
+        patched = functools.wraps(original)(lambda *args, **kwargs: forward(model, original, *args, **kwargs))
+        mark: tuple = (original, own, False)
     else:
         def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return forward(*args, **kwargs)
+            return forward(self, functools.partial(func, self), *args, **kwargs)
 
         patched = types.MethodType(functools.wraps(func)(method), model)
-    setattr(getattr(patched, "__func__", patched), _MARK, (original, own, state))
+        mark = (func, own, True)
+    setattr(getattr(patched, "__func__", patched), _MARK, mark)
     return patched
 
 
