@@ -36,7 +36,11 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 def unhooked() -> contextlib.AbstractContextManager:
     """A context in which tensors saved for backward bypass the saved-tensor hooks of the code around it (the
-    innermost hooks are the ones applied)."""
+    innermost hooks are the ones applied); nothing where there are none (``torch.func``'s transforms refuse any
+    saved-tensor hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(True) is None:
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
 
 
