@@ -89,3 +89,49 @@ def test_backward_under_another_autocast_than_the_forward(inner, forward_bf16):
     torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=2e-3)
     for n in want:
         assert ((got[n] - want[n]).norm() / want[n].norm()).item() < 2e-2, n
+
+
+class WeightedLM(LM):
+    """Class weights cast to the logits' dtype, as scripts write them under autocast."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(vocab=len(weight))
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        u = self.emb(x)
+        lg = self.head(u + ac.ops.linear_scan(torch.sigmoid(self.decay(u)), self.inp(u)))
+        return F.cross_entropy(lg.flatten(0, 1), y.flatten(), weight=self.weight.to(lg.dtype))
+
+
+@pytest.mark.parametrize("how", ["fp16 autocast", "bf16 autocast"])
+@pytest.mark.parametrize("shard", [1, 4])
+def test_a_weighted_mean_counts_in_fp32(how, shard):
+    """The weighted mean's denominator, the targets' class weights summed shard by shard, was summed in and cast back
+    to the weights' dtype: in fp16 a sum past 65504 became inf, and the loss and every gradient 0; in bf16 it
+    rounded, the loss 5-15x further from fp64 than eager's. Eager's kernels accumulate it in fp32."""
+    torch.manual_seed(0)
+    V, T = 11, 13
+    model = WeightedLM((torch.rand(V, dtype=torch.float64) + 0.5) * (4e3 if how == "fp16 autocast" else 1.0))
+    ids, tg = torch.randint(0, V, (2, T)), torch.randint(0, V, (2, T))
+    ref = copy.deepcopy(model).double()
+    want = ref(ids, tg)
+    want.backward()
+    runs = {}
+    for compiled in (False, True):
+        m = copy.deepcopy(model).float()
+        f = torch.compile(m, backend="adjoint", options={"inner": "eager", "shard_size": shard}) if compiled else m
+        with torch.autocast("cpu", dtype=torch.float16 if how == "fp16 autocast" else torch.bfloat16):
+            loss = f(ids, tg)
+        loss.backward()
+        if compiled:
+            assert _lowered(f), ac.report(f)
+        runs[compiled] = (loss, {n: p.grad for n, p in m.named_parameters()})
+    (l_e, g_e), (l_c, g_c) = runs[False], runs[True]
+    assert l_c.dtype == l_e.dtype
+    err_e, err_c = abs(l_e.item() - want.item()) / want.item(), abs(l_c.item() - want.item()) / want.item()
+    assert err_c <= 3 * err_e + 1e-4, (err_c, err_e)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ours, eager = _errors(g_c, ref_grads), _errors(g_e, ref_grads)
+    for n in ours:
+        assert ours[n] <= 3 * eager[n] + 2e-3, (n, ours[n], eager[n])

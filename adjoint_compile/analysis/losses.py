@@ -105,4 +105,6 @@ def loss_count(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | N
     valid = target != ignore_index
     if weight is None:
         return valid.sum()
-    return torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum()
+    # NB: in fp32 at least, as eager's kernels accumulate it: half-precision weights summed in their dtype round
+    return torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum(dtype=torch.promote_types(weight.dtype,
+                                                                                                     torch.float32))

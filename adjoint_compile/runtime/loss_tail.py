@@ -311,7 +311,8 @@ def _chunks(tail: ShardProgram, inputs: Sequence[torch.Tensor], wrt: list[int], 
     assert outs is not None
     for j in range(n_out):
         accumulated(free[j], grads[j], inputs)
-    return [o.to(v.dtype) for o, v in zip(outs, vals)], grads[:n_out]
+    # NB: the counts of a mean over valid targets stay in fp32 at least: a weight sum of 2^16 tokens is inf in fp16
+    return [o.to(v.dtype) if j < n_out else o for j, (o, v) in enumerate(zip(outs, vals))], grads[:n_out]
 
 
 #: chunk loops seen once, by tail and key (lengths, layout), the most recent last: the (j, i) pairs of the gradients

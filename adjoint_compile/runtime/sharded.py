@@ -82,7 +82,11 @@ class _ShardedFn(torch.autograd.Function):
             # NB: clone: a select is a view that would keep the whole shard's state tensor alive until backward
             carries = [f.clone() for f in finals]
         assert outs is not None
-        outs = [o.to(y.dtype) if d is None else o for o, y, d in zip(outs, ys, prog.out_step_dims)]
+        # NB: the counts of a mean over valid targets (after the region's outputs) stay in fp32 at least: a class-weight
+        # sum rounds to bf16 or overflows fp16 (2^16 tokens), where eager's cross-entropy accumulates in fp32
+        n = len(prog.out_nodes)
+        outs = [o.to(y.dtype) if d is None and i < n else o
+                for i, (o, y, d) in enumerate(zip(outs, ys, prog.out_step_dims))]
         # NB: an output the region computes from detached values only (``logits.detach()`` returned for metrics)
         # requires no grad, as in eager: backward through it would give zeros where eager gives None
         ctx.mark_non_differentiable(*(o for o, keep in zip(outs, _differentiable(prog)) if not keep))
@@ -334,14 +338,16 @@ class _MeanOverValid(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(count)
-        return total / count
+        ctx.dtype = total.dtype
+        return (total / count).to(total.dtype)  # NB: the count is fp32 at least; the mean has the loss's dtype
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         (count,) = ctx.saved_tensors
         # NB: divided by 1 where count is 0, so a second derivative (through g) is 0 there too, not 0 · ∞
         nz = count != 0
-        return torch.where(nz, g / torch.where(nz, count, torch.ones_like(count)), torch.zeros_like(g)), None
+        return torch.where(nz, g / torch.where(nz, count, torch.ones_like(count)), torch.zeros_like(g)).to(ctx.dtype), \
+            None
 
 
 def _ratios(plan: ShardProgram, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
