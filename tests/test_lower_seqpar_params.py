@@ -1,0 +1,114 @@
+"""Sequence parallelism: what a rank's graph holds besides its slice (runtime/seqpar.py, passes/lower/seqpar.py).
+
+Found by probing, each silently different from one process on the whole sequence:
+
+* a tied embedding: the lookup runs outside the compiled model (embedding is refused inside), the readout inside
+  with the same weight; the graph's part of the weight's gradient was summed over the ranks, the lookup's part
+  stayed the rank's own (max error 2.9);
+
+Two gloo processes (the spawn helpers of test_lower_seqpar.py), float64, uneven slices; every output and gradient
+is compared with single-process eager autograd on the whole sequence.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adjoint_compile as ac
+from test_lower_seqpar import _init, _port, _rank_errors, _spawn
+
+B, D, V = 2, 6, 11
+LENGTHS = [5, 4]
+
+
+class _TiedLM(nn.Module):
+    """Embedded tokens in (the lookup is the caller's), logits out through the embedding's own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, e):
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(e)), self.b(e))
+        return h @ self.emb.weight.t()
+
+
+def _make(cls):
+    torch.manual_seed(0)
+    return cls().double()
+
+
+def _tokens(T):
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, V, (B, T + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _ce(logits, tgt):
+    return nn.functional.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1), reduction="sum")
+
+
+def _grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _compile(model, **opts):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="adjoint",
+                         options={"sequence_parallel": True, "inner": "aot_eager", "shard_size": 2, **opts})
+
+
+def _tied_step(sl, reduce_grads=True):
+    model = _make(_TiedLM)
+    tok, tgt = _tokens(sum(LENGTHS))
+    f = _compile(model, reduce_grads=reduce_grads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ce(f(model.emb(tok[:, sl])), tgt[:, sl]).backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, ac.AdjointCompileWarning)]
+    return _grads(model), said, [r.rewrite for r in ac.report(f).regions]
+
+
+def _worker(rank, world, port, out_dir):
+    with _rank_errors(rank, out_dir):
+        torch.set_num_threads(1)
+        _init(rank, world, port, 60)
+        o = sum(LENGTHS[:rank])
+        sl = slice(o, o + LENGTHS[rank])
+        res = {"tied": _tied_step(sl), "tied_no_reduce": _tied_step(sl, reduce_grads=False)}
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _close(got, ref, tol=1e-10):
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) < tol
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seqpar_params")
+    _spawn(_worker, 2, (_port(), str(out)), timeout=400)
+    errs = sorted(out.glob("*.err"))
+    assert not errs, errs[0].read_text()
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_looked_up_outside_the_model_gets_the_whole_gradient(ranks):
+    model = _make(_TiedLM)
+    tok, tgt = _tokens(sum(LENGTHS))
+    _ce(model(model.emb(tok)), tgt).backward()
+    for r, got in enumerate(ranks):
+        grads, said, rewrites = got["tied"]
+        assert rewrites == ["adjoint"] and not said, (rewrites, said)
+        for k, p in model.named_parameters():  # emb.weight: the readout's part and the lookup's, summed
+            assert _close(grads[k], p.grad), (r, k, float((grads[k] - p.grad).abs().max()))
+    # reduce_grads=False: each rank keeps its own part of both uses, which sum to the whole
+    local = [got["tied_no_reduce"][0] for got in ranks]
+    for k, p in model.named_parameters():
+        assert _close(local[0][k] + local[1][k], p.grad), k
+        assert not _close(local[0][k], p.grad, 1e-3), k
