@@ -5,6 +5,8 @@ Found by probing, each silently different from one process on the whole sequence
 * a tied embedding: the lookup runs outside the compiled model (embedding is refused inside), the readout inside
   with the same weight; the graph's part of the weight's gradient was summed over the ranks, the lookup's part
   stayed the rank's own (max error 2.9);
+* a learnable tensor held as a plain module attribute (``requires_grad``, not an ``nn.Parameter``): dynamo passes it
+  as an ordinary graph input, so its gradient was the rank's share only (max error 4.1);
 
 Two gloo processes (the spawn helpers of test_lower_seqpar.py), float64, uneven slices; every output and gradient
 is compared with single-process eager autograd on the whole sequence.
@@ -38,6 +40,16 @@ class _TiedLM(nn.Module):
         return h @ self.emb.weight.t()
 
 
+class _AttrScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.scale = torch.linspace(0.5, 1.5, D, dtype=torch.float64).requires_grad_()  # not an nn.Parameter
+
+    def forward(self, x):
+        return ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x)) * self.scale
+
+
 def _make(cls):
     torch.manual_seed(0)
     return cls().double()
@@ -49,12 +61,21 @@ def _tokens(T):
     return tok[:, :-1], tok[:, 1:]
 
 
+def _data(T):
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(B, T, D, generator=g, dtype=torch.float64),
+            torch.randn(B, T, D, generator=g, dtype=torch.float64))
+
+
 def _ce(logits, tgt):
     return nn.functional.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1), reduction="sum")
 
 
 def _grads(model):
-    return {k: p.grad.clone() for k, p in model.named_parameters()}
+    out = {k: p.grad.clone() for k, p in model.named_parameters()}
+    if isinstance(model, _AttrScale):
+        out["scale"] = model.scale.grad.clone()
+    return out
 
 
 def _compile(model, **opts):
@@ -81,6 +102,16 @@ def _worker(rank, world, port, out_dir):
         o = sum(LENGTHS[:rank])
         sl = slice(o, o + LENGTHS[rank])
         res = {"tied": _tied_step(sl), "tied_no_reduce": _tied_step(sl, reduce_grads=False)}
+        model = _make(_AttrScale)
+        x, w = _data(sum(LENGTHS))
+        f = _compile(model)
+        y = f(x[:, sl])
+        (y * w[:, sl]).sum().backward()
+        res["attr"] = (y.detach(), _grads(model))
+        model.zero_grad()
+        model.scale.grad = None
+        (f(x[:, sl]) * w[:, sl] + f(w[:, sl]) * x[:, sl]).sum().backward()  # NB: two sequences, one backward
+        res["attr_twice"] = _grads(model)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -112,3 +143,23 @@ def test_a_tied_embedding_looked_up_outside_the_model_gets_the_whole_gradient(ra
     for k, p in model.named_parameters():
         assert _close(local[0][k] + local[1][k], p.grad), k
         assert not _close(local[0][k], p.grad, 1e-3), k
+
+
+@pytest.mark.slow
+def test_a_learnable_attribute_tensor_is_summed_like_a_parameter(ranks):
+    model = _make(_AttrScale)
+    x, w = _data(sum(LENGTHS))
+    y = model(x)
+    (y * w).sum().backward()
+    assert _close(torch.cat([got["attr"][0] for got in ranks], 1), y.detach())
+    ref = {**{k: p.grad for k, p in model.named_parameters()}, "scale": model.scale.grad}
+    for r, got in enumerate(ranks):
+        for k in ref:
+            assert _close(got["attr"][1][k], ref[k]), (r, k, float((got["attr"][1][k] - ref[k]).abs().max()))
+    # two calls before one backward: each leaf gets the graphs' two gradients, summed over the ranks
+    model = _make(_AttrScale)
+    (model(x) * w + model(w) * x).sum().backward()
+    ref = {**{k: p.grad for k, p in model.named_parameters()}, "scale": model.scale.grad}
+    for r, got in enumerate(ranks):
+        for k in ref:
+            assert _close(got["attr_twice"][k], ref[k]), (r, k, float((got["attr_twice"][k] - ref[k]).abs().max()))

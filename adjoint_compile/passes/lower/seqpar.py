@@ -27,6 +27,9 @@ What may be split: every op must act on each step on its own (analysis/time_loca
 sequence inputs is dim 1 (``[B, T, ...]``).  Anything else that mixes steps (attention, a sum or mean over time,
 a non-causal conv, a shift, a reverse scan) is a refusal naming the op and its source line; the refusal is raised
 on every rank by the call's header exchange, before any model data is exchanged.
+
+The graph's parameters, whose gradients are summed over the group, are its ``nn.Parameter`` inputs and the tensors
+that require grad read from a module's attributes (a learnable plain attribute, passed by dynamo as an input).
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ class SeqParPlan:
     length: int
     #: why this graph cannot be split (None: it can)
     refusal: str | None
-    #: positions of the graph's parameters among its inputs
+    #: positions of the graph's parameters among its inputs (learnable attribute tensors too: _held_by_model)
     params: list[int]
     scans: int = 0
     halos: int = 0
@@ -77,12 +80,26 @@ def _refusal(node: fx.Node, why: str) -> str:
             f"causal convolutions along time can run on a slice of the sequence")
 
 
-def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options) -> list[Any]:
+def _held_by_model(ph: fx.Node, ex: Any) -> bool:
+    """A tensor that requires grad read from a module's attributes (``self.scale = torch.ones(D).requires_grad_()``,
+    not an nn.Parameter; dynamo passes it as a plain input): the same on every rank, so its gradient is the sum of the
+    ranks' like a parameter's. A tensor passed as an argument is the caller's (a slice, an ``h0``): left alone."""
+    src = getattr(ph.meta.get("grapharg"), "source", None)
+    if not (isinstance(ex, torch.Tensor) and ex.requires_grad):
+        return False
+    while src is not None:
+        if "NNModuleSource" in type(src).__name__:  # NB: by name: torch._dynamo.source's classes move between versions
+            return True
+        src = getattr(src, "base", None)
+    return False
+
+
+def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options, params: set[int]) -> list[Any]:
     parts: list[Any] = [opts.mode, opts.window, opts.reduce_grads]
-    for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples):
+    for i, (n, ex) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples)):
         if isinstance(ex, torch.Tensor):
             # NB: the whole shape of a parameter; of an activation all but dim 1, the rank's own number of steps
-            shape = tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else tuple(
+            shape = tuple(ex.shape) if i in params else tuple(
                 -1 if j == 1 else int(v) for j, v in enumerate(ex.shape))
             parts.append(("in", str(ex.dtype), bool(ex.requires_grad), shape))
         # NB: not the numbers: with dynamic shapes dynamo passes sizes, and a rank's slice of a view its storage
@@ -159,8 +176,8 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
-    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
-    fp = fingerprint(_fingerprint_parts(gm, examples, opts))
+    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter) or _held_by_model(phs[i], ex)]
+    fp = fingerprint(_fingerprint_parts(gm, examples, opts, set(params)))
     attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
     try:
         T, convs, scans, refusal = _check(gm, examples, set(params))
