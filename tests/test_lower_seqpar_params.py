@@ -7,6 +7,7 @@ Found by probing, each silently different from one process on the whole sequence
   stayed the rank's own (max error 2.9);
 * a learnable tensor held as a plain module attribute (``requires_grad``, not an ``nn.Parameter``): dynamo passes it
   as an ordinary graph input, so its gradient was the rank's share only (max error 4.1);
+* ``h / x.shape[1]``: each rank's static graph holds its slice length as a literal (outputs off by 0.33).
 
 Two gloo processes (the spawn helpers of test_lower_seqpar.py), float64, uneven slices; every output and gradient
 is compared with single-process eager autograd on the whole sequence.
@@ -25,6 +26,7 @@ from test_lower_seqpar import _init, _port, _rank_errors, _spawn
 
 B, D, V = 2, 6, 11
 LENGTHS = [5, 4]
+EVEN = [4, 4]
 
 
 class _TiedLM(nn.Module):
@@ -48,6 +50,16 @@ class _AttrScale(nn.Module):
 
     def forward(self, x):
         return ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x)) * self.scale
+
+
+class _PerLength(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        return h / x.shape[1]
 
 
 def _make(cls):
@@ -80,7 +92,8 @@ def _grads(model):
 
 def _compile(model, **opts):
     torch._dynamo.reset()
-    return torch.compile(model, backend="adjoint",
+    dynamic = opts.pop("dynamic", None)
+    return torch.compile(model, backend="adjoint", dynamic=dynamic,
                          options={"sequence_parallel": True, "inner": "aot_eager", "shard_size": 2, **opts})
 
 
@@ -93,6 +106,18 @@ def _tied_step(sl, reduce_grads=True):
         _ce(f(model.emb(tok[:, sl])), tgt[:, sl]).backward()
     said = [str(w.message) for w in caught if issubclass(w.category, ac.AdjointCompileWarning)]
     return _grads(model), said, [r.rewrite for r in ac.report(f).regions]
+
+
+def _refusal(cls, sl, x, **opts):
+    f = _compile(_make(cls), **opts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            f(x[:, sl])
+            res = "no error"
+        except ac.SequenceParallelError as e:
+            res = str(e)
+    return res, [str(w.message) for w in caught if issubclass(w.category, ac.AdjointCompileWarning)]
 
 
 def _worker(rank, world, port, out_dir):
@@ -112,6 +137,10 @@ def _worker(rank, world, port, out_dir):
         model.scale.grad = None
         (f(x[:, sl]) * w[:, sl] + f(w[:, sl]) * x[:, sl]).sum().backward()  # NB: two sequences, one backward
         res["attr_twice"] = _grads(model)
+        res["per_length"] = _refusal(_PerLength, sl, x)
+        res["per_length_dynamic"] = _refusal(_PerLength, sl, x, dynamic=True)
+        e = slice(rank * EVEN[0], (rank + 1) * EVEN[0])  # NB: equal slices: the numbers cannot differ, it warns
+        res["per_length_even"] = _refusal(_PerLength, e, _data(sum(EVEN))[0])
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -163,3 +192,15 @@ def test_a_learnable_attribute_tensor_is_summed_like_a_parameter(ranks):
     for r, got in enumerate(ranks):
         for k in ref:
             assert _close(got["attr_twice"][k], ref[k]), (r, k, float((got["attr_twice"][k] - ref[k]).abs().max()))
+
+
+@pytest.mark.slow
+def test_a_number_read_from_the_slice_length_is_refused_or_warned(ranks):
+    for got in ranks:
+        msg, _ = got["per_length"]  # static shapes: the literal differs across the uneven slices
+        assert "differ across the ranks: [(5,), (4,)]" in msg and "return h / x.shape[1]" in msg, msg
+        msg, _ = got["per_length_dynamic"]  # symbolic: the number is read from the step axis' size
+        assert "reads the length of the step axis" in msg and "return h / x.shape[1]" in msg, msg
+        msg, said = got["per_length_even"]  # equal slices: runs, and says which number may be a slice length
+        assert msg == "no error", msg
+        assert len(said) == 1 and "the number 4" in said[0] and "return h / x.shape[1]" in said[0], said

@@ -20,8 +20,9 @@ Rank r holds the contiguous steps [o_r, o_r + n_r) of the sequence (n_r >= 1; th
   graphs uses as well (a tied embedding's lookup) gets its whole gradient of the backward summed by a hook on it
   (:func:`_fold_outside`): that part comes from the rank's slice too.
 * :class:`SeqParCall`, the compiled graph's callable: on every call the ranks first all-gather one small header
-  (graph fingerprint, refusal flag, slice length), so that ranks with different models, dtypes or options, or a
-  graph that was refused on some rank, raise on every rank instead of waiting for each other.
+  (graph fingerprint, refusal flag, slice length, a hash of the value ops' numbers), so that ranks with different
+  models, dtypes or options, a graph that was refused on some rank, or a number that differs across the ranks (a
+  static graph's ``x.shape[1]`` is the rank's slice length) raise on every rank instead of waiting for each other.
 
 Every collective is issued in the same order on every rank (the same graph, autograd's deterministic order), and
 waits at most the group's timeout (``init_process_group(timeout=...)``): a rank that dies or raises makes the
@@ -394,17 +395,24 @@ class SeqParCall:
     slice with the parameters' gradients reduced (``reduce``) over the group.
 
     ``refusal``: why this rank cannot run the graph split (raised on every rank after the header, with no model data
-    exchanged); ``length``: this rank's number of steps (-1: the graph exchanges nothing that needs it)."""
+    exchanged); ``length``: this rank's number of steps (-1: the graph exchanges nothing that needs it);
+    ``numbers``: the numbers of the graph's value ops, (op, source line, numbers) each, which must be the same on every
+    rank (a static graph holds ``x.shape[1]`` as the literal slice length); ``suspects``: warnings for numbers equal to
+    this rank's slice length, given once where every slice has the same length (then they cannot differ)."""
 
     def __init__(self, fn: Callable[..., Any] | None, state: SeqParState, fp: int, length: int,
-                 refusal: str | None, reduce: ReduceGrads | None) -> None:
+                 refusal: str | None, reduce: ReduceGrads | None, numbers: Sequence[tuple[str, str, tuple]] = (),
+                 suspects: Sequence[str] = ()) -> None:
         self.fn, self.state, self.fp, self.length, self.refusal, self.reduce = fn, state, fp, length, refusal, reduce
+        self.numbers, self.suspects = list(numbers), list(suspects)
+        self.nfp = fingerprint([nums for _, _, nums in self.numbers])
 
     def header(self) -> None:
         st = self.state
         # NB: NCCL moves CUDA tensors only
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(st.group) == "nccl" else "cpu"
-        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length], dtype=torch.int64, device=dev)
+        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length, self.nfp], dtype=torch.int64,
+                            device=dev)
         allh = _gather(mine, st.group).tolist()
         if any(r[1] for r in allh):
             whys = [None] * st.world
@@ -424,7 +432,32 @@ class SeqParCall:
         if self.length >= 0 and min(lengths) < 1:
             raise SequenceParallelError(f"sequence_parallel: every rank needs at least one step; slice lengths "
                                         f"(rank order): {lengths}")
+        if len({r[3] for r in allh}) > 1:
+            self._numbers_differ(lengths)
+        if self.suspects and st.world > 1 and len(set(lengths)) == 1:  # NB: one rank holds the whole sequence
+            for msg in self.suspects:
+                warnings.warn(msg, AdjointCompileWarning, stacklevel=3)
+            self.suspects = []  # NB: once per graph
         st.lengths = lengths
+
+    def _numbers_differ(self, lengths: list[int]) -> None:
+        """Raise on every rank, naming the first value op whose numbers differ across the ranks (the same graph
+        otherwise: the fingerprints agree)."""
+        st = self.state
+        every: list[Any] = [None] * st.world
+        dist.all_gather_object(every, [nums for _, _, nums in self.numbers], group=st.group)
+        for j, (op, where, _) in enumerate(self.numbers):
+            got = [r[j] if j < len(r) else None for r in every]
+            if any(repr(g) != repr(got[0]) for g in got):  # NB: by repr, as hashed: nan != nan
+                vals = [tuple(v for _, v in g) if g else g for g in got]
+                raise SequenceParallelError(
+                    f"sequence_parallel: {op} uses numbers that differ across the ranks: {vals} (rank order; slice "
+                    f"lengths {lengths}): a number read from the length of the step axis (x.shape[1]) is the slice's "
+                    f"length on each rank, not the sequence's, and would give results that differ from one process on "
+                    f"the whole sequence; compute it from the whole length outside the compiled model and pass it in. "
+                    f"At {where}")
+        raise SequenceParallelError(f"sequence_parallel: the ranks' graphs hold different numbers (slice lengths "
+                                    f"{lengths}); every rank must compile the same model")
 
     def __call__(self, *args: Any) -> Any:
         self.header()

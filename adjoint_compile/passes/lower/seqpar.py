@@ -26,7 +26,10 @@ What may be split: every op must act on each step on its own (analysis/time_loca
 (padding p = dilation·(k-1), stride 1, the output cut back to the input's length).  The step axis of the graph's
 sequence inputs is dim 1 (``[B, T, ...]``).  Anything else that mixes steps (attention, a sum or mean over time,
 a non-causal conv, a shift, a reverse scan) is a refusal naming the op and its source line; the refusal is raised
-on every rank by the call's header exchange, before any model data is exchanged.
+on every rank by the call's header exchange, before any model data is exchanged. So is a number read from the step
+axis' length (``h / x.shape[1]``: the slice's length on a rank): refused where a symbolic graph shows it
+(``meta["sizes_read"]``, passes/capture/specialize.py); a static graph's literal is compared across the ranks by the
+header, and where the slices are of one length a number equal to it warns.
 
 The graph's parameters, whose gradients are summed over the group, are its ``nn.Parameter`` inputs and the tensors
 that require grad read from a module's attributes (a learnable plain attribute, passed by dynamo as an input).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
-from ...analysis.optable import op_name
+from ...analysis.optable import POINTWISE, op_name
 from ...analysis.rules import op_label, step_shape
 from ...analysis.time_local import analyze, causal_conv as _causal_conv, conv_args as _conv_args
 from ...options import Options
@@ -72,6 +76,10 @@ class SeqParPlan:
     halos: int = 0
     #: sharded regions run on this rank's slice (exact mode)
     regions: int = 0
+    #: the numbers of the graph's value ops, (op, source line, numbers) each, compared across the ranks
+    numbers: list[tuple[str, str, tuple]] = dataclasses.field(default_factory=list)
+    #: warnings for numbers equal to this rank's slice length (given when every slice has that length)
+    suspects: list[str] = dataclasses.field(default_factory=list)
 
 
 def _refusal(node: fx.Node, why: str) -> str:
@@ -125,6 +133,7 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
     if T is None:
         return None, [], scans, None
     base = {n: 1 for i, n in seq_in if examples[i].shape[1] == T}
+    steps = {(i, 1) for i, n in seq_in if n in base}
     for s in scans:
         base[s] = scan_args(s)["dim"]
     convs: dict[fx.Node, tuple[fx.Node, int]] = {}
@@ -148,11 +157,48 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
         if n in allowed or (n.users and all(_shape_only(u) for u in n.users)):
             continue
         why = info.mixing.get(n)
+        if why is None and _numbers(n) and steps & n.meta.get("sizes_read", set()):
+            # NB: a number only a symbolic graph shows to be the step length (specialize.py); a static graph's is a
+            # literal, compared across the ranks instead (lower_seqpar)
+            why = ("it reads the length of the step axis as a number (x.shape[1]): on a rank that is its slice's "
+                   "length, not the sequence's; compute the number from the whole length outside the compiled model "
+                   "and pass it in")
         if why is None and is_linear_scan(n) and scan_args(n)["window"] is not None:
             why = "a windowed linear_scan reads the inputs of the previous window on other ranks"
         if why is not None:
             return T, convs, scans, _refusal(n, why)
     return T, convs, scans, None
+
+
+#: ops whose number arguments are values (``h / 5``), not sizes, dims or indices: a number there that came from the
+#: length of a rank's slice (``h / x.shape[1]``) gives that rank's result for its slice, not the sequence's
+_VALUE_OPS = POINTWISE | frozenset(("full_like", "fill", "fill_"))
+
+
+def _numbers(n: fx.Node) -> tuple:
+    """The number arguments of a value op (position or keyword, value); () for other nodes."""
+    if n.op not in ("call_function", "call_method") or op_name(n) not in _VALUE_OPS:
+        return ()
+    items = list(enumerate(n.args)) + list(n.kwargs.items())
+    return tuple((k, v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _value_numbers(gm: fx.GraphModule) -> list[tuple[str, str, tuple]]:
+    return [(f"{op_label(n)} ({n.name})", source_at(n), nums) for n in gm.graph.nodes if (nums := _numbers(n))]
+
+
+def _like_length(v: float, n: int) -> bool:
+    """Whether ``v`` is n, 1/n, sqrt(n) or 1/sqrt(n) (not 1, 2 or 1/2: those are everywhere)."""
+    cands = [c for c in (n, 1 / n, math.sqrt(n), 1 / math.sqrt(n)) if c not in (1, 2, 0.5)]
+    return n >= 3 and any(math.isclose(v, c, rel_tol=1e-9) for c in cands)
+
+
+def _suspects(numbers: list[tuple[str, str, tuple]], n: int) -> list[str]:
+    return [f"adjoint-compile sequence_parallel: {op} uses the number {v!r}, which is this rank's slice length {n} "
+            f"or comes from it; if it was read from an input's shape (x.shape[1]), it is the slice's length, not the "
+            f"sequence's, and the result differs from one process on the whole sequence (slices of different "
+            f"lengths would refuse it); compute it from the whole length outside the compiled model and pass it in. "
+            f"At {where}" for op, where, nums in numbers for _, v in nums if _like_length(v, n)]
 
 
 #: ops that read their input's shape, dtype and device only (``torch.zeros_like(x[:, 0])``, a loop's first state)
@@ -178,6 +224,7 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
     params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter) or _held_by_model(phs[i], ex)]
     fp = fingerprint(_fingerprint_parts(gm, examples, opts, set(params)))
+    numbers = _value_numbers(gm)
     attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
     try:
         T, convs, scans, refusal = _check(gm, examples, set(params))
@@ -189,7 +236,8 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     except Exception as e:  # noqa: BLE001 - an analysis that cannot read the graph must refuse, not guess
         log.debug("sequence_parallel: analysis raised", exc_info=True)
         T, convs, scans, refusal = None, {}, [], f"sequence_parallel: the graph could not be analyzed ({e})"
-    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params)
+    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params, numbers=numbers,
+                      suspects=[] if T is None else _suspects(numbers, int(T)))
     if refusal is not None or not rewrite:
         return plan
     window = opts.window if opts.mode == "truncated" else None
