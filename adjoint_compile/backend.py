@@ -175,9 +175,10 @@ def _run_seqpar(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
         if compile:
             fn = stitch(captured, sp.calls, opts) if sp.refusal is None else None
             reduce = ReduceGrads(sp.state.group, sp.params) if opts.reduce_grads else None
-            result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce)
+            result.fn = SeqParCall(fn, sp.state, sp.fingerprint, sp.length, sp.refusal, reduce, sp.numbers,
+                                   sp.suspects)
             if reduce is not None:
-                watch_unreduced([example_inputs[i] for i in sp.params], [m for _, m in frame_modules()])
+                watch_unreduced([m for _, m in frame_modules()])
     if not settled:
         # NB: a graph refused for sequence parallelism lowers nothing: its regions say why (their plans' reason is
         # empty where a rewrite was planned)

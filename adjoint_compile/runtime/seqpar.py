@@ -16,10 +16,13 @@ Rank r holds the contiguous steps [o_r, o_r + n_r) of the sequence (n_r >= 1; th
   ranks all-gather their last min(p, n_r) steps; rank r takes the p steps before o_r (zeros before the sequence
   start).  Backward: the ranks all-gather the halos' cotangents and each adds the parts that fall in its slice.
 * :class:`ReduceGrads`, identity on the graph's parameters whose backward all-reduces (SUM) their gradients over the
-  group, as DDP's hooks do: p.grad is then the gradient of the sum of every rank's loss.
+  group, as DDP's hooks do: p.grad is then the gradient of the sum of every rank's loss. A leaf that code outside the
+  graphs uses as well (a tied embedding's lookup) gets its whole gradient of the backward summed by a hook on it
+  (:func:`_fold_outside`): that part comes from the rank's slice too.
 * :class:`SeqParCall`, the compiled graph's callable: on every call the ranks first all-gather one small header
-  (graph fingerprint, refusal flag, slice length), so that ranks with different models, dtypes or options, or a
-  graph that was refused on some rank, raise on every rank instead of waiting for each other.
+  (graph fingerprint, refusal flag, slice length, a hash of the value ops' numbers), so that ranks with different
+  models, dtypes or options, a graph that was refused on some rank, or a number that differs across the ranks (a
+  static graph's ``x.shape[1]`` is the rank's slice length) raise on every rank instead of waiting for each other.
 
 Every collective is issued in the same order on every rank (the same graph, autograd's deterministic order), and
 waits at most the group's timeout (``init_process_group(timeout=...)``): a rank that dies or raises makes the
@@ -256,6 +259,8 @@ class _ReduceGradsFn(torch.autograd.Function):
     def forward(ctx, group: Any, *params: Tensor):
         ctx.group = group
         ctx.meta = [(p.shape, p.dtype, p.device) for p in params]
+        # NB: the leaves, whose gradient _fold_outside completes: they get the local one from here
+        ctx.leaves = [id(p) if p.is_leaf else None for p in params]
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
@@ -264,14 +269,19 @@ class _ReduceGradsFn(torch.autograd.Function):
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (_, dt, _) in enumerate(ctx.meta):
             by_dtype.setdefault(dt, []).append(i)
+        local = [g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2]) for g, m in zip(grads, ctx.meta)]
         out: list[Tensor | None] = [None] * len(grads)
         for dt, idx in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dt, device=ctx.meta[i][2])).reshape(-1)
-                              for i in idx])
+            flat = torch.cat([local[i].reshape(-1) for i in idx])
             # NB: one collective per dtype per graph, like a DDP bucket; SUM, since the loss is the ranks' sum
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
             for i, piece in zip(idx, flat.split([ctx.meta[i][0].numel() for i in idx])):
                 out[i] = piece.view(ctx.meta[i][0])
+        leaves = [(k, local[i], out[i]) for i, k in enumerate(ctx.leaves) if k is not None]
+        _note_reduced(leaves, ctx.group)
+        for i, k in enumerate(ctx.leaves):  # NB: _fold_outside gives the leaf the reduced gradient, or the whole's
+            if k is not None:
+                out[i] = local[i]
         return (None, *out)
 
 
@@ -286,16 +296,22 @@ class ReduceGrads:
         if not idx or not torch.is_grad_enabled():
             return list(args)
         out = list(args)
+        for i in idx:
+            if args[i].is_leaf:
+                _hook_outside(args[i])
         for i, t in zip(idx, _ReduceGradsFn.apply(self.group, *[args[i] for i in idx])):
             out[i] = t
         return out
 
 
-#: parameters some graph compiled under sequence_parallel reduces, and those watched for a gradient it did not (by
+#: parameters watched for a gradient no compiled graph reduced, and the leaves whose gradients the graphs reduce (by
 #: id, held weakly: a tensor's == is elementwise, so weak sets of tensors cannot be used)
-_REDUCED: dict[int, weakref.ref] = {}
 _WATCHED: dict[int, weakref.ref] = {}
+_HOOKED: dict[int, weakref.ref] = {}
 _WARNED: set[str] = set()
+#: per running backward (autograd's graph task), the leaves the graphs reduced: id -> [the graphs' local gradient (None
+#: where several graphs gave one), its sum over the group, the group]; None once the leaf's hook has run
+_TASKS: dict[int, dict[int, list | None]] = {}
 
 
 def _has(d: dict[int, weakref.ref], p: Tensor) -> bool:
@@ -303,11 +319,54 @@ def _has(d: dict[int, weakref.ref], p: Tensor) -> bool:
     return r is not None and r() is p
 
 
-def watch_unreduced(reduced: Sequence[Tensor], modules: Sequence[torch.nn.Module]) -> None:
-    """Warn (once per parameter) when a parameter of the compiled ``modules`` gets a gradient that no compiled graph
-    reduced over the ranks: used outside every graph (a ``torch._dynamo.disable``d submodule runs eagerly), its
-    ``.grad`` is this rank's share of the sequence's gradient only."""
-    _REDUCED.update({id(p): weakref.ref(p) for p in reduced})
+def _hook_outside(p: Tensor) -> None:
+    """Once per leaf a graph reduces: a hook on its gradient of each backward (:func:`_fold_outside`)."""
+    if not _has(_HOOKED, p):
+        _HOOKED[id(p)] = weakref.ref(p)
+        p.register_hook(lambda g, key=id(p): _fold_outside(key, g))  # NB: by id: the hook must not hold p
+
+
+def _note_reduced(leaves: Sequence[tuple[int, Tensor, Tensor]], group: Any) -> None:
+    """Record (id, local gradient, reduced gradient) of the leaves a graph reduced in this backward."""
+    if not leaves:
+        return
+    task = torch._C._current_graph_task_id()
+    if task not in _TASKS:
+        _TASKS[task] = {}
+        # NB: at the end of the backward: a leaf whose gradient is not asked for never reaches its hook
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _TASKS.pop(task, None))
+    seen = _TASKS[task]
+    for key, local, reduced in leaves:
+        e = seen.get(key)
+        seen[key] = [local, reduced, group] if e is None else [None, e[1] + reduced, group]
+
+
+def _fold_outside(key: int, g: Tensor) -> Tensor | None:
+    """The hook on a reduced leaf's gradient of a backward, every use summed (autograd runs it once, on the sum).
+
+    Where the graph's local gradient alone reached the leaf, it gets the graph's reduced gradient. Where code
+    outside the compiled graphs used the leaf as well (a tied embedding's lookup before the model, whose readout is
+    inside), that part comes from this rank's slice as the graph's does: the leaf gets the whole gradient summed over
+    the group (one more all-reduce, of the leaf's size). Every rank runs the same code, so each finds the same uses
+    and the all-reduces pair up, in autograd's order as the graphs' collectives do."""
+    seen = _TASKS.get(torch._C._current_graph_task_id())
+    e = seen.get(key) if seen is not None else None
+    if e is None:
+        return None
+    seen[key] = None  # NB: reduced in this backward (for _check_reduced); the gradients are let go
+    local, reduced, group = e
+    if g is local:  # NB: autograd passes a single gradient on as it is
+        return reduced
+    with torch.no_grad():
+        whole = g.to_dense() if g.is_sparse else g.clone(memory_format=torch.contiguous_format)  # NB: for NCCL/gloo
+        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
+    return whole
+
+
+def watch_unreduced(modules: Sequence[torch.nn.Module]) -> None:
+    """Warn (once per parameter) when a parameter of the compiled ``modules`` gets a gradient in a backward where no
+    compiled graph reduced it over the ranks: used outside every graph (a ``torch._dynamo.disable``d submodule runs
+    eagerly), its ``.grad`` is this rank's share of the sequence's gradient only."""
     for m in modules:
         for name, p in m.named_parameters():
             if p.requires_grad and not _has(_WATCHED, p):
@@ -316,7 +375,8 @@ def watch_unreduced(reduced: Sequence[Tensor], modules: Sequence[torch.nn.Module
 
 
 def _check_reduced(p: Tensor, name: str) -> None:
-    if not _has(_REDUCED, p) and name not in _WARNED:
+    seen = _TASKS.get(torch._C._current_graph_task_id())
+    if (seen is None or id(p) not in seen) and name not in _WARNED:
         _WARNED.add(name)
         warnings.warn(f"adjoint-compile sequence_parallel: the parameter {name} {tuple(p.shape)} got a gradient "
                       f"outside every compiled graph (a submodule run eagerly, e.g. under torch._dynamo.disable): its "
@@ -335,17 +395,24 @@ class SeqParCall:
     slice with the parameters' gradients reduced (``reduce``) over the group.
 
     ``refusal``: why this rank cannot run the graph split (raised on every rank after the header, with no model data
-    exchanged); ``length``: this rank's number of steps (-1: the graph exchanges nothing that needs it)."""
+    exchanged); ``length``: this rank's number of steps (-1: the graph exchanges nothing that needs it);
+    ``numbers``: the numbers of the graph's value ops, (op, source line, numbers) each, which must be the same on every
+    rank (a static graph holds ``x.shape[1]`` as the literal slice length); ``suspects``: warnings for numbers equal to
+    this rank's slice length, given once where every slice has the same length (then they cannot differ)."""
 
     def __init__(self, fn: Callable[..., Any] | None, state: SeqParState, fp: int, length: int,
-                 refusal: str | None, reduce: ReduceGrads | None) -> None:
+                 refusal: str | None, reduce: ReduceGrads | None, numbers: Sequence[tuple[str, str, tuple]] = (),
+                 suspects: Sequence[str] = ()) -> None:
         self.fn, self.state, self.fp, self.length, self.refusal, self.reduce = fn, state, fp, length, refusal, reduce
+        self.numbers, self.suspects = list(numbers), list(suspects)
+        self.nfp = fingerprint([nums for _, _, nums in self.numbers])
 
     def header(self) -> None:
         st = self.state
         # NB: NCCL moves CUDA tensors only
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(st.group) == "nccl" else "cpu"
-        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length], dtype=torch.int64, device=dev)
+        mine = torch.tensor([self.fp, int(self.refusal is not None), self.length, self.nfp], dtype=torch.int64,
+                            device=dev)
         allh = _gather(mine, st.group).tolist()
         if any(r[1] for r in allh):
             whys = [None] * st.world
@@ -365,7 +432,32 @@ class SeqParCall:
         if self.length >= 0 and min(lengths) < 1:
             raise SequenceParallelError(f"sequence_parallel: every rank needs at least one step; slice lengths "
                                         f"(rank order): {lengths}")
+        if len({r[3] for r in allh}) > 1:
+            self._numbers_differ(lengths)
+        if self.suspects and st.world > 1 and len(set(lengths)) == 1:  # NB: one rank holds the whole sequence
+            for msg in self.suspects:
+                warnings.warn(msg, AdjointCompileWarning, stacklevel=3)
+            self.suspects = []  # NB: once per graph
         st.lengths = lengths
+
+    def _numbers_differ(self, lengths: list[int]) -> None:
+        """Raise on every rank, naming the first value op whose numbers differ across the ranks (the same graph
+        otherwise: the fingerprints agree)."""
+        st = self.state
+        every: list[Any] = [None] * st.world
+        dist.all_gather_object(every, [nums for _, _, nums in self.numbers], group=st.group)
+        for j, (op, where, _) in enumerate(self.numbers):
+            got = [r[j] if j < len(r) else None for r in every]
+            if any(repr(g) != repr(got[0]) for g in got):  # NB: by repr, as hashed: nan != nan
+                vals = [tuple(v for _, v in g) if g else g for g in got]
+                raise SequenceParallelError(
+                    f"sequence_parallel: {op} uses numbers that differ across the ranks: {vals} (rank order; slice "
+                    f"lengths {lengths}): a number read from the length of the step axis (x.shape[1]) is the slice's "
+                    f"length on each rank, not the sequence's, and would give results that differ from one process on "
+                    f"the whole sequence; compute it from the whole length outside the compiled model and pass it in. "
+                    f"At {where}")
+        raise SequenceParallelError(f"sequence_parallel: the ranks' graphs hold different numbers (slice lengths "
+                                    f"{lengths}); every rank must compile the same model")
 
     def __call__(self, *args: Any) -> Any:
         self.header()

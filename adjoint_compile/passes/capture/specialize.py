@@ -20,7 +20,9 @@ After, for a call with T = 96::
 Every node whose value is a Python number, bool or size tuple is evaluated on the call's shapes (fake tensors of
 static shape) and replaced by its literal in its users; the dead size computations are removed; every node's
 ``example_value``/``val`` is the static fake tensor.  Provenance: ``meta["adjoint_compile"]["specialized_from"]``
-on the graph module names the symbolic graph's sizes.
+on the graph module names the symbolic graph's sizes; a node given a literal records in ``meta["sizes_read"]`` the
+(placeholder, dim) sizes it came from (``h / x.shape[1]``: ``{(x's position, 1)}``), which the static graph no longer
+shows (sequence parallelism refuses a slice's length used as a number).
 """
 from __future__ import annotations
 
@@ -153,6 +155,23 @@ class _Propagate(FakeTensorProp):
         return result
 
 
+def _sizes_read(gm: fx.GraphModule) -> dict[fx.Node, frozenset[tuple[int, int]]]:
+    """For each node of the symbolic graph ``gm`` whose value is a symbolic number: the (placeholder position, dim)
+    sizes its symbols stand for."""
+    places: dict[Any, set[tuple[int, int]]] = {}
+    for i, n in enumerate(p for p in gm.graph.nodes if p.op == "placeholder"):
+        v = n.meta.get("example_value", n.meta.get("val"))
+        for d, size in enumerate(v.shape if isinstance(v, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                places.setdefault(size.node.expr, set()).add((i, d))
+    out = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(v, _SYM):
+            out[n] = frozenset(pd for s in v.node.expr.free_symbols for pd in places.get(s, ()))
+    return out
+
+
 def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = ()) -> fx.GraphModule:
     """A copy of ``gm`` with every size literal for these call arguments (real tensors and Python numbers), and
     the numbers read from the 0-dim tensors ``args[i]`` for i in ``values`` (:func:`attribute_floats`).
@@ -175,6 +194,7 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = 
                 user.args = fx.node.map_arg(user.args, lambda x: float(args[i]) if x is item else x)
                 user.kwargs = fx.node.map_arg(user.kwargs, lambda x: float(args[i]) if x is item else x)
             new.graph.erase_node(item)
+    reads = _sizes_read(new)
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
     for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
@@ -192,6 +212,8 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = 
         for user in list(n.users):
             user.args = fx.node.map_arg(user.args, lambda x: v if x is n else x)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda x: v if x is n else x)
+            if reads.get(n):
+                user.meta["sizes_read"] = user.meta.get("sizes_read", frozenset()) | reads[n]
         folded += 1
     items = _scalar_items_as_tensors(new.graph)
     eliminate_dead_code(new.graph)

@@ -26,12 +26,19 @@ What may be split: every op must act on each step on its own (analysis/time_loca
 (padding p = dilation·(k-1), stride 1, the output cut back to the input's length).  The step axis of the graph's
 sequence inputs is dim 1 (``[B, T, ...]``).  Anything else that mixes steps (attention, a sum or mean over time,
 a non-causal conv, a shift, a reverse scan) is a refusal naming the op and its source line; the refusal is raised
-on every rank by the call's header exchange, before any model data is exchanged.
+on every rank by the call's header exchange, before any model data is exchanged. So is a number read from the step
+axis' length (``h / x.shape[1]``: the slice's length on a rank): refused where a symbolic graph shows it
+(``meta["sizes_read"]``, passes/capture/specialize.py); a static graph's literal is compared across the ranks by the
+header, and where the slices are of one length a number equal to it warns.
+
+The graph's parameters, whose gradients are summed over the group, are its ``nn.Parameter`` inputs and the tensors
+that require grad read from a module's attributes (a learnable plain attribute, passed by dynamo as an input).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value, is_linear_scan, scan_args, source_at
-from ...analysis.optable import op_name
+from ...analysis.optable import POINTWISE, op_name
 from ...analysis.rules import op_label, step_shape
 from ...analysis.time_local import analyze, causal_conv as _causal_conv, conv_args as _conv_args
 from ...options import Options
@@ -63,12 +70,16 @@ class SeqParPlan:
     length: int
     #: why this graph cannot be split (None: it can)
     refusal: str | None
-    #: positions of the graph's parameters among its inputs
+    #: positions of the graph's parameters among its inputs (learnable attribute tensors too: _held_by_model)
     params: list[int]
     scans: int = 0
     halos: int = 0
     #: sharded regions run on this rank's slice (exact mode)
     regions: int = 0
+    #: the numbers of the graph's value ops, (op, source line, numbers) each, compared across the ranks
+    numbers: list[tuple[str, str, tuple]] = dataclasses.field(default_factory=list)
+    #: warnings for numbers equal to this rank's slice length (given when every slice has that length)
+    suspects: list[str] = dataclasses.field(default_factory=list)
 
 
 def _refusal(node: fx.Node, why: str) -> str:
@@ -77,12 +88,26 @@ def _refusal(node: fx.Node, why: str) -> str:
             f"causal convolutions along time can run on a slice of the sequence")
 
 
-def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options) -> list[Any]:
+def _held_by_model(ph: fx.Node, ex: Any) -> bool:
+    """A tensor that requires grad read from a module's attributes (``self.scale = torch.ones(D).requires_grad_()``,
+    not an nn.Parameter; dynamo passes it as a plain input): the same on every rank, so its gradient is the sum of the
+    ranks' like a parameter's. A tensor passed as an argument is the caller's (a slice, an ``h0``): left alone."""
+    src = getattr(ph.meta.get("grapharg"), "source", None)
+    if not (isinstance(ex, torch.Tensor) and ex.requires_grad):
+        return False
+    while src is not None:
+        if "NNModuleSource" in type(src).__name__:  # NB: by name: torch._dynamo.source's classes move between versions
+            return True
+        src = getattr(src, "base", None)
+    return False
+
+
+def _fingerprint_parts(gm: fx.GraphModule, examples: list[Any], opts: Options, params: set[int]) -> list[Any]:
     parts: list[Any] = [opts.mode, opts.window, opts.reduce_grads]
-    for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples):
+    for i, (n, ex) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], examples)):
         if isinstance(ex, torch.Tensor):
             # NB: the whole shape of a parameter; of an activation all but dim 1, the rank's own number of steps
-            shape = tuple(ex.shape) if isinstance(ex, torch.nn.Parameter) else tuple(
+            shape = tuple(ex.shape) if i in params else tuple(
                 -1 if j == 1 else int(v) for j, v in enumerate(ex.shape))
             parts.append(("in", str(ex.dtype), bool(ex.requires_grad), shape))
         # NB: not the numbers: with dynamic shapes dynamo passes sizes, and a rank's slice of a view its storage
@@ -108,6 +133,7 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
     if T is None:
         return None, [], scans, None
     base = {n: 1 for i, n in seq_in if examples[i].shape[1] == T}
+    steps = {(i, 1) for i, n in seq_in if n in base}
     for s in scans:
         base[s] = scan_args(s)["dim"]
     convs: dict[fx.Node, tuple[fx.Node, int]] = {}
@@ -131,11 +157,48 @@ def _check(gm: fx.GraphModule, examples: list[Any], params: set[int]):
         if n in allowed or (n.users and all(_shape_only(u) for u in n.users)):
             continue
         why = info.mixing.get(n)
+        if why is None and _numbers(n) and steps & n.meta.get("sizes_read", set()):
+            # NB: a number only a symbolic graph shows to be the step length (specialize.py); a static graph's is a
+            # literal, compared across the ranks instead (lower_seqpar)
+            why = ("it reads the length of the step axis as a number (x.shape[1]): on a rank that is its slice's "
+                   "length, not the sequence's; compute the number from the whole length outside the compiled model "
+                   "and pass it in")
         if why is None and is_linear_scan(n) and scan_args(n)["window"] is not None:
             why = "a windowed linear_scan reads the inputs of the previous window on other ranks"
         if why is not None:
             return T, convs, scans, _refusal(n, why)
     return T, convs, scans, None
+
+
+#: ops whose number arguments are values (``h / 5``), not sizes, dims or indices: a number there that came from the
+#: length of a rank's slice (``h / x.shape[1]``) gives that rank's result for its slice, not the sequence's
+_VALUE_OPS = POINTWISE | frozenset(("full_like", "fill", "fill_"))
+
+
+def _numbers(n: fx.Node) -> tuple:
+    """The number arguments of a value op (position or keyword, value); () for other nodes."""
+    if n.op not in ("call_function", "call_method") or op_name(n) not in _VALUE_OPS:
+        return ()
+    items = list(enumerate(n.args)) + list(n.kwargs.items())
+    return tuple((k, v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _value_numbers(gm: fx.GraphModule) -> list[tuple[str, str, tuple]]:
+    return [(f"{op_label(n)} ({n.name})", source_at(n), nums) for n in gm.graph.nodes if (nums := _numbers(n))]
+
+
+def _like_length(v: float, n: int) -> bool:
+    """Whether ``v`` is n, 1/n, sqrt(n) or 1/sqrt(n) (not 1, 2 or 1/2: those are everywhere)."""
+    cands = [c for c in (n, 1 / n, math.sqrt(n), 1 / math.sqrt(n)) if c not in (1, 2, 0.5)]
+    return n >= 3 and any(math.isclose(v, c, rel_tol=1e-9) for c in cands)
+
+
+def _suspects(numbers: list[tuple[str, str, tuple]], n: int) -> list[str]:
+    return [f"adjoint-compile sequence_parallel: {op} uses the number {v!r}, which is this rank's slice length {n} "
+            f"or comes from it; if it was read from an input's shape (x.shape[1]), it is the slice's length, not the "
+            f"sequence's, and the result differs from one process on the whole sequence (slices of different "
+            f"lengths would refuse it); compute it from the whole length outside the compiled model and pass it in. "
+            f"At {where}" for op, where, nums in numbers for _, v in nums if _like_length(v, n)]
 
 
 #: ops that read their input's shape, dtype and device only (``torch.zeros_like(x[:, 0])``, a loop's first state)
@@ -159,8 +222,9 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     # NB: explain() passes no inputs: dynamo's fakes in the placeholders' meta stand in (parameters stay Parameters)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [examples[i] if i < len(examples) else example_value(n) for i, n in enumerate(phs)]
-    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter)]
-    fp = fingerprint(_fingerprint_parts(gm, examples, opts))
+    params = [i for i, ex in enumerate(examples) if isinstance(ex, torch.nn.Parameter) or _held_by_model(phs[i], ex)]
+    fp = fingerprint(_fingerprint_parts(gm, examples, opts, set(params)))
+    numbers = _value_numbers(gm)
     attrs = [k for k, p in gm.named_parameters() if p.requires_grad]
     try:
         T, convs, scans, refusal = _check(gm, examples, set(params))
@@ -172,7 +236,8 @@ def lower_seqpar(gm: fx.GraphModule, examples: list[Any], opts: Options, *, rewr
     except Exception as e:  # noqa: BLE001 - an analysis that cannot read the graph must refuse, not guess
         log.debug("sequence_parallel: analysis raised", exc_info=True)
         T, convs, scans, refusal = None, {}, [], f"sequence_parallel: the graph could not be analyzed ({e})"
-    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params)
+    plan = SeqParPlan(state, [], fp, -1 if T is None else int(T), refusal, params, numbers=numbers,
+                      suspects=[] if T is None else _suspects(numbers, int(T)))
     if refusal is not None or not rewrite:
         return plan
     window = opts.window if opts.mode == "truncated" else None
