@@ -67,10 +67,15 @@ class ELUInRegion(nn.Module):
         super().__init__()
         self.k, self.v = nn.Linear(H * K, H * K, dtype=DT), nn.Linear(H * K, H * K, dtype=DT)
 
+    def features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """elu(k) + 1 and v, each [B, H, T, K] (transposed views)."""
+        b, t, _ = x.shape
+        return (F.elu(self.k(x).view(b, t, H, K).transpose(1, 2)) + 1,
+                self.v(x).view(b, t, H, K).transpose(1, 2))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        k = F.elu(self.k(x).view(b, t, H, K).transpose(1, 2)) + 1
-        v = self.v(x).view(b, t, H, K).transpose(1, 2)
+        k, v = self.features(x)
         h = ac.ops.linear_scan(torch.sigmoid(v), k * v, dim=2)
         return h.transpose(1, 2).reshape(b, t, H * K).pow(2).sum()
 
@@ -92,18 +97,13 @@ class SoftplusComplexScan(nn.Module):
         return torch.stack(hs, 1).pow(2).sum()
 
 
-class ELUBeforeLoop(nn.Module):
+class ELUBeforeLoop(ELUInRegion):
     """elu(k) + 1 outside the region, the recurrence a loop over an outer-product state (aot_eager's backward of the
     partition holds elu_backward and the view of the gradient of k)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.k, self.v = nn.Linear(H * K, H * K, dtype=DT), nn.Linear(H * K, H * K, dtype=DT)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        k = F.elu(self.k(x).view(b, t, H, K).transpose(1, 2)) + 1
-        v = self.v(x).view(b, t, H, K).transpose(1, 2)
+        k, v = self.features(x)
         S, ys = x.new_zeros(b, H, K, K), []
         for i in range(t):
             S = 0.9 * S + k[:, :, i, :, None] * v[:, :, i, None, :]
