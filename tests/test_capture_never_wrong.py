@@ -151,6 +151,22 @@ def test_a_graph_that_keeps_in_place_writes_is_refused_with_a_reason():
     assert any("writes in place into a tensor it made" in j.reason for j in report.rejections), report
 
 
+def test_an_in_place_update_of_the_state_is_refused_with_its_remedy():
+    """``h += b_t`` in a loop: the remedy is the update as a new value, not the buffer advice."""
+    def acc(a, b):
+        h, outs = torch.zeros_like(b[:, 0]), []
+        for t in range(b.shape[1]):
+            h = h * a[:, t]
+            h += b[:, t]
+            outs.append(h)
+        return torch.stack(outs, 1).square().sum()
+
+    a, b = torch.rand(2, 9, 3, dtype=DT), torch.randn(2, 9, 3, dtype=DT)
+    report = ac.explain(acc, a, b, options={"shard_size": 2})
+    [j] = [j for j in report.rejections if "writes in place" in j.reason]
+    assert "h = h + x instead of h += x" in j.reason and "torch.stack" not in j.reason, j.reason
+
+
 def test_nothing_rewritten_reaches_the_inner_compiler_as_captured(monkeypatch):
     """A tanh RNN (nothing to rewrite) whose graph normalization would change (a no-op cast, an output buffer)."""
     W = torch.randn(4, 4, dtype=DT) / 4

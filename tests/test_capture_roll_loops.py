@@ -156,6 +156,32 @@ def test_gate_rolled_and_sharded_exact():
     assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")]
 
 
+class GRULoop(nn.Module):
+    """A GRU written as a loop: a gated recurrence, rolled in exact mode (it keeps autograd there)."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.d, self.ih, self.hh = d, nn.Linear(d, 3 * d), nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gx, h, out = self.ih(x), x.new_zeros(x.shape[0], self.d), []
+        for t in range(x.shape[1]):
+            r_x, z_x, n_x = gx[:, t].chunk(3, -1)
+            r_h, z_h, n_h = self.hh(h).chunk(3, -1)
+            r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+            h = (1 - z) * torch.tanh(n_x + r * n_h) + z * h
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def test_the_steps_peeled_at_trace_time_are_no_region():
+    """The rolled loop's two steps traced to check its carries stay in dynamo's graph, unused: no second region."""
+    rep = _check(GRULoop(), torch.randn(2, 9, 6), inner="aot_eager")
+    assert [(r.kind, r.source) for r in rep.regions] == [("gated_recurrence", "scan")], rep
+    # NB: highway mode unrolls the loop and proves its steps there: from the rolled loop it is no promise
+    assert "mode='highway' unrolls the loop and may rewrite it" in rep.regions[0].reason, rep.regions[0].reason
+
+
 def test_graph_does_not_grow_with_T():
     sizes = [len(_check(Gate(), torch.randn(2, T, 6)).graphs[0].graph.nodes) for T in (16, 128)]
     assert sizes[0] == sizes[1]

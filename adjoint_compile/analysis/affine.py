@@ -8,7 +8,7 @@ does ``n`` equal ``C ⊙ h + O`` (elementwise, with broadcasting), and do ``C`` 
 * anything else (``tanh(W h + x)``, ``h * h``) is not affine in h and gets a reason.
 
 :func:`affine` expands ``n`` through the ops that keep a value affine (add, sub, rsub, neg, mul and div by an
-h-free value, addcmul, lerp, clone); any other op whose output depends on h is an opaque atom. The coefficients are
+h-free value, addcmul, lerp, clone, and a select by an h-free mask: ``where``, ``masked_fill``); any other op whose output depends on h is an opaque atom. The coefficients are
 small expression trees (:class:`Expr`) over the graph's nodes, so a matcher can report the node that *is* ``a``
 when there is one (``a * h + b``) and an expression when there is not (``h * a - b`` has ``b = -(b)``), and a test
 can evaluate them (:meth:`Expr.evaluate`) against the real values.
@@ -20,18 +20,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from .fx import bfs_inputs, hinted_shape
+from .fx import bfs_inputs, example_value, hinted_shape
 from .fx import reachable as forward_reach
 from .optable import LINEAR_IN_CARRY as _AFFINE_OPS
-from .optable import MATMULS, op_name
+from .optable import FILL_LIKE, MATMULS, op_name, raw_name
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "linear_combine",
-    "Expr", "Const", "Atom", "Sum", "Prod", "Quot", "Affine", "NotAffine", "affine", "UpdateForm", "classify_update",
+    "Expr", "Const", "Atom", "Sum", "Prod", "Quot", "Select", "Affine", "NotAffine", "affine", "UpdateForm", "classify_update",
 ]
 
 
@@ -152,6 +153,41 @@ class Quot(Expr):
         return f"({self.num})/({self.den})"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Select(Expr):
+    """``where(cond, x, y)``, None standing for zero: a state reset (``where(done, 0, h)``) selects the coefficient."""
+
+    cond: Expr
+    x: Expr | None
+    y: Expr | None
+    #: the select's dtype: NB two constant branches are made in it, not in the default dtype (0.9 in fp32 is not
+    #: 0.9 in fp64)
+    dtype: Any
+
+    def _collect(self, out: list[fx.Node]) -> None:
+        for e in (self.cond, self.x, self.y):
+            if e is not None:
+                e._collect(out)
+
+    def evaluate(self, env: Callable[[fx.Node], Any]) -> Any:
+        c = self.cond.evaluate(env)
+        x, y = (0.0 if e is None else e.evaluate(env) for e in (self.x, self.y))
+        if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+            x = torch.full_like(c, x, dtype=self.dtype)
+        return torch.where(c, x, y)
+
+    def __str__(self) -> str:
+        return f"where({self.cond}, {self.x or 0}, {self.y or 0})"
+
+
+def e_select(cond: Expr, x: Expr | None, y: Expr | None, dtype: Any) -> Expr | None:
+    if x is None and y is None:
+        return None
+    if x is y or (isinstance(x, Const) and isinstance(y, Const) and x.value == y.value):
+        return x
+    return Select(cond, x, y, dtype)
+
+
 def _is_const(e: Expr | None, v: float | None = None) -> bool:
     return isinstance(e, Const) and (v is None or e.value == v)
 
@@ -262,7 +298,7 @@ def _affine(n: Any, carry: fx.Node, depends: Callable[[fx.Node], bool], memo: di
         memo[n] = res
         return res
     res = _expand(n, carry, depends, memo)
-    if res.coef is None:
+    if res.coef is None and not (res.offset is None or isinstance(res.offset, Const)):
         # NB: an h-dependent value with no h-linear part is kept as one atom (e.g. the gate `1 - z`), so reports
         # can name the node instead of an expression.
         res = Affine(None, Atom(n))
@@ -317,7 +353,31 @@ def _expand(n: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], bool], memo
             return Affine(None, Atom(n))
         prod = _mul(n, t1, t2)
         return Affine(e_add(inp.coef, prod.coef, value), e_add(inp.offset, prod.offset, value))
+    if name in FILL_LIKE and n.args and set(n.kwargs) <= {"memory_format"}:
+        # NB: zeros_like(h) reads only h's shape: a constant (the reset ``where(keep, h, zeros_like(h))``)
+        fill = 0.0 if name == "zeros_like" else 1.0 if name == "ones_like" else _arg(n, 1, "fill_value")
+        if _num(fill):
+            return Affine(None, None if fill == 0 else Const(float(fill)))
+    if name in ("where", "masked_fill") and not n.kwargs:
+        return _select(n, name, rec, depends)
     return Affine(None, Atom(n))
+
+
+def _select(n: fx.Node, name: str, rec: Callable[[Any], Affine], depends: Callable[[fx.Node], bool]) -> Affine:
+    """``where(m, x, y)`` = (where(m, cx, cy)) ⊙ h + where(m, ox, oy) when the mask m is free of the carry: a state
+    reset (``where(done, 0, h)``, ``h.masked_fill(done, 0)``) is linear in h with a selected coefficient."""
+    if name == "where" and len(n.args) == 3:
+        # NB: torch.where(cond, x, y), but the method x.where(cond, y)
+        cond, x, y = (n.args[1], n.args[0], n.args[2]) if n.op == "call_method" else n.args
+    elif name == "masked_fill" and len(n.args) == 3 and raw_name(n) == "masked_fill":  # not masked_fill_ (in place)
+        cond, x, y = n.args[1], n.args[2], n.args[0]  # masked_fill(x, m, v) = where(m, v, x)
+    else:
+        return Affine(None, Atom(n))
+    ev = example_value(n)
+    if not isinstance(cond, fx.Node) or depends(cond) or not isinstance(ev, torch.Tensor):
+        return Affine(None, Atom(n))  # NB: a mask computed from the state (where(h > 0, ...)) is a nonlinearity
+    c, xa, ya = Atom(cond), rec(x), rec(y)
+    return Affine(e_select(c, xa.coef, ya.coef, ev.dtype), e_select(c, xa.offset, ya.offset, ev.dtype))
 
 
 def _mul(n: fx.Node, x: Affine, y: Affine) -> Affine:

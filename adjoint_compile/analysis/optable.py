@@ -92,6 +92,10 @@ EXPLICIT: dict[Any, str] = {F.pad: "pad", torch.linalg.vector_norm: "vector_norm
 #: and the linear expansion under it.
 STATE_OPS = _names("add sub rsub mul div neg addcmul lerp")
 LINEAR_IN_CARRY = STATE_OPS | _names("clone contiguous pos")
+#: selects by a mask: affine in the carry when the mask is free of it (a state reset, ``where(done, 0, h)``).
+SELECT_OPS = _names("where masked_fill")
+#: values that read only a tensor's shape: constants in the affine algebra (``zeros_like(h)``).
+FILL_LIKE = _names("zeros_like ones_like full_like")
 #: the anchors of a residual layer ``x + g(x)``.
 SUM_OPS = _names("add sub addcmul")
 #: nonlinear state updates of an unrolled loop (``tanh(W h + x)``), linked to their previous state by op.
@@ -133,7 +137,7 @@ BATCHABLE = BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FE
 KNOWN: frozenset[str] = frozenset().union(
     POINTWISE, SAME_SHAPE, METADATA, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
     EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, COMPLEX_VIEWS, REPEATS, LOSS_OPS, SINGLE, EXPLICIT.values(),
-    LINEAR_IN_CARRY, SUM_OPS, NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
+    LINEAR_IN_CARRY, SELECT_OPS, FILL_LIKE, SUM_OPS, NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
 
 _SPELLED: dict[Any, str] = dict(EXPLICIT)
 for _name in sorted(KNOWN - set(EXPLICIT.values())):

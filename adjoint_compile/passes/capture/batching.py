@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ...analysis import optable as ops
-from ...analysis.affine import Atom, Const, Expr, Prod, Quot, Sum, UpdateForm
+from ...analysis.affine import Atom, Const, Expr, Prod, Quot, Select, Sum, UpdateForm
 from ...analysis.fx import example_value, hinted_shape
 from ...regions import PROVENANCE
 
@@ -332,6 +332,18 @@ def emit_expr(b: Batcher, e: Expr, atom: Callable[[fx.Node], Value]) -> Value:
         return out
     if isinstance(e, Quot):
         return pw(operator.truediv, emit_expr(b, e.num, atom), emit_expr(b, e.den, atom))
+    if isinstance(e, Select):
+        c = emit_expr(b, e.cond, atom)
+        x, y = (Value(0.0, False) if v is None else emit_expr(b, v, atom) for v in (e.x, e.y))
+        if not isinstance(x.node, fx.Node) and not isinstance(y.node, fx.Node):
+            # NB: the branch that is not zero made a tensor, so that a reset reads where(m, 0, ...) (analysis/resets)
+            if x.node == 0:
+                y = Value(em(torch.full_like, (c.node, y.node), {"dtype": e.dtype}), c.batched)
+            else:
+                x = Value(em(torch.full_like, (c.node, x.node), {"dtype": e.dtype}), c.batched)
+        R = max(c.rank(), x.rank(), y.rank())
+        c, x, y = b.pad(c, R), b.pad(x, R), b.pad(y, R)
+        return Value(em(torch.where, (c.node, x.node, y.node)), c.batched or x.batched or y.batched)
     raise Unproven(f"unknown coefficient expression {e}")
 
 

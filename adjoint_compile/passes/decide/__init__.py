@@ -124,8 +124,19 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 p = Plan("none", SYMBOLIC)
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and (why := _highway_refusal(r)):
             p = Plan("none", p.reason.replace("mode='highway' rewrites it", f"mode='highway' would not either: {why}"))
+        elif r.kind == "gated_recurrence" and opts.mode != "highway" and _rolled_loop(r):
+            # NB: mode='highway' unrolls the loops it rolls here, and proves the unrolled steps: not provable from here
+            p = Plan("none", p.reason.replace(
+                "mode='highway' rewrites it", "mode='highway' unrolls the loop and may rewrite it: "
+                "ac.explain(..., options={'mode': 'highway'}) tells"))
         plans.append(p)
     return plans
+
+
+def _rolled_loop(r: Region) -> bool:
+    """Whether ``r`` is a Python loop rolled into torch's scan before dynamo (polyfills/loop_runtime.py's call)."""
+    return any(isinstance(n, fx.Node) and is_scan_hop(n) and "polyfills/loop_runtime.py" in
+               str(n.meta.get("stack_trace") or "").replace("\\", "/") for n in r.nodes)
 
 
 def _highway_refusal(r: Region) -> str | None:

@@ -191,7 +191,7 @@ def _seq(gm: fx.GraphModule, x: PerStepSlice, n_slots: int, T: int) -> fx.Node:
     slot = x.node
     if n_slots != 1 or x.first_step != 1 or x.stride not in (1, -1) or not isinstance(x.start, int):
         raise _Refused(f"the per-step slice {slot.name} is not one index stepping by 1 from the first step")
-    src, dim = None, None
+    src, dim, rest = None, None, ()
     if slot.target is operator.getitem and len(slot.args) == 2:
         base, idx = slot.args
         if isinstance(base, fx.Node) and (fn_name(base) == "unbind") and isinstance(idx, int):
@@ -199,8 +199,10 @@ def _seq(gm: fx.GraphModule, x: PerStepSlice, n_slots: int, T: int) -> fx.Node:
         else:
             idx = idx if isinstance(idx, tuple) else (idx,)
             ints = [i for i, v in enumerate(idx) if isinstance(v, int)]
-            if len(ints) == 1 and all(v == slice(None) for i, v in enumerate(idx) if i != ints[0]):
-                src, dim = base, ints[0]
+            if len(ints) == 1 and all(v is None or v == slice(None) for i, v in enumerate(idx) if i != ints[0]):
+                # NB: x[:, t, None] is select(x, 1, t)[:, None]: the Nones index the step's value, after the step
+                src, dim = base, sum(v is not None for v in idx[:ints[0]])
+                rest = idx[:ints[0]] + idx[ints[0] + 1:] if None in idx else ()
     elif fn_name(slot) == "select" and len(slot.args) == 3:
         src, dim = slot.args[0], slot.args[1]
     shape = hinted_shape(src) if isinstance(src, fx.Node) else None
@@ -218,6 +220,9 @@ def _seq(gm: fx.GraphModule, x: PerStepSlice, n_slots: int, T: int) -> fx.Node:
     if x.stride == -1:
         with gm.graph.inserting_after(seq):
             seq = gm.graph.call_function(torch.flip, (seq, [0]))
+    if rest:
+        with gm.graph.inserting_after(seq):
+            seq = gm.graph.call_function(operator.getitem, (seq, (slice(None), *rest)))
     return seq
 
 

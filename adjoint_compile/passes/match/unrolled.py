@@ -86,7 +86,7 @@ def _affine_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
     """The previous state of ``s`` if ``s`` is affine in a same-op, same-shape node of its linear expansion."""
     same = _same_op(s, ctx)
     # NB: not past a previous state: expanding past it would walk back along the whole chain
-    cands = [a for a in bfs_inputs(s, _BUDGET, lambda a: not same(a) and op_name(a) in ops.LINEAR_IN_CARRY)
+    cands = [a for a in bfs_inputs(s, _BUDGET, lambda a: not same(a) and op_name(a) in _THROUGH_AFFINE)
              if same(a)]
     for p in cands:
         reach = forward_reach(p, s, ctx.pos)
@@ -117,6 +117,7 @@ def _matrix_pred(s: fx.Node, ctx: _Ctx) -> fx.Node | None:
     return None
 
 
+_THROUGH_AFFINE = ops.LINEAR_IN_CARRY | ops.SELECT_OPS
 _MATRIX_OPS = ops.MATMULS | {"linear"}
 _THROUGH_MATMUL = ops.LINEAR_IN_CARRY | _MATRIX_OPS
 
@@ -135,7 +136,7 @@ def _chains(ctx: _Ctx) -> list[tuple[list[fx.Node], str]]:
             continue
         name = op_name(s)
         p, kind = None, ""
-        if name in ops.STATE_OPS:
+        if name in ops.STATE_OPS or name in ops.SELECT_OPS:
             p, kind = _affine_pred(s, ctx), "affine"
         if p is None and (name in ops.NONLINEAR_STATE or _fname(s) in ops.NONLINEAR_STATE):
             p, kind = _general_pred(s, ctx), "general"

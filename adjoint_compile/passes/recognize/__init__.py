@@ -82,6 +82,7 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
         out.extend(found)
         rejections.extend(rejected)
     chains = _drop_time_chains(chains, recurrences)
+    recurrences, chains, rejections = _drop_dead(gm, recurrences, chains, rejections)
     try:
         with stage("time_local"):
             _neighbourhoods(gm, recurrences)
@@ -104,6 +105,30 @@ def _not_rerolled(r: Recurrence) -> str | None:
         if isinstance(prov, dict) and prov.get("not_rerolled"):
             return prov["not_rerolled"]
     return None
+
+
+def _drop_dead(gm: fx.GraphModule, recs: list[Recurrence], chains: list[ResidualChain],
+               rejections: list[Rejection]) -> tuple[list[Recurrence], list[ResidualChain], list[Rejection]]:
+    """Without what nothing reads: dead code is no region and no near miss. NB: a rolled loop's two steps peeled at
+    trace time to check its carries' metadata stay in dynamo's graph, unused (polyfills/loop_runtime.py)."""
+    roots = [n for n in gm.graph.nodes if n.op == "output" or (not n.users and n.is_impure())]
+    live: set[fx.Node] = set(roots)
+    todo = deque(roots)
+    while todo:
+        for a in todo.popleft().all_input_nodes:
+            if a not in live:
+                live.add(a)
+                todo.append(a)
+    if len(live) == len(gm.graph.nodes):
+        return recs, chains, rejections
+    dead_names = {n.name for n in gm.graph.nodes if n not in live}
+    kept = [r for r in recs if any(o in live for o in (r.outputs or r.nodes))]
+    kept_chains = [c for c in chains if any(layer.out in live for layer in c.layers)]
+    kept_rej = [j for j in rejections if j.node not in dead_names]
+    if len(kept) != len(recs) or len(kept_chains) != len(chains) or len(kept_rej) != len(rejections):
+        log.debug("recognize: %d region(s) and %d rejection(s) in dead code left out",
+                  len(recs) + len(chains) - len(kept) - len(kept_chains), len(rejections) - len(kept_rej))
+    return kept, kept_chains, kept_rej
 
 
 def _drop_time_chains(chains: list[ResidualChain], recs: list[Recurrence]) -> list[ResidualChain]:
@@ -221,12 +246,26 @@ def recognize_captured(captured: Captured, opts: Options) -> tuple[list[Region],
         return [], [Rejection("graph", w.name, f"the graph writes in place into a tensor it made, or into an input "
                               f"it reads again after the write ({len(captured.writes)} write(s), the first "
                               f"{w.name}{f' at {line}' if line else ''}) in a way that could not be turned into "
-                              f"values: it keeps ordinary autograd; collect a loop's outputs in a list and "
-                              f"torch.stack them, or write each step's whole slice of a buffer made in the loop's "
-                              f"graph (o[:, t] = h)")]
+                              f"values: it keeps ordinary autograd; {_write_remedy(w)}")]
     try:
         with no_guards(captured.gm) if captured.symbolic else contextlib.nullcontext():
             return recognize(captured.gm, opts, matched=captured.matched)
     except Exception as e:  # noqa: BLE001 - recognition must fail soft (DESIGN.md §4)
         log.warning("adjoint-compile: recognition failed, the graph keeps ordinary autograd: %s", e, exc_info=True)
         return [], [Rejection("graph", "<graph>", f"recognition raised {type(e).__name__}: {e}")]
+
+
+#: in-place spellings of an arithmetic update (``h += x``, ``h.mul_(a)``), not writes into a buffer's slice
+_OPERATORS = {"iadd": "+", "isub": "-", "imul": "*", "itruediv": "/"}
+_METHODS = frozenset("add_ sub_ mul_ div_ addcmul_ lerp_ masked_fill_ clamp_ zero_ fill_".split())
+
+
+def _write_remedy(w: fx.Node) -> str:
+    name = w.target if isinstance(w.target, str) else getattr(w.target, "__name__", "")
+    if name in _OPERATORS:
+        op = _OPERATORS[name]
+        return f"write the update as a new value (h = h {op} x instead of h {op}= x)"
+    if name in _METHODS:
+        return f"write the update as a new value (h = h.{name[:-1]}(...) instead of h.{name}(...))"
+    return ("collect a loop's outputs in a list and torch.stack them, or write each step's whole slice of a buffer "
+            "made in the loop's graph (o[:, t] = h)")
