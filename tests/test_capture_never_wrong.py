@@ -167,6 +167,20 @@ def test_an_in_place_update_of_the_state_is_refused_with_its_remedy():
     assert "h = h + x instead of h += x" in j.reason and "torch.stack" not in j.reason, j.reason
 
 
+def test_a_loop_whose_steps_alternate_says_the_steps_differ():
+    def alternate(a, b):
+        h, outs = torch.zeros_like(b[:, 0]), []
+        for t in range(b.shape[1]):
+            h = a[:, t] * h + b[:, t] if t % 2 == 0 else a[:, t] * h - b[:, t]
+            outs.append(h)
+        return torch.stack(outs, 1).square().sum()
+
+    a, b = torch.rand(2, 13, 3, dtype=DT), torch.randn(2, 13, 3, dtype=DT)
+    report = ac.explain(alternate, a, b, options={"shard_size": 4, "inner": "aot_eager"})
+    assert not any(r.rewrite == "adjoint" for r in report.regions), report
+    assert "steps differ" in str(report) and "initial state is not a graph value" not in str(report), report
+
+
 def test_nothing_rewritten_reaches_the_inner_compiler_as_captured(monkeypatch):
     """A tanh RNN (nothing to rewrite) whose graph normalization would change (a no-op cast, an output buffer)."""
     W = torch.randn(4, 4, dtype=DT) / 4

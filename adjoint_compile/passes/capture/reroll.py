@@ -170,6 +170,11 @@ def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[LoopRecipe, dict[fx.Node, 
                              *(x.node for x in recipe.xs)) if n not in pos]
     if gone:
         raise _Unproven(f"the loop's node {gone[0]} is no longer in the graph")
+    if recipe.h0 is None and recipe.first_step_matched:
+        # NB: step 1 matched the template without reading the state where it does: the steps alternate (a loop whose
+        # even and odd steps differ chains every other step)
+        raise _Unproven("steps differ: the first step does not read the loop's state where the others do (do the "
+                        "loop's steps alternate?); write every step as the same computation")
     if recipe.h0 is None or recipe.h0 not in pos:
         raise _Unproven("the loop's initial state is not a graph value")
     if len(recipe.states) != r.length or len(recipe.states) < 2:
