@@ -273,3 +273,58 @@ def test_help_lists_every_option_without_pointing_into_the_repository(capsys):
     assert "docs/" not in out
     for key in ALLOWED_KEYS:
         assert f"\n  {key:18s} {SUMMARY[key]}" in out, key
+
+
+# --------------------------------------------------------------------------------------------- demo: arguments
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--seq-len", "0"], "--seq-len 0: must exceed 2 * --n-data = 4"),
+    (["--train-len", "4"], "--train-len 4: must exceed"),
+    (["--steps", "-1"], "--steps -1: must be at least 1"),
+    (["--vocab", "2"], "--vocab 2: must be at least 3"),
+    (["--device", "tpu"], "--device tpu: the demo runs on cpu or cuda"),
+    (["--shard-size", "0"], "--shard-size 0: must be at least 1"),
+    (["--lr", "0"], "--lr 0.0: must be positive"),
+    (["--out", __file__], f"--out {__file__}: is a file"),
+])
+def test_demo_refuses_arguments_it_cannot_use_before_training(capsys, argv, words):
+    from adjoint_compile import demo
+
+    with pytest.raises(SystemExit) as info:
+        demo.parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"adjoint-compile demo: error: {words}" in err, err
+    assert demo.parse_args(["--device", "cuda:1", "--shard-size", "1"]).shard_size == 1
+
+
+def test_demo_help_states_the_parsers_own_defaults():
+    """The help text is formatted from each flag's default (one source: set_defaults changes both)."""
+    from adjoint_compile import demo
+
+    p = demo.parser()
+    shown = [a for a in p._actions if a.default not in (None, argparse.SUPPRESS) and a.dest not in ("out", "help")]
+    assert [a.dest for a in shown if "%(default)s" not in a.help] == []
+    text = " ".join(p.format_help().split("options:")[1].split())
+    assert "(default 2)" in text.split("--n-data N_DATA")[1][:60] and "(default 0.01)" in text.split("--lr LR")[1][:60]
+
+
+def test_docs_cli_md_states_the_demos_real_defaults():
+    from adjoint_compile import demo
+
+    page = (EXAMPLES.parent / "docs" / "cli.md").read_text().split("## `adjoint-compile demo`")[1]
+    rows = [ln.split("|")[1:3] for ln in page.splitlines() if ln.startswith("| `--")]
+    defaults = {a.option_strings[0]: a.default for a in demo.parser()._actions if a.option_strings[0] != "-h"}
+    documented = {}
+    for flags, values in rows:
+        names, vals = flags.replace("`", "").strip().split(", "), values.replace("`", "").strip().split(", ")
+        documented.update(zip(names, vals if len(vals) == len(names) else [values.strip()] * len(names)))
+    assert sorted(documented) == sorted(defaults)
+    for flag, doc in documented.items():
+        real = defaults[flag]
+        if flag == "--out":
+            assert doc == "out/" and str(real).rstrip("/").endswith("out")
+        elif real is None:
+            assert doc == "chosen", flag
+        else:
+            assert (float(doc) == real if isinstance(real, (int, float)) else doc == real), (flag, doc, real)
