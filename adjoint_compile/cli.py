@@ -4,40 +4,42 @@
     adjoint-compile dump    path/to/file.py:factory --input "randn(2,1024,64)" [--out DIR (default out/dump)]
     adjoint-compile demo    [demo arguments]
 
-``factory`` is a function in the file that returns an ``nn.Module`` or a function (called with no arguments; a
-module-level ``nn.Module`` or function is used as is). ``--input`` builds one tensor from a small, safe
-expression language: ``randn(2,1024,64)``, ``rand(...)``, ``ones(...)``, ``zeros(...)``, ``randint(low, high,
-(shape))`` with int arguments and an optional ``dtype=float32|float16|bfloat16|float64|int64|int32|bool``; nothing
-else is evaluated. ``dump`` writes each captured FX graph as text and a picture with the recognized regions
-highlighted (graphviz SVG when the ``dot`` program is installed; otherwise it says so and writes the DOT text).
+``factory`` is a function (or ``nn.Module`` class) in the file, called with no arguments, that returns an
+``nn.Module`` or a function; a module-level ``nn.Module`` is used as is. The file is imported as a module, as the
+user's own ``import`` would (its loops are then traced as in their script). ``--input`` builds one tensor from a
+small, safe expression language: ``randn(2,1024,64)``, ``rand(...)``, ``ones(...)``, ``zeros(...)``,
+``randint(low, high, (shape))`` with int arguments and an optional
+``dtype=float32|float16|bfloat16|float64|int64|int32|bool``; nothing else is evaluated. ``dump`` writes each captured
+FX graph as text and a picture with the recognized regions highlighted (cli_dump.py).
+
+A mistake (a bad argument, or the file, its factory or the model raising on the inputs) prints one ``error:`` line
+naming it and exits with status 2, as argparse does; ``--traceback`` shows the whole trace instead.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import importlib.util
 import inspect
 import json
 import logging
 import os
-import re
-import shutil
-import subprocess
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .cli_dump import dump, short_name
 from .errors import OptionsError
 from .explain import Report, explain
 from .options import SUMMARY, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "parse_input", "load_factory", "dump"]
+__all__ = ["main", "parse_input", "load_factory", "dump", "short_name", "CliError"]
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
@@ -106,34 +108,87 @@ def parse_input(expr: str) -> torch.Tensor:
     return _MAKERS[name](*shape, dtype=dtype)
 
 
+class CliError(ValueError):
+    """A mistake main() prints as one ``error:`` line with exit status 2 (``--traceback``: the whole trace)."""
+
+
+#: where a traceback's frame is not the user's: torch, this package and Python's own library
+_NOT_USER = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, argparse)) + (str(Path(__file__).parent),)
+
+
+def _raised(what: str, e: BaseException, hint: str = "") -> CliError:
+    """``what raised TypeError: its message (at file.py:12 in forward)``: the exception's first line and the deepest
+    frame in the user's code, for an error that the user's file, factory or model raised."""
+    where = [f for f in traceback.extract_tb(e.__traceback__)
+             if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(_NOT_USER)]
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    at = f" (at {Path(where[-1].filename).name}:{where[-1].lineno} in {where[-1].name})" if where else ""
+    return CliError(f"{what} raised {type(e).__name__}{': ' + first if first else ''}{at}{hint}; --traceback shows "
+                    f"the whole trace")
+
+
+def _required(fn: Any) -> list[str] | None:
+    """The parameters a call with no arguments would miss (None when the signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def load_factory(spec: str) -> Any:
-    """``path/to/file.py:factory`` -> the model or function the factory returns."""
+    """``path/to/file.py:factory`` -> the model or function the factory returns.
+
+    The file is imported as a module registered in ``sys.modules`` (as ``import`` would, under the name
+    ``_adjoint_compile_user_<stem>``), with its folder on ``sys.path``, so the model is traced as in the user's own
+    script: dynamo rolls the loops of its functions only when it finds their module there (polyfills/loops.py).
+    Raises :class:`CliError` naming the model for a bad spec, and when the file or the factory raises."""
     path, sep, attr = spec.rpartition(":")
     if not sep or not path or not attr:
-        raise ValueError(f"model {spec!r}: expected path/to/file.py:factory")
+        raise CliError(f"model {spec!r}: expected path/to/file.py:factory")
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"model {spec!r}: no such file {path!r}")
+        raise CliError(f"model {spec!r}: no such file {path!r}")
     mod_name = f"_adjoint_compile_user_{file.stem}"
     spec_ = importlib.util.spec_from_file_location(mod_name, file)
     module = importlib.util.module_from_spec(spec_)
-    sys.path.insert(0, str(file.resolve().parent))  # NB: let the file import its neighbours
+    folder = str(file.resolve().parent)
+    sys.modules[mod_name] = module  # NB: before it runs, as import does (a dataclass in it looks its module up too)
+    sys.path.insert(0, folder)  # NB: let the file import its neighbours, also from its factory
     try:
-        spec_.loader.exec_module(module)  # type: ignore[union-attr]
+        try:
+            spec_.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - the user's file: any error is theirs, shown as one line
+            del sys.modules[mod_name]
+            raise _raised(f"model {spec!r}: importing {path}", e) from e
+        return _build(getattr(module, attr, None), spec, path, attr)
     finally:
-        sys.path.pop(0)
-    obj = getattr(module, attr, None)
+        sys.path.remove(folder)
+
+
+def _build(obj: Any, spec: str, path: str, attr: str) -> Any:
+    """The model: ``obj`` itself if an nn.Module, else what calling it with no arguments returns."""
     if obj is None:
-        raise ValueError(f"model {spec!r}: {path} has no attribute {attr!r}")
+        raise CliError(f"model {spec!r}: {path} has no attribute {attr!r}")
     if isinstance(obj, torch.nn.Module):
         return obj
-    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-        return obj()
-    if callable(obj):
+    if not callable(obj):
+        raise CliError(f"model {spec!r}: {attr} must be an nn.Module or a factory returning one (or a function)")
+    missing = _required(obj)
+    if missing:
+        fix = (f"add to {path} a factory that takes none, e.g. def make(): return {attr}("
+               f"{', '.join(f'{m}=...' for m in missing)}), and pass {path}:make" if isinstance(obj, type) else
+               f"if {attr} is the model itself, add def make(): return {attr} to {path} and pass {path}:make; if it "
+               f"is a factory, give its arguments defaults")
+        raise CliError(f"model {spec!r}: {attr}() needs argument(s) {', '.join(missing)}, but the CLI calls it with "
+                       f"none to build the model: {fix}")
+    try:
         made = obj()
-        if isinstance(made, torch.nn.Module) or callable(made):
-            return made
-    raise ValueError(f"model {spec!r}: {attr} must be an nn.Module or a factory returning one (or a function)")
+    except Exception as e:  # noqa: BLE001 - the user's factory
+        raise _raised(f"model {spec!r}: {attr}()", e) from e
+    if isinstance(made, torch.nn.Module) or callable(made):
+        return made
+    raise CliError(f"model {spec!r}: {attr}() returned {type(made).__name__}, not an nn.Module or a function")
 
 
 def parse_options(text: str | None) -> dict[str, Any] | None:
@@ -194,192 +249,17 @@ def _report(args: argparse.Namespace) -> Report:
         raise ValueError(f"missing --input: {args.model} takes {len(need)} input(s) ({', '.join(need)}) and "
                          f"{given}; give one --input per argument, in order, e.g. --input \"randn(2,1024,64)\" "
                          f"(shape [batch, time, features]) or --input \"randint(0, 32, (2, 512))\" (token ids)")
+    # NB: run once eagerly first: an input the model cannot take then fails in the model's own code, named in one line,
+    # not deep in dynamo's trace (with its logged fake-tensor stack). Not under no_grad: a model may take gradients
+    # in its forward, and explain's own run keeps as much.
+    try:
+        model(*inputs)
+    except Exception as e:  # noqa: BLE001 - the user's model
+        given = " ".join(f"--input {s!r}" for s in args.input) or "no input"
+        ids = " (and token ids below its vocabulary size)" if any(not x.is_floating_point() for x in inputs) else ""
+        raise _raised("the model", e, hint=f" on {given}: check that each --input has the shape and dtype the model "
+                      f"takes{ids}") from e
     return explain(model, *inputs, options=options)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# dump
-
-
-_PALETTE = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60", "#84a59d", "#bde0fe"]
-_GREY, _LIGHT = "#d9d9d9", "#eeeeee"
-
-
-def short_name(n: torch.fx.Node) -> str:
-    """A placeholder's parameter path as the model names it: dynamo's
-    ``L_self_modules_layers_modules_0_modules_in_proj_parameters_weight_`` -> ``layers.0.in_proj.weight``
-    (``L_x_`` -> ``x``); any other node keeps its FX name."""
-    t = str(n.target)
-    if n.op != "placeholder" or not re.match(r"[LG]_.", t):
-        return n.name
-    t = t[2:].removesuffix("_")
-    t = re.sub(r"^self_(?=(modules|parameters|buffers)_)", "", t)
-    t = re.sub(r"(^|_)(modules|parameters|buffers)_", lambda m: "." if m.group(1) else "", t)
-    return t or n.name
-
-
-@dataclasses.dataclass
-class _Region:
-    """One box of the picture: a sharded call (the report rows lowered into it) or one report row."""
-
-    key: str
-    title: str
-    colour: str
-    rows: list[int]
-    nodes: set[str] = dataclasses.field(default_factory=set)
-
-
-def _highlight(report: Any) -> tuple[list[dict[str, tuple[str, str, str]]], list[list[_Region]]]:
-    """Per graph: node name -> (fill colour, label, box key) of the region drawn on the node, and the boxes.
-
-    Labels name the report's rows: a scan node its own row (``#0 linear_recurrence (linear_scan)``), a node that a
-    sharded call took in the call and every row lowered into it (``adjoint_region_0: #0, #1``). A node can sit in
-    several regions (a scan inside a residual chain): rewritten regions are drawn on top of the ones left to ordinary
-    autograd (grey), so what the backend rewrote is what the picture shows; each node is in one box, its top one."""
-    marks: list[dict[str, tuple[str, str, str]]] = [{} for _ in report.graphs]
-    boxes: list[dict[str, _Region]] = [{} for _ in report.graphs]
-
-    def graph(i: int) -> int:
-        return report.graph_index[i] if i < len(report.graph_index) else 0
-
-    for i, r in enumerate(report.regions):  # NB: neighbourhoods first: everything else is drawn over them
-        for n in getattr(r, "neighbourhood", []) or []:
-            marks[graph(i)].setdefault(n.name, (_LIGHT, f"#{i} time-local", ""))
-    calls: dict[tuple[int, str], list[int]] = {}
-    for i, r in enumerate(report.regions):
-        if r.rewrite != "none" and r.details.get("region_call"):
-            calls.setdefault((graph(i), r.details["region_call"]), []).append(i)
-    # NB: painted in this order, later over earlier: regions not rewritten, then what sharded calls took in, then the
-    # rewritten rows' own nodes (their scans)
-    order = sorted(range(len(report.regions)), key=lambda i: report.regions[i].rewrite != "none")
-    for layer in ("none", "members", "own"):
-        for i in order:
-            r, gi = report.regions[i], graph(i)
-            call = r.details.get("region_call") if r.rewrite != "none" else None
-            if (layer == "none") != (r.rewrite == "none"):
-                continue
-            rows = calls.get((gi, call), [i]) if call else [i]
-            colour = _PALETTE[min(rows) % len(_PALETTE)] if call else _GREY
-            key = call or f"row{i}"
-            if key not in boxes[gi]:
-                what = "; ".join(f"#{j} {report.regions[j].kind} {report.regions[j].name}" for j in rows)
-                title = (f"{call} (rewrite {r.rewrite}): {what}" if call else
-                         f"#{i} {r.kind} ({r.source}) {r.name}: rewrite {r.rewrite}")
-                boxes[gi][key] = _Region(key, title, colour, rows)
-            own = f"#{i} {r.kind} ({r.source})\nrewrite {r.rewrite}" + (f" in {call}" if call else "")
-            # NB: a sharded call takes in the time-local ops around its scans (details["members"]), not only r.nodes:
-            # those belong to every row lowered into the call; a row's own nodes (its scan) to the row
-            if layer == "members" and not call:
-                continue
-            if layer == "members":
-                names, tag = list(r.details.get("members", ())), f"{call}: rows {', '.join(f'#{j}' for j in rows)}"
-                tag += f"\nrewrite {r.rewrite}"
-            else:
-                names, tag = [n.name for n in r.nodes] + list(r.details.get("members", ()) if not call else ()), own
-            for name in names:
-                marks[gi][name] = (colour, tag, key)
-    for gi, mk in enumerate(marks):
-        for name, (_, _, key) in mk.items():
-            if key:
-                boxes[gi][key].nodes.add(name)
-    return marks, [sorted(b.values(), key=lambda x: min(x.rows)) for b in boxes]
-
-
-def _q(s: str) -> str:
-    # NB: backslashes escaped first, then newlines written as DOT's own line break (\n in the file)
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _legend(boxes: Sequence[_Region]) -> list[str]:
-    """A box of coloured swatches: one per region (its report rows), and what grey, light grey, white mean."""
-    items = [(b.colour, b.title + ("" if b.nodes else " (all its nodes are drawn in the boxes above)"))
-             for b in boxes]
-    items += [(_GREY, "grey: a region left to ordinary autograd"), (_LIGHT, "light grey: time-local ops next to a "
-              "region, not taken in"), ("white", "white: outside every region")]
-    lines = ["  subgraph cluster_legend {", f"    label={_q('legend (report rows: adjoint_compile.report / explain)')};",
-             '    style="dashed"; node [shape=box, style=filled];']
-    for k, (colour, text) in enumerate(items):
-        lines.append(f"    legend_{k} [label={_q(text)}, fillcolor={_q(colour)}];")
-    lines += [f"    legend_{k} -> legend_{k + 1} [style=invis];" for k in range(len(items) - 1)]
-    return lines + ["  }"]
-
-
-def _dot(gm: torch.fx.GraphModule, marks: dict[str, tuple[str, str, str]], title: str,
-         boxes: Sequence[_Region] = ()) -> str:
-    lines = [f"digraph {_q(title)} {{", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fillcolor=white,'
-             ' fontname="Helvetica", fontsize=10];', f"  label={_q(title)};"]
-    by_box: dict[str, list[str]] = {}
-    edges = []
-    for n in gm.graph.nodes:
-        what = n.op if n.op in ("placeholder", "output", "get_attr") else (
-            str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target)))
-        colour, tag, key = marks.get(n.name, ("white", "", ""))
-        label = f"{short_name(n)}\n{what}" + (f"\n{tag}" if tag else "")
-        by_box.setdefault(key, []).append(f"{_q(n.name)} [label={_q(label)}, fillcolor={_q(colour)}];")
-        edges += [f"  {_q(a.name)} -> {_q(n.name)};" for a in n.all_input_nodes]
-    lines += [f"  {ln}" for ln in by_box.pop("", [])]
-    for k, b in enumerate(x for x in boxes if x.nodes):  # NB: one cluster box per region, titled by its rows
-        lines += [f"  subgraph cluster_{k} {{", f"    label={_q(b.title)};", f"    color={_q(b.colour)};",
-                  "    penwidth=2;", *(f"    {ln}" for ln in by_box.pop(b.key, []))] + ["  }"]
-    lines += [f"  {ln}" for rest in by_box.values() for ln in rest]
-    lines += edges + _legend(boxes) + ["}"]
-    return "\n".join(lines)
-
-
-def _render_svg(dot: str) -> tuple[bytes | None, str]:
-    """The SVG of ``dot`` (graphviz's Python package if installed, else its ``dot`` program), or None and why."""
-    try:
-        import graphviz  # the optional extra: pip install "adjoint-compile[graphviz]"
-    except ImportError:
-        graphviz = None
-    if graphviz is not None:
-        try:
-            return graphviz.Source(dot).pipe(format="svg"), ""
-        except Exception as e:  # noqa: BLE001 - graphviz.ExecutableNotFound and rendering errors alike
-            return None, f"graphviz could not render ({type(e).__name__}: {e})"
-    exe = shutil.which("dot")
-    if exe is None:
-        return None, "graphviz is not installed"
-    try:
-        return subprocess.run([exe, "-Tsvg"], input=dot.encode(), check=True, timeout=120,
-                              capture_output=True).stdout, ""
-    except (subprocess.SubprocessError, OSError) as e:
-        return None, f"dot failed ({e})"
-
-
-def dump(report: Any, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write report.txt, report.json, and per graph graph_<i>.txt (FX code and node table) and graph_<i>.svg
-    (or graph_<i>.dot when graphviz's ``dot`` is missing). Returns the files written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    (out / "report.txt").write_text(str(report) + "\n")
-    (out / "report.json").write_text(report.to_json(indent=1, default=str) + "\n")
-    written += [out / "report.txt", out / "report.json"]
-    marks, boxes = _highlight(report)
-    missing = ""
-    for i, gm in enumerate(report.graphs):
-        table = [(f"{n.name:30s} {n.op:14s} {marks[i].get(n.name, ('', '', ''))[1]}".replace("\n", ", ")
-                  + (f"  ({short_name(n)})" if short_name(n) != n.name else "")) for n in gm.graph.nodes]
-        txt = out / f"graph_{i}.txt"
-        txt.write_text(gm.code + "\n# nodes (name, op, region: report row(s); parameter path)\n" + "\n".join(table)
-                       + "\n")
-        written.append(txt)
-        dot = _dot(gm, marks[i], f"graph {i}", boxes[i])
-        svg, missing = _render_svg(dot)
-        if svg is not None:
-            (out / f"graph_{i}.svg").write_bytes(svg)
-            written.append(out / f"graph_{i}.svg")
-            continue
-        path = out / f"graph_{i}.dot"
-        path.write_text(dot + "\n")
-        written.append(path)
-    if missing:
-        print(f"note: {missing}: wrote the graph pictures as DOT text (graph_<i>.dot). For SVG pictures install "
-              f"graphviz: pip install \"adjoint-compile[graphviz]\" and the dot program (apt-get install graphviz, "
-              f"brew install graphviz, conda install graphviz); or render one with `dot -Tsvg graph_0.dot -o "
-              f"graph_0.svg`", file=sys.stderr)
-    return written
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -427,16 +307,36 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--options", default=None, metavar="JSON",
                        help='backend options as JSON, e.g. \'{"mode": "truncated", "window": 256}\' (default: exact '
                             'mode, shard size chosen automatically; every key: adjoint-compile --help)')
-        s.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
+        s.add_argument("--seed", type=int, default=0,
+                       help="torch.manual_seed before building the model (default %(default)s)")
+        s.add_argument("--traceback", action="store_true",
+                       help="on an error, show the whole Python traceback instead of one line")
         if name == "explain":
             s.add_argument("--json", action="store_true", help="print report.to_dict() as JSON instead of the table")
         else:
             s.add_argument("--out", default=DEFAULT_DUMP, metavar="DIR",
-                           help=f"output directory (default {DEFAULT_DUMP}; out/ is ignored by git in a checkout)")
+                           help="output directory (default %(default)s; out/ is ignored by git in a checkout)")
     # NB: its arguments are the demo's own parser's (adjoint_compile/demo.py): `adjoint-compile demo --help`
     sub.add_parser("demo", help="train the demo model and compare one step four ways (demo --help for its flags)",
                    add_help=False)
     return p
+
+
+def _out_dir(out: str) -> None:
+    """Make dump's ``--out`` directory, or a :class:`CliError` saying why it cannot be."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        what = "is a file" if Path(out).is_file() else f"cannot be made ({e.strerror or e})"
+        raise CliError(f"--out {out}: {what}; name a directory that exists or can be made, e.g. --out "
+                       f"{DEFAULT_DUMP}") from e
+
+
+def _dump(report: Report, out: str) -> list[Path]:
+    try:
+        return dump(report, out)
+    except OSError as e:
+        raise CliError(f"--out {out}: cannot write there ({e})") from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -447,14 +347,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(demo.main(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     try:
+        if args.cmd == "dump":  # NB: before the model runs, not after
+            _out_dir(args.out)
         report = _report(args)
-    except ValueError as e:  # NB: OptionsError and bad --input/--options/model alike: a message, not a traceback
+        files = _dump(report, args.out) if args.cmd == "dump" else []
+    except ValueError as e:  # NB: OptionsError, bad --input/--options/--out, the user's code raising: one line
+        if args.traceback:
+            raise
         print(f"adjoint-compile {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     if args.cmd == "explain":
         print(report.to_json(indent=1, default=str) if args.json else report)
         return 0
-    files = dump(report, args.out)
     print(report)
     print(f"wrote {len(files)} file(s) to {args.out}: " + ", ".join(f.name for f in files))
     return 0

@@ -86,40 +86,66 @@ class CopyModel(nn.Module):
 def add_task_args(p: argparse.ArgumentParser) -> None:
     """The model's and the selective-copying task's arguments, shared by the demo, the fidelity benchmark and the
     sequence-parallel example."""
-    p.add_argument("--d-model", type=int, default=16, help="model width (default 16)")
-    p.add_argument("--d-state", type=int, default=4, help="SSM state size per channel (default 4)")
-    p.add_argument("--layers", type=int, default=2, help="number of SSM layers (default 2)")
-    p.add_argument("--n-data", type=int, default=4, help="data tokens to copy per sequence (default 4)")
-    p.add_argument("--vocab", type=int, default=8, help="vocabulary size, 2 of them blank and marker (default 8)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--d-model", type=int, default=16, help="model width (default %(default)s)")
+    p.add_argument("--d-state", type=int, default=4, help="SSM state size per channel (default %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="number of SSM layers (default %(default)s)")
+    p.add_argument("--n-data", type=int, default=4, help="data tokens to copy per sequence (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=8,
+                   help="vocabulary size, 2 of them blank and marker (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
 
 
 def parser() -> argparse.ArgumentParser:
     """``adjoint-compile demo``'s arguments."""
     p = argparse.ArgumentParser(prog="adjoint-compile demo", description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda, or cuda:N (default %(default)s)")
     p.add_argument("--seq-len", type=int, default=4096,
-                   help="sequence length T of the measured step, and of the second accuracy (default 4096)")
-    p.add_argument("--batch", type=int, default=4, help="sequences in the measured step (default 4)")
+                   help="sequence length T of the measured step, and of the second accuracy (default %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences in the measured step (default %(default)s)")
     p.add_argument("--train-len", type=int, default=64,
-                   help="sequence length of the training run (default 64: short enough to learn in a minute)")
-    p.add_argument("--train-batch", type=int, default=32, help="sequences per training step (default 32)")
-    p.add_argument("--steps", type=int, default=1000, help="training steps before the measurement (default 1000)")
+                   help="sequence length of the training run (default %(default)s: short enough to learn in a minute)")
+    p.add_argument("--train-batch", type=int, default=32, help="sequences per training step (default %(default)s)")
+    p.add_argument("--steps", type=int, default=1000,
+                   help="training steps before the measurement (default %(default)s)")
     add_task_args(p)
     # NB: the demo's own task: 2 tokens to copy and a higher learning rate than the benchmarks' defaults, so that it
     # is learnt within the run (the module docstring)
     p.set_defaults(n_data=2, lr=1e-2)
     p.add_argument("--shard-size", type=int, default=None,
-                   help="steps per shard of the sharded backward (default: chosen from the sizes)")
+                   help="steps per shard of the sharded backward, at least 1 (default: chosen from the sizes)")
     p.add_argument("--out", default=str(DEFAULT_OUT),
                    help="where demo.json and demo.png go (default: out/ of the checkout, ignored by git; "
                         "`make demo-figures` writes the checked-in benchmarks/results/)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default %(default)s)")
     return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return parser().parse_args(argv)
+    """The demo's arguments, checked before minutes of training: a value the run cannot use is argparse's error
+    (one line naming the flag, exit status 2)."""
+    p = parser()
+    args = p.parse_args(argv)
+    for flag in ("steps", "batch", "train_batch", "d_model", "d_state", "layers", "n_data", "shard_size"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            p.error(f"--{flag.replace('_', '-')} {v}: must be at least 1")
+    if not args.lr > 0:
+        p.error(f"--lr {args.lr}: must be positive")
+    if args.vocab < 3:
+        p.error(f"--vocab {args.vocab}: must be at least 3 (blank, marker and at least one data token)")
+    for flag in ("seq_len", "train_len"):
+        if getattr(args, flag) <= 2 * args.n_data:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must exceed 2 * --n-data = {2 * args.n_data} "
+                    f"(the data tokens to copy, and as many markers at the end)")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: the demo runs on cpu or cuda (cuda:N for one GPU of several)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out}: is a file; name a directory (made if missing) for demo.json and demo.png")
+    return args
 
 
 def init_step_sizes(stack: nn.Module, gen: torch.Generator, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
@@ -233,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
     options: dict[str, Any] = {}
-    if args.shard_size:
+    if args.shard_size is not None:
         options["shard_size"] = args.shard_size
     tokens, _ = selective_copy_batch(args.batch, args.seq_len, args.n_data, args.vocab, torch.Generator().manual_seed(0))
     report = explain(model, tokens.to(args.device), options=options)

@@ -273,3 +273,189 @@ def test_help_lists_every_option_without_pointing_into_the_repository(capsys):
     assert "docs/" not in out
     for key in ALLOWED_KEYS:
         assert f"\n  {key:18s} {SUMMARY[key]}" in out, key
+
+
+# ------------------------------------------------------------------------------- the user's file, as they import it
+
+LOOP_FILE = """\
+import torch
+
+
+class Local(torch.nn.Module):  # a loop in a class of this very file: rolled only if its module is sys.modules'
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, outs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            outs.append(h)
+        return torch.stack(outs, 1)
+
+
+def make():
+    m = Local()
+    return lambda x: m(x).square().mean()
+"""
+
+
+def test_the_loops_of_a_class_in_the_users_file_are_rolled_as_in_their_script(tmp_path, capsys, recwarn):
+    """The file is imported as a registered module, as the user's own script would have it: its loop is rolled into
+    one scan (polyfills/loops.py needs the function's module in sys.modules), not unrolled with a warning to register
+    the module, which a CLI user cannot do."""
+    f = tmp_path / "loopmodel.py"
+    f.write_text(LOOP_FILE)
+    rc = cli.main(["explain", f"{f}:make", "--input", "randn(2,16,8)", "--options", '{"shard_size": 4}', "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [(r["source"], r["rewrite"]) for r in d["regions"]] == [("scan", "adjoint")], d["regions"]
+    assert not [w for w in recwarn if "not rolled" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+MISTAKES = """\
+import torch
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+class Needs(Layer):
+    def __init__(self, d):
+        super().__init__(d)
+
+
+def make():
+    return Layer()
+
+
+def make_tokens():
+    emb, m = torch.nn.Embedding(10, 8), Layer()
+    return lambda t: m(emb(t)).mean()
+
+
+def loss_fn(x):
+    return x.sum()
+
+
+def broken():
+    raise RuntimeError("user factory failed")
+"""
+
+
+@pytest.mark.parametrize("model,inputs,words", [
+    ("make", ["randn(2,6,9)"], ["the model raised RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+                                "(at mistakes.py:10 in forward) on --input 'randn(2,6,9)'", "the shape and dtype"]),
+    ("make_tokens", ["randint(20, (2, 6))"], ["the model raised IndexError: index out of range",
+                                              "(at mistakes.py:24 in <lambda>)", "token ids below its vocabulary"]),
+    ("Needs", ["randn(2,6,8)"], ["Needs() needs argument(s) d", "def make(): return Needs(d=...)"]),
+    ("loss_fn", ["randn(2,6,8)"], ["loss_fn() needs argument(s) x", "if loss_fn is the model itself, add def make(): "
+                                   "return loss_fn"]),
+    ("broken", ["randn(2,6,8)"], ["broken() raised RuntimeError: user factory failed (at mistakes.py:32 in broken)"]),
+])
+def test_a_mistake_in_the_model_or_its_inputs_is_one_line_naming_it(tmp_path, capsys, model, inputs, words):
+    f = tmp_path / "mistakes.py"
+    f.write_text(MISTAKES)
+    rc = cli.main(["explain", f"{f}:{model}", *(a for i in inputs for a in ("--input", i))])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("adjoint-compile explain: error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_file_that_raises_on_import_is_one_line_and_traceback_shows_the_cause(tmp_path, capsys):
+    f = tmp_path / "bad.py"
+    f.write_text("import torch\nraise ImportError('no module named mamba_ssm')\n")
+    rc = cli.main(["explain", f"{f}:make", "--input", "randn(2,6,8)"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "importing" in err and "raised ImportError: no module named mamba_ssm (at bad.py:2" in err
+    assert "_adjoint_compile_user_bad" not in sys.modules
+    g = tmp_path / "mistakes.py"
+    g.write_text(MISTAKES)
+    with pytest.raises(cli.CliError, match="the model raised RuntimeError") as info:
+        cli.main(["explain", f"{g}:make", "--input", "randn(2,6,9)", "--traceback"])
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+
+def test_a_model_that_takes_gradients_in_its_forward_is_explained(tmp_path, capsys):
+    """The eager run before explain keeps autograd on: a forward calling torch.autograd.grad is not a mistake."""
+    f = tmp_path / "gradfwd.py"
+    f.write_text("import torch\n\n\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.l = torch.nn.Linear(4, 1)\n\n    def forward(self, x):\n"
+                 "        x = x.detach().requires_grad_()\n"
+                 "        return torch.autograd.grad(self.l(x).sum(), x, create_graph=True)[0].square().sum()\n")
+    rc = cli.main(["explain", f"{f}:M", "--input", "randn(2,3,4)"])
+    out = capsys.readouterr()
+    assert rc == 0 and "adjoint-compile report" in out.out and "error" not in out.err, out.err
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_dump_out_that_cannot_be_a_directory_is_refused_before_the_model_runs(tmp_path, capsys, where):
+    f = tmp_path / "mistakes.py"
+    f.write_text(MISTAKES.replace("def make():\n", "def make():\n    raise AssertionError('the model was built')\n"))
+    out = f if where == "file" else f / "sub"
+    rc = cli.main(["dump", f"{f}:make", "--input", "randn(2,6,8)", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"--out {out}: " in err, err
+    assert ("is a file" if where == "file" else "cannot be made") in err and "name a directory" in err
+
+
+# --------------------------------------------------------------------------------------------- demo: arguments
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--seq-len", "0"], "--seq-len 0: must exceed 2 * --n-data = 4"),
+    (["--train-len", "4"], "--train-len 4: must exceed"),
+    (["--steps", "-1"], "--steps -1: must be at least 1"),
+    (["--vocab", "2"], "--vocab 2: must be at least 3"),
+    (["--device", "tpu"], "--device tpu: the demo runs on cpu or cuda"),
+    (["--shard-size", "0"], "--shard-size 0: must be at least 1"),
+    (["--lr", "0"], "--lr 0.0: must be positive"),
+    (["--out", __file__], f"--out {__file__}: is a file"),
+])
+def test_demo_refuses_arguments_it_cannot_use_before_training(capsys, argv, words):
+    from adjoint_compile import demo
+
+    with pytest.raises(SystemExit) as info:
+        demo.parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"adjoint-compile demo: error: {words}" in err, err
+    assert demo.parse_args(["--device", "cuda:1", "--shard-size", "1"]).shard_size == 1
+
+
+def test_demo_help_states_the_parsers_own_defaults():
+    """The help text is formatted from each flag's default (one source: set_defaults changes both)."""
+    from adjoint_compile import demo
+
+    p = demo.parser()
+    shown = [a for a in p._actions if a.default not in (None, argparse.SUPPRESS) and a.dest not in ("out", "help")]
+    assert [a.dest for a in shown if "%(default)s" not in a.help] == []
+    text = " ".join(p.format_help().split("options:")[1].split())
+    assert "(default 2)" in text.split("--n-data N_DATA")[1][:60] and "(default 0.01)" in text.split("--lr LR")[1][:60]
+
+
+def test_docs_cli_md_states_the_demos_real_defaults():
+    from adjoint_compile import demo
+
+    page = (EXAMPLES.parent / "docs" / "cli.md").read_text().split("## `adjoint-compile demo`")[1]
+    rows = [ln.split("|")[1:3] for ln in page.splitlines() if ln.startswith("| `--")]
+    defaults = {a.option_strings[0]: a.default for a in demo.parser()._actions if a.option_strings[0] != "-h"}
+    documented = {}
+    for flags, values in rows:
+        names, vals = flags.replace("`", "").strip().split(", "), values.replace("`", "").strip().split(", ")
+        documented.update(zip(names, vals if len(vals) == len(names) else [values.strip()] * len(names)))
+    assert sorted(documented) == sorted(defaults)
+    for flag, doc in documented.items():
+        real = defaults[flag]
+        if flag == "--out":
+            assert doc == "out/" and str(real).rstrip("/").endswith("out")
+        elif real is None:
+            assert doc == "chosen", flag
+        else:
+            assert (float(doc) == real if isinstance(real, (int, float)) else doc == real), (flag, doc, real)
