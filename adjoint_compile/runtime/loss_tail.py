@@ -438,7 +438,10 @@ def _build(tail: ShardProgram, L: int, wrt: list[int], example: list[Any], fwd: 
         return (*(r.detach() for r in res), *got)
 
     t = time.perf_counter()
-    gm = make_fx(joint, tracing_mode="fake")(*example)
+    # NB: anomaly mode's NaN check would read the fake tensors' values (a data-dependent guard) while tracing;
+    # the traced program's ops are checked by no one in either case, as in any compiled backward
+    with torch.autograd.set_detect_anomaly(False):
+        gm = make_fx(joint, tracing_mode="fake")(*example)
     gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: loss chunk value and gradient"}
     log.debug("adjoint-compile: loss chunk program for L=%d: %d nodes", L, len(gm.graph.nodes))
     # NB: the trace and the compile count as one loss chunk program

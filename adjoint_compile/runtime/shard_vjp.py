@@ -57,7 +57,10 @@ def build_vjp(sp: Any, L: int, first_shard: bool, wrt_x: list[int], wrt_c: list[
         return tuple(torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt))
 
     t0 = time.perf_counter()
-    gm = make_fx(joint, tracing_mode="fake")(*example)
+    # NB: anomaly mode's NaN check would read the fake tensors' values (a data-dependent guard) while tracing;
+    # the traced program's ops are checked by no one in either case, as in any compiled backward
+    with torch.autograd.set_detect_anomaly(False):
+        gm = make_fx(joint, tracing_mode="fake")(*example)
     timing.add_run_time("vjp_traces", time.perf_counter() - t0)
     gm.meta = {**getattr(gm, "meta", {}), "provenance": "adjoint_compile: shard recompute + VJP"}
     log.debug("adjoint-compile: shard VJP program for L=%d (first=%s): %d nodes", L, first_shard,
