@@ -464,3 +464,30 @@ def test_a_learned_h0_expanded_over_the_batch_with_inductor():
     assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
     for (n, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_a_second_length_in_one_graph_says_so_and_stays_exact():
+    """An encoder over T = 13 whose last state starts a decoder over T = 14: the regions of one graph share one
+    length; the decoder's scan keeps autograd and its reason says why and what to do, the gradients stay exact."""
+    torch.manual_seed(0)
+    d = 4
+    enc, dec = nn.Linear(d, 2 * d).double(), nn.Linear(d, 2 * d).double()
+
+    def layer(lin, x, h0=None):
+        a, b = lin(x).chunk(2, -1)
+        return ac_ops.linear_scan(torch.sigmoid(a), b, h0)
+
+    def f(x1, x2):
+        h = layer(enc, x1)
+        return layer(dec, x2, h[:, -1]).square().mean()
+
+    x1, x2 = torch.randn(2, 13, d, dtype=torch.float64), torch.randn(2, 14, d, dtype=torch.float64)
+    compiled = torch.compile(f, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    params = [*enc.parameters(), *dec.parameters()]
+    got, want = torch.autograd.grad(compiled(x1, x2), params), torch.autograd.grad(f(x1, x2), params)
+    for g, w in zip(got, want):
+        assert (g - w).norm() <= 1e-10 * w.norm()
+    rows = {r.length: r for r in ac.report(compiled).regions}
+    assert rows[13].rewrite == "adjoint", rows[13].reason
+    assert rows[14].rewrite == "none" and "has 14 steps where the graph's other scans have 13" in rows[14].reason, \
+        rows[14].reason

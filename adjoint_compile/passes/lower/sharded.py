@@ -22,13 +22,14 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value as _ev
-from ...analysis.fx import fresh_name, is_convex, is_linear_scan
+from ...analysis.fx import fresh_name, is_convex, is_linear_scan, scan_args
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import source_line, stable_toposort as _toposort
 from ...analysis.modes import moved_across_modes, written_after_read
 from ...analysis.grow import infer_seeds, region_around
 from ...analysis.losses import loss_args
 from ...analysis.resets import find_resets
+from ...analysis.rules import norm_dim, step_shape
 from ...analysis.shifted_losses import unshift_losses
 from ...analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ...errors import UnsupportedRegion
@@ -454,7 +455,7 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
         for part, scans_of in pieces:
             try:
                 if not part:
-                    raise UnsupportedRegion(f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}")
+                    raise UnsupportedRegion(_not_grown(s, info))
                 try:
                     call = _lower_region(gm, part, info, opts)
                 except _LossNotPerExample as e:
@@ -485,3 +486,15 @@ def lower_recurrences(gm: fx.GraphModule, recurrences: list[Recurrence], opts: O
     for i, s in scan_of.items():
         out[i] = done.get(s, NotLowered("not lowered"))
     return out
+
+
+def _not_grown(s: fx.Node, info: Any) -> str:
+    """Why no region grew around the scan ``s``: a second length in the graph, or the step analysis's reason."""
+    shp, dim = step_shape(s), scan_args(s)["dim"]
+    steps = shp[norm_dim(dim, len(shp))] if shp is not None and isinstance(dim, int) else None
+    if isinstance(steps, int) and isinstance(info.length, int) and steps != info.length:
+        # NB: the step analysis follows one length per graph (analysis/grow.py): the first scan's
+        return (f"scan {s.name} has {steps} steps where the graph's other scans have {info.length}: the regions of "
+                f"one graph share one length, so this one keeps ordinary autograd; compile the parts of other lengths "
+                f"on their own (e.g. the encoder and the decoder as two torch.compile'd modules)")
+    return f"scan {s.name} is not time-local: {info.mixing.get(s, 'no step axis')}"
