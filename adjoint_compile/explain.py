@@ -404,11 +404,13 @@ def _fidelity(c: CompiledGraph) -> None:
 
 
 def _wrapped_functions(fn: Any) -> list[Any]:
-    """``fn`` and the functions its ``__wrapped__`` chain leads to (stopping at anything that is not a function)."""
+    """``fn`` and the functions its ``__wrapped__`` chain leads to (stopping at anything that is not a function); a
+    bound method (``torch.compile(model.loss)``) is its function."""
     out = []
+    fn = getattr(fn, "__func__", fn)
     while inspect.isfunction(fn) and fn not in out:
         out.append(fn)
-        fn = getattr(fn, "__wrapped__", None)
+        fn = getattr(getattr(fn, "__wrapped__", None), "__func__", getattr(fn, "__wrapped__", None))
     return out
 
 

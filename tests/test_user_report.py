@@ -89,6 +89,25 @@ def test_report_of_a_compiled_function():
     assert (r.kind, r.source, r.length) == ("linear_recurrence", "linear_scan", 6)
 
 
+def test_report_of_a_compiled_bound_method_lists_every_graph():
+    """``torch.compile(model.loss)``: the graphs of later lengths too, not only the first call's."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 6)
+
+        def loss(self, x):
+            a, b = self.lin(x).chunk(2, -1)
+            return ac.ops.linear_scan(torch.sigmoid(a), b).square().mean()
+
+    m = Model()
+    f = torch.compile(m.loss, backend="adjoint", options={"inner": "eager", "shard_size": 4})
+    for T in (12, 15):
+        f(torch.randn(2, T, 3))
+    rep = ac.report(f)
+    assert len(rep.graphs) >= 2 and 15 in [r.length for r in rep.regions], rep
+
+
 def test_report_refuses_what_torch_compile_did_not_make():
     with pytest.raises(TypeError, match="torch.compile"):
         ac.report(torch.nn.Linear(2, 2))
