@@ -182,7 +182,9 @@ class Report:
             lines += _per_sample_lines(uses, self.options.per_sample_clip)
         if self.fallbacks:
             lines.append("fallbacks (calls that ran with ordinary autograd although the graph had a rewrite):")
-            lines += [f"  {i + 1}. {f.cause}; {f.remedy}" for i, f in enumerate(self.fallbacks)]
+            lines += [f"  {i + 1}. {f.cause}; {f.remedy}" + (f" (sizes so far: {_listed(f.details['sizes'])})"
+                                                           if f.details.get("sizes") else "")
+                      for i, f in enumerate(self.fallbacks)]
         if self.fidelity is not None:
             f = self.fidelity
             lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
@@ -424,7 +426,7 @@ def _is_distributed(model: torch.nn.Module) -> bool:
         isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _listed(xs: list[int], most: int = 6) -> str:
+def _listed(xs: list[Any], most: int = 6) -> str:
     return ", ".join(map(str, xs)) if len(xs) <= most else f"{', '.join(map(str, xs[:most - 1]))}, ..., {xs[-1]}"
 
 

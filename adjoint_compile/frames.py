@@ -13,7 +13,8 @@ import torch
 from .errors import AdjointCompileWarning, PerSampleError
 from .regions import Fallback
 
-__all__ = ["frame_modules", "calling_modules", "frame_self", "count_loop_compiles", "refuse_data_parallel"]
+__all__ = ["frame_modules", "calling_modules", "frame_self", "compiling_code", "rewritten", "count_loop_compiles",
+           "refuse_data_parallel"]
 
 
 def frame_modules() -> list[tuple[str, torch.nn.Module]]:
@@ -59,6 +60,28 @@ def frame_self() -> torch.nn.Module | None:
 _LOOP_CODES: weakref.WeakSet = weakref.WeakSet()
 #: the code objects whose compiled graphs held rewritten regions since then
 _REWRITTEN_CODES: weakref.WeakSet = weakref.WeakSet()
+#: those whose graphs with symbolic sizes made a graph for every length since then (at a call, not a compile: apart,
+#: so that the recompile limit's warning stays with the graphs that held rewritten regions when compiled)
+_GENERIC_CODES: weakref.WeakSet = weakref.WeakSet()
+
+
+def compiling_code() -> Any:
+    """The code object dynamo is compiling (None outside a dynamo compile)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        return InstructionTranslator.current_tx().f_code
+    except (AttributeError, ImportError, TypeError):  # NB: not under a dynamo compile
+        return None
+
+
+def rewritten(code: Any, now: bool = False) -> bool:
+    """Whether a graph of ``code`` held rewritten regions since dynamo's cache for it was last empty; ``now``: say so
+    (a graph with symbolic sizes whose graph for every length was made at a call)."""
+    if code is None:
+        return False
+    if now:
+        _GENERIC_CODES.add(code)
+    return code in _REWRITTEN_CODES or code in _GENERIC_CODES
 
 
 def count_loop_compiles(result: Any) -> None:
@@ -78,6 +101,7 @@ def count_loop_compiles(result: Any) -> None:
     if n == 1:
         _LOOP_CODES.discard(code)
         _REWRITTEN_CODES.discard(code)
+        _GENERIC_CODES.discard(code)
     if result.captured.normalized.get("rerolled"):
         _LOOP_CODES.add(code)
     if result.lowered:

@@ -24,6 +24,7 @@ import torch
 
 from .analysis.optable import draws_random
 from .errors import AdjointCompileWarning
+from .frames import compiling_code, rewritten
 from .inner import COMPILE_LOCK
 from .passes import decide
 from .passes.lower.length_generic import generalize
@@ -107,6 +108,13 @@ class LengthDispatch:
         self.tried_dims: list[int] = []
         self.cache: dict[tuple, Callable[..., Any]] = {}
         self.fallback_lengths: dict[str, list[tuple]] = {}
+        #: the sizes of the calls too short to shard before the graph for every length was made (:meth:`_short`)
+        self.short_sizes: list[str] = []
+        #: the try at a short call whose rows the report shows (the longest so far)
+        self.shown: Any = None
+        #: the code dynamo compiled this graph for: whether another graph of it (the first call's, before dynamo made
+        #: the length symbolic) was rewritten decides whether a short call is a fallback or a decline
+        self.code = compiling_code()
         #: sizes other than the length that the graph for every length holds: symbol -> (where, value)
         self.pins: dict[Any, tuple[tuple[int, int | None], int]] = {}
         #: module float attributes passed as 0-dim tensors (a dropout's p): folded per specialization, keyed by
@@ -156,13 +164,22 @@ class LengthDispatch:
         log.info("adjoint-compile: another graph for every length, for the held sizes at %s", held)
         return fn
 
-    def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "") -> Callable[..., Any]:
+    def _sizes(self, args: tuple) -> str:
+        """This call's sizes, for users: the shapes of the inputs whose sizes are symbols (``(2, 37, 8)``)."""
+        holders = [n.meta.get("example_value", n.meta.get("val")) for n in self.gm.graph.nodes if n.op == "placeholder"]
+        at = [i for i, v in enumerate(holders) if isinstance(v, torch.Tensor) and i < len(args) and
+              any(isinstance(n, torch.SymInt) for n in v.shape)]
+        return " and ".join(str(tuple(args[i].shape)) for i in at) or str(_key(args))
+
+    def _fell_back(self, cause: str, remedy: str, key: tuple, why: str = "",
+                   sizes: list[str] | None = None) -> Callable[..., Any]:
         """Run this call signature with ordinary autograd, said once per cause, listed in the report with every
-        signature it affected."""
+        signature it affected (and ``sizes``: theirs for users)."""
         seen = self.fallback_lengths.setdefault(cause, [])
         seen.append(key)
         if len(seen) == 1:
-            self.owner.fallbacks.append(Fallback(cause, remedy, {"signatures": seen, "first": why}))
+            more = {"sizes": sizes} if sizes is not None else {}
+            self.owner.fallbacks.append(Fallback(cause, remedy, {"signatures": seen, "first": why, **more}))
             warnings.warn(AdjointCompileWarning(f"adjoint-compile: {cause}{f' ({why})' if why else ''}; these sizes "
                                                 f"run with ordinary autograd (no memory saved); {remedy}"), stacklevel=3)
         return self.fallback
@@ -232,6 +249,9 @@ class LengthDispatch:
             names = ", ".join(f"{r.kind} {r.name}" for r in result.regions if r.rewrite != "none")
             fn = ForwardCheck(fn, copy_graph_module(self.pristine), lambda ref, a: self.fallback, names,
                               self.owner.fallbacks, self.owner.timing)
+        rewritten(self.code, now=True)
+        if self.short_sizes:
+            decide.short_lengths(self.owner.regions, self.short_sizes, self._sizes(args))
         log.info("adjoint-compile: one graph with %d region call(s) serves every length", len(calls))
         return fn, ""
 
@@ -243,7 +263,8 @@ class LengthDispatch:
         longer = _longer(dims, self.tried_dims)
         if self.generics and (fn := self._another_generic(args)) is not None:
             return fn
-        if not self.generics and (not why or why == "short" and longer):
+        tried = not self.generics and (not why or why == "short" and longer)
+        if tried:
             self.tried_dims = [max(n, self.tried_dims[i] if i < len(self.tried_dims) else 0)
                                for i, n in enumerate(dims)]
             fn = None
@@ -272,11 +293,7 @@ class LengthDispatch:
             self.cache[key] = fn
             return fn
         if why == "short":
-            # NB: nothing to shard at these sizes; a longer call tries again
-            reasons = "; ".join(sorted({r.reason for r in self.declined.regions if r.kind != "residual_chain"}))
-            fn = self._fell_back("a length too short to shard, before any longer one", "longer sequences are "
-                                 "sharded; a smaller shard_size shards shorter ones", key, reasons)
-            self.cache[key] = fn
+            fn = self.cache[key] = self._short(key, args, tried)
             return fn
         try:
             sgm = specialize(copy_graph_module(self.gm), args, self.values)
@@ -292,6 +309,32 @@ class LengthDispatch:
         fn = result.fn
         self.cache[key] = fn
         return fn
+
+    def _short(self, key: tuple, args: tuple, tried: bool) -> Callable[..., Any]:
+        """A call too short to shard before the graph for every length was made: it runs with ordinary autograd, and
+        a longer call tries again. A fallback where another graph of this code was rewritten (the first call's, at
+        a length that shards), else a decline like a static graph's, said once with its reason; either way the
+        report lists its sizes (the symbolic graph's rows) and the tries' reasons (their specializations' rows)."""
+        if tried:
+            # NB: the longest try's rows only (each longer call tries again): the symbolic graph's rows list the sizes
+            if self.shown in self.owner.specializations:
+                self.owner.specializations.remove(self.shown)
+            self.shown = self.declined
+            self.owner.specializations.append(self.declined)
+        sizes = self._sizes(args)
+        self.short_sizes.append(sizes)
+        decide.short_lengths(self.owner.regions, self.short_sizes)
+        reasons = "; ".join(sorted({r.reason for r in self.declined.regions if r.kind != "residual_chain"}))
+        if rewritten(self.code):
+            return self._fell_back("a length too short to shard, before any longer one", "a call longer than any so "
+                                   "far is lowered again, and once one shards, one graph serves every length, these "
+                                   "too; a smaller shard_size may shard shorter ones", key, reasons, self.short_sizes)
+        if len(self.short_sizes) == 1:
+            warnings.warn(AdjointCompileWarning(
+                f"adjoint-compile: nothing rewritten at the sizes {sizes}, too short to shard ({reasons}); these "
+                f"calls run with ordinary autograd (no memory saved), and a call longer than any so far is lowered "
+                f"again; ac.report lists the sizes"), stacklevel=3)
+        return self.fallback
 
     def __call__(self, *args: Any) -> Any:
         if (fn := self._generic_for(args)) is not None:

@@ -18,6 +18,6 @@ __all__ = ["SelectiveSSM", "SSMStack", "make", "example_inputs"]
 if __name__ == "__main__":
     torch.manual_seed(0)
     # NB: left out, shard_size is chosen from T, the region's costs and the CPU threads: with one thread 649 steps at
-    # T = 2048 (4 shards, activations <= 15.5 MiB -> ~4.9 MiB), twice that with two; shards of 256 steps keep less
+    # T = 2048 (4 shards, activations <= 17.0 MiB -> ~5.4 MiB), twice that with two; shards of 256 steps keep less
     # and take longer (the memory knob: docs/options.md)
     print(ac.explain(make(), *example_inputs(), options={"shard_size": 256}))

@@ -155,6 +155,11 @@ def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
             for sig in fb.details["signatures"]] == [3, 5, 6, 7]
     (region,) = generic_regions(step)
     assert region.lengths == {40, 33}  # 40 first ran its static graph
+    # the report names the short calls' sizes, and the symbolic graph's rows where the graph was lowered
+    text = str(ac.report(step))
+    assert "(sizes so far: (2, 3, 8), (2, 5, 8), (2, 6, 8), (2, 7, 8))" in text, text
+    assert "lowered at the first call long enough to shard ((2, 40, 8))" in text, text
+    assert "longer sequences are sharded" not in str(short[0].message)
 
 
 def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_length():
@@ -677,3 +682,78 @@ def test_a_batch_size_first_seen_too_short_to_shard_gets_its_graph_at_a_longer_c
     _exact_at_lengths(step, lambda m, x: (m(x) * c).mean(), model, ref, xs)
     assert lowered[-2:] == [(3, 5, 8), (3, 45, 8)], lowered
 
+
+
+class _Scan(torch.nn.Module):
+    def __init__(self, d: int = 8, wide: int = 0) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.o = torch.nn.Sequential(torch.nn.Linear(d, wide), torch.nn.GELU(), torch.nn.Linear(wide, d)) if wide \
+            else torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.o(ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x)))
+
+
+def test_a_model_declined_at_every_length_is_no_fallback_and_every_length_is_reported():
+    """The default shard size (tens of thousands of steps here) leaves T = 64, 37, 100 one shard each: nothing is
+    ever rewritten. The second length was warned as "too short to shard, before any longer one ... longer sequences
+    are sharded", listed as a fallback of a rewrite there never was, its rows pointed at "later compiled graphs"
+    that did not exist, and T = 100 appeared nowhere."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Scan().double()
+    ref = copy.deepcopy(model)
+    step = torch.compile(lambda x: model(x).square().mean(), backend="adjoint", options={"inner": "eager"})
+    xs = [torch.randn(2, T, 8, dtype=torch.float64) for T in (64, 37, 100)]
+    said = _exact_at_lengths(step, lambda m, x: m(x).square().mean(), model, ref, xs)
+    assert not [w for w in said if "longer sequences are sharded" in w or "before any longer" in w], said
+    assert [w for w in said if "nothing rewritten at the sizes (2, 37, 8)" in w and "one shard: T=37" in w], said
+    report = ac.report(step)
+    assert report.fallbacks == [] and not any(r.rewrite != "none" for r in report.regions)
+    text = str(report)
+    assert "see the later compiled graphs" not in text and "fallbacks" not in text, text
+    assert "nothing to shard at the sizes run so far ((2, 37, 8), (2, 100, 8))" in text, text
+    assert [r for r in report.regions if r.length == 100 and r.reason.startswith("one shard: T=100")], text
+
+
+def _saved_bytes(model, x, loss) -> int:
+    """What eager autograd saves for ``loss(model, x)``: the storages of its saved tensors, less the parameters' and
+    the input's."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss(model, x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("wide", [0, 32], ids=["linear", "mlp"])
+def test_a_later_lengths_memory_figures_are_explains_at_that_length(wide):
+    """A later length's graph (specialized from the symbolic one) counted every view (movedim) as an allocation: 5 KiB
+    at T = 7 where explain() said 2 KiB. explain() counted F.linear's 3-d outputs (views of the 2-d results the op
+    makes itself) as nothing, so its bound fell below what eager autograd saves (7 KiB against 11 KiB for the MLP).
+    Both now count storages: the same figures, at least what autograd saves."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Scan(wide=wide)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    opts = {"shard_size": 4, "inner": "eager"}
+    step = torch.compile(lambda x: loss(model, x), backend="adjoint", options=opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AdjointCompileWarning)
+        for T in (16, 7):
+            step(torch.randn(2, T, 8)).backward()
+    got = {r.length: r.details["expected_memory_bytes"] for r in ac.report(step).regions if r.rewrite != "none"}
+    assert set(got) == {16, 7}, got
+    for T in (16, 7):
+        x = torch.randn(2, T, 8)
+        (want,) = [r.details["expected_memory_bytes"] for r in ac.explain(lambda x: loss(model, x), x, options=opts)
+                   .regions if r.rewrite != "none"]
+        assert got[T] == want, (T, got[T], want)
+        assert want["autograd"] >= _saved_bytes(model, x, loss), (T, want)

@@ -19,7 +19,8 @@ __all__ = [
     "SCAN_ARGS", "SCAN_DEFAULTS", "is_linear_scan", "scan_args", "example_value", "size", "shape", "hinted_shape", "nodes_in",
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
     "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "registers_hook",
-    "shares_memory", "source_line", "source_at", "is_copy", "batch_size_arg", "refresh_example_values",
+    "shares_memory", "allocated_bytes", "source_line", "source_at", "is_copy", "batch_size_arg",
+    "refresh_example_values",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -100,6 +101,12 @@ _VIEWS = frozenset("getitem view view_as reshape reshape_as transpose permute se
                    "diagonal unfold real imag view_as_real view_as_complex contiguous".split())
 
 
+#: ops whose result is always a view of their first argument (never a copy, unlike reshape or contiguous)
+_ALWAYS_VIEWS = frozenset("view view_as transpose permute select narrow unsqueeze squeeze expand expand_as t T mT "
+                          "as_strided detach alias split chunk unbind movedim swapaxes diagonal unfold real imag "
+                          "view_as_real view_as_complex".split())
+
+
 def is_view_op(n: fx.Node) -> bool:
     """Whether ``n`` is an op whose result may share storage with its first argument (a view, a reshape, ...)."""
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
@@ -131,6 +138,30 @@ def shares_memory(n: fx.Node, x: fx.Node) -> bool:
     ref = StorageWeakRef(xv.untyped_storage())
     return any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) == ref
                for t in pytree.tree_leaves(v))
+
+
+def allocated_bytes(nodes: Iterable[fx.Node], count: Callable[[fx.Node], bool] = lambda n: True) -> int:
+    """The bytes the values of ``nodes`` (in graph order) allocate, once per storage: a value sharing the storage of
+    one before it or of a value they read (a view: movedim, expand, a slice; an in-place op) adds nothing; of the
+    others, those of the nodes ``count`` accepts add their size.
+
+    NB: by storage, not ``Tensor._is_view()``: ``F.linear`` of a 3-d input is a view of the 2-d result it makes
+    itself (counted 0, though autograd saves it), and fake propagation detaches every value (a specialization's
+    movedims counted whole), so one region's estimate differed between explain() and a later length. A view made
+    before a pass put an op between it and its base (a clone) keeps its base's storage: hence "one before it", not
+    only the values it reads; an op that always makes a view (:data:`_ALWAYS_VIEWS`) counts 0 whatever its value
+    says (a rolled loop's stack keeps the value dynamo traced, not one of its new base)."""
+    nodes = list(nodes)
+    names = {n: n.target if n.op == "call_method" else getattr(n.target, "__name__", "") for n in nodes}
+    seen = {StorageWeakRef(t.untyped_storage()) for n in nodes for a in n.all_input_nodes if a not in nodes
+            for t in pytree.tree_leaves(example_value(a)) if isinstance(t, torch.Tensor)}
+    total = 0
+    for n in nodes:
+        for t in pytree.tree_leaves(example_value(n)):
+            if isinstance(t, torch.Tensor) and (ref := StorageWeakRef(t.untyped_storage())) not in seen:
+                seen.add(ref)
+                total += t.numel() * t.element_size() if count(n) and names[n] not in _ALWAYS_VIEWS else 0
+    return total
 
 
 def reread_inputs(graph: fx.Graph, into_inputs: list[fx.Node]) -> list[fx.Node]:

@@ -25,7 +25,8 @@ from ...regions import Lowered, NotLowered, Region, Rewrite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib", "declines", "lowered_per_length"]
+__all__ = ["Plan", "TABLE", "RECOMPUTING_MODES", "plan", "settle", "mib", "declines", "lowered_per_length",
+           "nothing_at_any_length", "short_lengths"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,24 @@ def nothing_at_any_length(regions: Sequence[Region]) -> None:
         if r.reason == SYMBOLIC:
             r.reason = ("dynamic shapes: its specialization rewrites nothing, whatever the length (the later compiled "
                         "graph's rows say why): the graph runs as captured, with ordinary autograd")
+
+
+def short_lengths(regions: Sequence[Region], sizes: Sequence[str], lowered_at: str = "") -> None:
+    """The regions of a graph with symbolic sizes whose calls so far (``sizes``) were too short to shard (lengths.py):
+    their reason says so instead of :data:`SYMBOLIC`, and, once a longer call (``lowered_at``) made the graph for
+    every length, that the calls before it ran with ordinary autograd."""
+    listed = ", ".join(sizes) if len(sizes) <= 6 else f"{', '.join(sizes[:5])}, ..., {sizes[-1]}"
+    for r in regions:
+        if r.reason == SYMBOLIC or r.reason.startswith(_SHORT):
+            r.reason = (f"dynamic shapes: lowered at the first call long enough to shard ({lowered_at}) and run for "
+                        f"every length since (see the later compiled graphs); the calls before it ({listed}) ran "
+                        f"with ordinary autograd" if lowered_at else
+                        f"{_SHORT} ({listed}): they ran with ordinary autograd (the next graph's rows say why, at the "
+                        f"longest); a call longer than these is lowered again")
+
+
+#: the start of a reason :func:`short_lengths` wrote
+_SHORT = "dynamic shapes: nothing to shard at the sizes run so far"
 
 
 def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) -> list[Plan]:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import example_value as _ev
-from ...analysis.fx import fresh_name, is_convex, is_linear_scan, scan_args
+from ...analysis.fx import allocated_bytes, fresh_name, is_convex, is_linear_scan, scan_args
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import source_line, stable_toposort as _toposort
 from ...analysis.modes import moved_across_modes, written_after_read
@@ -35,7 +35,6 @@ from ...analysis.time_local import TimeLocalInfo, analyze, embedding_ids
 from ...errors import UnsupportedRegion
 from ...options import Options, validate
 from ...regions import PROVENANCE, Lowered, NotLowered, Recurrence
-from ...runtime.shard_parts import own_bytes
 from ...runtime.sharded import ShardedRegion
 from ...runtime.sharded_ps import expandable_reason
 from ..decide import declines
@@ -343,10 +342,11 @@ def expected_memory(nodes: list[fx.Node], scans: list[fx.Node], info: TimeLocalI
     recomputed in backward. ``inputs``: the region's
     step-carrying inputs (saved either way). ``kept_outside``: full-length outputs read step by step outside the
     region (``unbind``, or two or more one-step reads: a bare scan whose states T unrolled ops read): what those
-    ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0.
+    ops keep alive because of the rewrite. Views (movedim, expand, slices) allocate nothing and count 0
+    (``allocated_bytes``).
     """
     S = min(S, T)  # NB: a shard_size over T is one shard of T steps
-    per_region = sum(own_bytes(_ev(n)) for n in nodes if info.step_dim.get(n) is not None)
+    per_region = allocated_bytes(nodes, lambda n: info.step_dim.get(n) is not None)
     states = sum(_nbytes(_ev(s)) // T for s in scans)  # one step of every scan's state
     boundaries = (-(-T // S) - 1) * (states + halos)
     members = set(nodes)
