@@ -416,8 +416,12 @@ class _Lowerer:
             if m.target is SCAN_OP:
                 env[m].target = scan_op  # NB: the op's own autograd is refused under torch.func (ops.py)
         held, held_dim = next(((env[a], d) for a, d in zip(inputs, dims) if d is not None), (None, None))
+        remade: set[fx.Node] = set()  # NB: values made again for each example's batch of one, and those read them
         for m in p_nodes:
+            if any(a in remade for a in m.all_input_nodes):
+                remade.add(m)
             if held is not None and (at := batch_size_arg(m, self.bd, self.batch)) is not None:
+                remade.add(m)
                 # NB: a parameter broadcast to the batch (a learned h0's `expand(B, -1)`): per example its batch is
                 # 1, so the size is read from a batched input of the function, not held at B
                 with sub.inserting_before(env[m]):
@@ -436,8 +440,12 @@ class _Lowerer:
         params = [a for a, p in zip(inputs, is_param) if p]
         if (out_axis := self.moved.get(n, self.bd)) is None:
             raise _refuse(n, "uses a parameter, but the examples' axis of its output is not known")
+        # NB: a value of parameters made from a constant of the batch's size (``Linear(x.new_zeros(B, H))``, an RNN's
+        # first step) has the examples' axis, but is made again per example above: one row each, broadcast nowhere
+        # (a mix of its rows, a cumsum over them, is caught in the backward: per_sample_backward.check_lined_up)
         if _name(n) in BROADCASTING and (p := next((a for a in n.all_input_nodes if self.kind_of.get(a) == "P" and
-                                                  not _short_of(a, _val(n).dim(), out_axis)), None)) is not None:
+                                                  a not in remade and not _short_of(a, _val(n).dim(), out_axis)),
+                                                 None)) is not None:
             raise _refuse(n, f"broadcasts the parameter value {p.name} {tuple(_val(p).shape)} along the examples' axis "
                              "(each example would meet its own part of it): not supported under per_sample_clip")
         site = self._site(n, "generic", params, out_axis)
