@@ -125,7 +125,7 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
         if n.op == "output" or (k := region_loss_kind(n, gm)) and kind_of.setdefault(n, k):
             continue  # NB: a loss a sharded region took in: a sum over the examples
         if axes is None and batch is not None:
-            axes = BatchAxes(bd, batch)
+            axes = BatchAxes(bd, batch, calls=region_out_axes(gm))
         ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
         v = _val(n)
         tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
@@ -177,6 +177,15 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
     return kind_of, batch
 
 
+def region_out_axes(gm: fx.GraphModule) -> dict[fx.Node, tuple[int | None, ...]]:
+    """Per call of a sharded region lowered under per_sample_clip, its outputs' examples' axes (sharded_ps.py checked
+    them), whatever the axes of what it reads."""
+    ps = {n: getattr(gm.get_submodule(str(n.target)), "per_sample", None) for n in gm.graph.nodes
+          if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), ShardedRegion)}
+    return {n: p.out_bdims for n, p in ps.items() if p is not None and len(p.out_bdims) == (
+        len(_val(n)) if isinstance(_val(n), (tuple, list)) else 1)}
+
+
 def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int | None]:
     """The per-example kind of every value ("P", "A", "R", "C", "M": the module docstring) and the batch size."""
     return _classify(gm, [], bd)
@@ -189,7 +198,8 @@ def _nbytes(v: Any) -> int:
 class _Lowerer:
     def __init__(self, gm: fx.GraphModule, kind_of: dict[fx.Node, str], opts: Options, batch: int) -> None:
         self.gm, self.kind_of, self.bd, self.batch = gm, kind_of, opts.batch_dim, batch
-        self.moved = moved_batch_axes(gm, {n for n, k in kind_of.items() if k in ("A", "M")}, self.bd, batch)
+        self.moved = moved_batch_axes(gm, {n for n, k in kind_of.items() if k in ("A", "M")}, self.bd, batch,
+                                      calls=region_out_axes(gm))
         self.out = PerSampleLowering(Clipper(float(opts.per_sample_clip or float("inf")), opts.batch_dim), batch)
         self.uses_of: dict[fx.Node, int] = {}
 
