@@ -132,3 +132,52 @@ def test_a_constant_along_time_times_a_parameter(B):
 
     torch.manual_seed(B)
     check(_Reordered("new_ones"), torch.randn(B, 3, 4), clip=0.05)
+
+
+class _ZeroStateRnn(nn.Module):
+    """An Elman (tanh) or GRU cell run from ``x.new_zeros(B, H)``: the first step's ``hh(h)`` is a Linear of a
+    batch-sized constant, added to the input's projection (no axis broadcast: both [B, H])."""
+
+    def __init__(self, gru: bool, d: int = 5, h: int = 4) -> None:
+        super().__init__()
+        self.gru, self.h = gru, h
+        self.ih, self.hh = nn.Linear(d, 3 * h if gru else h), nn.Linear(h, 3 * h if gru else h)
+        self.out = nn.Linear(h, 2)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], self.h)
+        for t in range(x.shape[1]):
+            if self.gru:
+                (r_x, z_x, n_x), (r_h, z_h, n_h) = self.ih(x[:, t]).chunk(3, -1), self.hh(h).chunk(3, -1)
+                r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+                h = (1 - z) * torch.tanh(n_x + r * n_h) + z * h
+            else:
+                h = torch.tanh(self.ih(x[:, t]) + self.hh(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("gru", [False, True])
+@pytest.mark.parametrize("T", [1, 7])
+def test_a_linear_of_a_zero_initial_state_added_to_the_input(gru, T):
+    """``tanh(ih(x_t) + hh(x.new_zeros(B, H)))``, every hand-written RNN's first step: it was refused as broadcasting
+    hh's value along the examples' axis. fp64, exact against one eager backward per example, clipped and summed."""
+    from test_lower_per_sample import _loss
+
+    torch.manual_seed(T + gru)
+    model = _ZeroStateRnn(gru).double()
+    x, clip = torch.randn(3, T, 5, dtype=torch.float64), 0.5
+    want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    norms = []
+    for i in range(3):
+        model.zero_grad()
+        _loss(model(x[i:i + 1])).backward()
+        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())))
+        for n, p in model.named_parameters():
+            want[n] += min(1.0, clip / float(norms[-1])) * p.grad
+    assert max(norms) > clip, "the test should clip something"
+    model.zero_grad()
+    compiled = torch.compile(model, backend="adjoint", options={"per_sample_clip": clip, "inner": "aot_eager"})
+    _loss(compiled(x)).backward()
+    torch.testing.assert_close(ac.per_sample_grad_norms(compiled), torch.stack(norms), rtol=1e-10, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")

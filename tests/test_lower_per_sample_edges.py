@@ -792,3 +792,32 @@ def test_a_time_major_conv_scan_stack_is_exact():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.m(x.transpose(0, 1)).transpose(0, 1)
     check(TimeMajorStack(), torch.randn(11, 3, 6), clip=0.5, bd=1, shard_size=4)
+
+
+class _LoopLayer(nn.Module):
+    """x + o(h), h_t = σ(a(LN x_t)) ⊙ h_{t-1} + b(LN x_t) written as a Python loop (a region per layer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.a, self.b, self.o = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        u = self.norm(x)
+        a, b = torch.sigmoid(self.a(u)), self.b(u)
+        h, hs = torch.zeros_like(b[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        return x + self.o(torch.stack(hs, 1))
+
+
+def test_a_stack_of_two_loop_regions_reads_the_first_regions_outputs():
+    """The second layer's residual add reads the first region's output: that region read a time-major [T, B, D]
+    value, and its outputs' axes were taken as unknown ("add mixes the examples of the batch"), though the region,
+    lowered first, had checked them on batch_dim."""
+    from test_lower_per_sample import check
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 8), _LoopLayer(8), _LoopLayer(8), nn.Linear(8, 3))
+    rep = check(model, torch.randn(3, 13, 4), clip=0.5, shard_size=4)
+    assert [r.rewrite for r in rep.regions].count("adjoint") == 2, rep

@@ -111,8 +111,11 @@ class BatchAxes:
     (its inputs visited before), ``axes(n)`` its axis (None: unknown). :func:`moved_batch_axes` visits a whole graph;
     a caller classifying the graph's values as it goes visits each activation as it finds it."""
 
-    def __init__(self, bd: int, batch: int, seeds: dict[fx.Node, int | None] | None = None) -> None:
+    def __init__(self, bd: int, batch: int, seeds: dict[fx.Node, int | None] | None = None,
+                 calls: dict[fx.Node, tuple[int | None, ...]] | None = None) -> None:
         self.bd, self.batch = bd, batch
+        #: per call whose outputs' axes its caller knows (a lowered sharded region's), those axes
+        self.calls = calls or {}
         #: per activation whose examples are not on ``bd``: their axis, or None where unknown
         self.moved: dict[fx.Node, int | None] = {n: k for n, k in (seeds or {}).items() if k != bd}
         #: per tuple-valued activation reading a moved one, its elements' axes
@@ -124,6 +127,13 @@ class BatchAxes:
     def visit(self, n: fx.Node, activations: set[fx.Node]) -> None:
         bd, batch, moved, elems = self.bd, self.batch, self.moved, self.elems
         if n.op not in ("call_function", "call_method", "call_module"):
+            return
+        if n in self.calls:  # NB: whatever its inputs' axes (a region reading a time-major [T, B, D] value)
+            ks = self.calls[n]
+            if isinstance(example_value(n), (tuple, list)):
+                elems[n] = list(ks)
+            elif ks and ks[0] != bd:
+                moved[n] = ks[0]
             return
         if n.target is operator.getitem and n.args[0] in elems:
             k = elems[n.args[0]][n.args[1]] if isinstance(n.args[1], int) else None
@@ -187,11 +197,12 @@ class BatchAxes:
 
 
 def moved_batch_axes(gm: fx.GraphModule, activations: set[fx.Node], bd: int, batch: int,
-                     seeds: dict[fx.Node, int | None] | None = None) -> dict[fx.Node, int | None]:
+                     seeds: dict[fx.Node, int | None] | None = None,
+                     calls: dict[fx.Node, tuple[int | None, ...]] | None = None) -> dict[fx.Node, int | None]:
     """Per activation whose examples are no longer on axis ``bd``: the axis they are on, or None where unknown
     (module docstring). Activations not in the result keep them on ``bd``; ``seeds``: the axes of inputs (placeholders)
     that have them elsewhere."""
-    axes = BatchAxes(bd, batch, seeds)
+    axes = BatchAxes(bd, batch, seeds, calls)
     for n in gm.graph.nodes:
         if n in activations:
             axes.visit(n, activations)

@@ -125,7 +125,7 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
         if n.op == "output" or (k := region_loss_kind(n, gm)) and kind_of.setdefault(n, k):
             continue  # NB: a loss a sharded region took in: a sum over the examples
         if axes is None and batch is not None:
-            axes = BatchAxes(bd, batch)
+            axes = BatchAxes(bd, batch, calls=region_out_axes(gm))
         ins = [kind_of.get(a, "C") for a in n.all_input_nodes]
         v = _val(n)
         tensorish = isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and
@@ -177,6 +177,15 @@ def _classify(gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> tup
     return kind_of, batch
 
 
+def region_out_axes(gm: fx.GraphModule) -> dict[fx.Node, tuple[int | None, ...]]:
+    """Per call of a sharded region lowered under per_sample_clip, its outputs' examples' axes (sharded_ps.py checked
+    them), whatever the axes of what it reads."""
+    ps = {n: getattr(gm.get_submodule(str(n.target)), "per_sample", None) for n in gm.graph.nodes
+          if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), ShardedRegion)}
+    return {n: p.out_bdims for n, p in ps.items() if p is not None and len(p.out_bdims) == (
+        len(_val(n)) if isinstance(_val(n), (tuple, list)) else 1)}
+
+
 def classify_kinds(gm: fx.GraphModule, bd: int) -> tuple[dict[fx.Node, str], int | None]:
     """The per-example kind of every value ("P", "A", "R", "C", "M": the module docstring) and the batch size."""
     return _classify(gm, [], bd)
@@ -189,7 +198,8 @@ def _nbytes(v: Any) -> int:
 class _Lowerer:
     def __init__(self, gm: fx.GraphModule, kind_of: dict[fx.Node, str], opts: Options, batch: int) -> None:
         self.gm, self.kind_of, self.bd, self.batch = gm, kind_of, opts.batch_dim, batch
-        self.moved = moved_batch_axes(gm, {n for n, k in kind_of.items() if k in ("A", "M")}, self.bd, batch)
+        self.moved = moved_batch_axes(gm, {n for n, k in kind_of.items() if k in ("A", "M")}, self.bd, batch,
+                                      calls=region_out_axes(gm))
         self.out = PerSampleLowering(Clipper(float(opts.per_sample_clip or float("inf")), opts.batch_dim), batch)
         self.uses_of: dict[fx.Node, int] = {}
 
@@ -416,8 +426,12 @@ class _Lowerer:
             if m.target is SCAN_OP:
                 env[m].target = scan_op  # NB: the op's own autograd is refused under torch.func (ops.py)
         held, held_dim = next(((env[a], d) for a, d in zip(inputs, dims) if d is not None), (None, None))
+        remade: set[fx.Node] = set()  # NB: values made again for each example's batch of one, and those read them
         for m in p_nodes:
+            if any(a in remade for a in m.all_input_nodes):
+                remade.add(m)
             if held is not None and (at := batch_size_arg(m, self.bd, self.batch)) is not None:
+                remade.add(m)
                 # NB: a parameter broadcast to the batch (a learned h0's `expand(B, -1)`): per example its batch is
                 # 1, so the size is read from a batched input of the function, not held at B
                 with sub.inserting_before(env[m]):
@@ -436,8 +450,12 @@ class _Lowerer:
         params = [a for a, p in zip(inputs, is_param) if p]
         if (out_axis := self.moved.get(n, self.bd)) is None:
             raise _refuse(n, "uses a parameter, but the examples' axis of its output is not known")
+        # NB: a value of parameters made from a constant of the batch's size (``Linear(x.new_zeros(B, H))``, an RNN's
+        # first step) has the examples' axis, but is made again per example above: one row each, broadcast nowhere
+        # (a mix of its rows, a cumsum over them, is caught in the backward: per_sample_backward.check_lined_up)
         if _name(n) in BROADCASTING and (p := next((a for a in n.all_input_nodes if self.kind_of.get(a) == "P" and
-                                                  not _short_of(a, _val(n).dim(), out_axis)), None)) is not None:
+                                                  a not in remade and not _short_of(a, _val(n).dim(), out_axis)),
+                                                 None)) is not None:
             raise _refuse(n, f"broadcasts the parameter value {p.name} {tuple(_val(p).shape)} along the examples' axis "
                              "(each example would meet its own part of it): not supported under per_sample_clip")
         site = self._site(n, "generic", params, out_axis)

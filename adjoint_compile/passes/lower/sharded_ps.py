@@ -27,7 +27,7 @@ from ...analysis.rules import TimeLocalInfo
 from ...errors import UnsupportedRegion
 from ...options import Options
 from ...runtime.sharded_ps import PerSampleRegion
-from .per_sample import classify_kinds, warn_batch_mean
+from .per_sample import classify_kinds, region_out_axes, warn_batch_mean
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def per_sample_region(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[f
     # NB: the examples' axis of every activation, followed through permutations (a [T, B, D] value where T == B has
     # B at axis 0 but not the examples)
     acts = {n for n, kd in kind_of.items() if kd in ("A", "M")}
-    moved = moved_batch_axes(gm, acts, bd, batch)
+    moved = moved_batch_axes(gm, acts, bd, batch, calls=region_out_axes(gm))
     # NB: a loss taken into the region sums over the examples too: a scalar whose per-example parts the expanded
     # parameters tell apart (runtime/sharded_ps.py)
     losses = {k: kind_of.get(o) for k, o in enumerate(outputs) if o in info.sums and _scalar(o)}
