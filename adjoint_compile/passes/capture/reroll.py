@@ -171,8 +171,7 @@ def _loop(gm: fx.GraphModule, r: Recurrence) -> tuple[LoopRecipe, dict[fx.Node, 
     if gone:
         raise _Unproven(f"the loop's node {gone[0]} is no longer in the graph")
     if recipe.h0 is None and recipe.first_step_matched:
-        # NB: step 1 matched the template without reading the state where it does: the steps alternate (a loop whose
-        # even and odd steps differ chains every other step)
+        # NB: step 1 matched the template but not where it reads the state: a loop of alternating steps
         raise _Unproven("steps differ: the first step does not read the loop's state where the others do (do the "
                         "loop's steps alternate?); write every step as the same computation")
     if recipe.h0 is None or recipe.h0 not in pos:
