@@ -37,6 +37,9 @@ def _name(n: Any) -> Any:
     return n
 
 
+#: why Highway-BP's loop lowering refuses a loop with two carried states
+MORE_THAN_ONE_STATE = "the loop carries more than its one state (e.g. an LSTM's h and c): not supported yet"
+
 @dataclasses.dataclass
 class Region:
     """Common fields of every region (DESIGN.md §1: kind, source, length, rewrite, reason)."""
@@ -128,7 +131,7 @@ class LoopRecipe:
         if self.h0 is None or not self.first_step_matched or len(self.states) < 2:
             return "the loop's steps are not all the same (its first step differs) or it has no initial state"
         if self.rotated or len(self.carried) != 1 or self.carried[0][0] is not self.states[0]:
-            return "the loop carries more than its one state (e.g. an LSTM's h and c): not supported yet"
+            return MORE_THAN_ONE_STATE
         return None
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..match.find_recurrences import is_scan_hop
 from ...options import Options
-from ...regions import Lowered, NotLowered, Region, Rewrite
+from ...regions import MORE_THAN_ONE_STATE, Lowered, NotLowered, Region, Rewrite
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +158,24 @@ def _rolled_loop(r: Region) -> bool:
                str(n.meta.get("stack_trace") or "").replace("\\", "/") for n in r.nodes)
 
 
+def _read_carries(scan: fx.Node) -> int:
+    """How many of a scan's carries its step function reads."""
+    ref, init = scan.args[0], scan.args[1]
+    sub = getattr(scan.graph.owning_module, str(ref.target), None) if isinstance(ref, fx.Node) else ref
+    if not isinstance(sub, fx.GraphModule) or not isinstance(init, (list, tuple)):
+        return 0
+    return sum(1 for n in [n for n in sub.graph.nodes if n.op == "placeholder"][:len(init)] if n.users)
+
+
 def _highway_refusal(r: Region) -> str | None:
     """Why mode='highway' would not take the gated recurrence ``r`` either (passes/lower/highway.py's structural
     checks), or None: the reasons of the other modes then point to it."""
-    if r.details.get("cell") or any(isinstance(n, fx.Node) and is_scan_hop(n) for n in r.nodes):
+    if r.details.get("cell"):
         return None
+    scans = [n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)]
+    if scans:
+        # NB: a rolled loop is unrolled for mode='highway'; the carries its step reads stay carried there
+        return MORE_THAN_ONE_STATE if _rolled_loop(r) and max(map(_read_carries, scans)) > 1 else None
     rec = getattr(r, "reroll", None)
     if r.source != "unrolled_loop" or rec is None:
         return f"it rewrites gated recurrences written as loops or torch's scan, not from {r.source!r}"

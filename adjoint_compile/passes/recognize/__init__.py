@@ -122,7 +122,8 @@ def _drop_dead(gm: fx.GraphModule, recs: list[Recurrence], chains: list[Residual
     if len(live) == len(gm.graph.nodes):
         return recs, chains, rejections
     dead_names = {n.name for n in gm.graph.nodes if n not in live}
-    kept = [r for r in recs if any(o in live for o in (r.outputs or r.nodes))]
+    # NB: a region with one live node is live: nn.LSTM's scan makes the cell's final state, which is often unread
+    kept = [r for r in recs if any(n in live for n in (*r.outputs, *r.nodes))]
     kept_chains = [c for c in chains if any(layer.out in live for layer in c.layers)]
     kept_rej = [j for j in rejections if j.node not in dead_names]
     if len(kept) != len(recs) or len(kept_chains) != len(chains) or len(kept_rej) != len(rejections):
