@@ -189,6 +189,30 @@ def test_a_buffer_written_under_no_grad_stays_without_graph(rolled, shard):
     assert rows and all(r.rewrite == ("adjoint" if shard == 4 else "none") for r in rows), str(ac.report(f))
 
 
+
+@pytest.mark.parametrize("rolled", [False, True], ids=["loop", "linear_scan"])
+def test_a_buffer_written_under_no_grad_stays_without_graph_at_every_length(rolled):
+    """A second length runs a graph specialized from dynamo's symbolic one, whose values all read as without grad
+    (fake propagation records detached values): the block's reads were not detached there, and the buffer kept the
+    call's graph (the third call's backward raised "backward through the graph a second time")."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Streaming(rolled).double()
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend="adjoint", options={**OPTS, "shard_size": 4})
+    for step, t in enumerate((T, 9, T, 7)):
+        x = torch.randn(B, t, D, dtype=torch.float64)
+        model.zero_grad()
+        ref.zero_grad()
+        f(x).backward()
+        ref(x).backward()
+        for name, buf in model.named_buffers():
+            assert not buf.requires_grad and buf.grad_fn is None, (step, name)
+            torch.testing.assert_close(buf, ref.get_buffer(name), rtol=1e-12, atol=1e-14)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"{n} at T={t}")
+    assert {r.length for r in ac.report(f).regions if r.rewrite == "adjoint"} >= {T, 9}, str(ac.report(f))
+
 class DecayBetween(nn.Module):
     """A parameter updated in place under no_grad between the layer that reads it and the scan."""
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -152,6 +153,15 @@ class _Propagate(FakeTensorProp):
         result = super().run_node(n)
         if _literal(result):
             n.meta["val"] = fx.node.map_aggregate(result, lambda x: x)
+        else:
+            # NB: FakeTensorProp records detached snapshots; dynamo's example values say which values have grad (the
+            # no_grad block pass reads it: a buffer written under no_grad kept the step's graph)
+            flags = [getattr(x, "requires_grad", False) for x in pytree.tree_leaves(result)]
+            vals = pytree.tree_leaves(n.meta.get("val"))
+            if any(flags) and len(vals) == len(flags):
+                for v, f in zip(vals, flags):
+                    if f and isinstance(v, torch.Tensor) and v.is_leaf and not v.requires_grad:
+                        v.requires_grad_(True)
         return result
 
 
