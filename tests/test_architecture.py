@@ -28,7 +28,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("lower", ("passes.lower", "passes.lower.*")),
     ("stitch", ("passes.stitch", "passes.stitch.*")),
     ("backend", ("backend", "lengths", "frames")),
-    ("user", ("", "explain", "cli", "cli_dump", "demo", "measure", "models", "models.*")),
+    ("user", ("", "explain", "records", "cli", "cli_dump", "demo", "measure", "models", "models.*")),
 ]
 
 
