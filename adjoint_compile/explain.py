@@ -22,12 +22,13 @@ import torch
 import torch.fx as fx
 
 from . import polyfills, timing
-from .analysis.breaks import SMALL_GRAPH_NODES, at_frame, break_of, notes_here, notes_of, options_given
+from .analysis.breaks import (RNN_WORDS, SMALL_GRAPH_NODES, Break, at_frame, break_of, collect_skips, notes_here,
+                              notes_of, options_given, skipped_in)
 from .polyfills import torch_rnn
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, run_pipeline
 from .options import Options, validate
-from .records import compiled_graphs
+from .records import compiled_graphs, root_frames
 from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
 from .runtime.verify import compare_grads, copy_graph_module, grads_of
 
@@ -46,6 +47,9 @@ class GraphBreak:
     location: str = ""
     #: the source line there (stripped), when known.
     code: str = ""
+    #: the function dynamo ran eagerly, without a graph, because of this break (one inside its loop), when any:
+    #: "name (file:line)".
+    frame: str = ""
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -157,6 +161,9 @@ class Report:
                 cells = [row[c].ljust(widths[c]) for c in range(len(header) - 1)] + [row[-1]]
                 lines.append("  " + "  ".join(cells).rstrip())
             lines.append(GROUP_LEGEND)
+        elif not self.graphs and (eager := list(dict.fromkeys(b.frame for b in self.graph_breaks if b.frame))):
+            lines.append(f"  no graph compiled: dynamo ran {', '.join(eager)} eagerly, without a graph, because of the "
+                         f"graph break below: ordinary autograd, nothing rewritten, no memory saved")
         elif not self.graphs and not self.graph_breaks:
             lines.append("  no graph compiled: the compiled model has not been called yet, its calls held no tensor "
                          "ops, or dynamo ran them without a graph (as it runs torch's nn.RNN, nn.LSTM and nn.GRU "
@@ -197,14 +204,16 @@ class Report:
     def _break_lines(self) -> list[str]:
         """The breaks, one line per place and reason (with how many graphs broke there), and how many small graphs
         with nothing recognized lie between them."""
-        seen: dict[tuple[str, str, str], int] = {}
+        seen: dict[tuple[str, str, str, str], int] = {}
         for b in self.graph_breaks:
-            key = (b.reason, b.location, b.code)
+            key = (b.reason, b.location, b.code, b.frame)
             seen[key] = seen.get(key, 0) + 1
         lines = ["graph breaks:"]
-        for i, ((why, where, code), k) in enumerate(seen.items()):
+        for i, ((why, where, code, frame), k) in enumerate(seen.items()):
             at = where + (f": `{code}`" if code and where else "")
-            lines.append(f"  {i + 1}. {why}" + (f" ({at})" if at else "") + (f" x{k}" if k > 1 else ""))
+            eager = (f"; dynamo does not resume after it, so it ran {frame} eagerly, without a graph (nothing in it "
+                     f"rewritten)" if frame else "")
+            lines.append(f"  {i + 1}. {why}" + (f" ({at})" if at else "") + (f" x{k}" if k > 1 else "") + eager)
         small = [len(g.graph.nodes) for i, g in enumerate(self.graphs)
                  if i < len(self.compiled) and not self.compiled[i].regions and len(g.graph.nodes) <= SMALL_GRAPH_NODES]
         if len(small) > 1:
@@ -236,6 +245,20 @@ def _graph_breaks(explain_output: Any) -> list[GraphBreak]:
     return out
 
 
+def _with_skips(breaks: list[GraphBreak], skipped: list[Break]) -> list[GraphBreak]:
+    """``breaks`` with the frames dynamo ran without a graph: each on the break at its line (a break in the loop of a
+    function that a compiled frame calls ends that frame's graph there too), else as a break of its own."""
+    for s in skipped:
+        # NB: a torch nn.GRU / nn.LSTM also has its own note (polyfills/torch_rnn.py), with no location
+        same = [b for b in breaks if s.location and b.location == s.location
+                or s.reason.startswith(RNN_WORDS) and not b.location and "runs natively" in b.reason]
+        for b in same:
+            b.frame = b.frame or s.frame
+        if not same:
+            breaks.append(GraphBreak(s.reason, s.location, s.code, s.frame))
+    return breaks
+
+
 def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: Any, options: Any = None) -> Report:
     """What ``torch.compile(model_or_fn, backend="adjoint", options=options)`` would do on these inputs.
 
@@ -251,10 +274,11 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     opts = validate(options)
     polyfills.install()
     rnn_notes()  # NB: only this trace's
-    with polyfills.enabled(opts.mode):  # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
+    # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
+    with polyfills.enabled(opts.mode), collect_skips() as skipped:
         out = torch._dynamo.explain(model_or_fn)(*example_inputs)
     compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
-    breaks = _graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()]
+    breaks = _with_skips(_graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()], skipped)
     rep = Report.of(compiled, opts, breaks, list(out.graphs))
     if opts.verify:
         _verify(rep, model_or_fn, example_inputs, options)
@@ -296,7 +320,8 @@ def report(compiled_model: Any) -> Report:
     (captured graph, regions, rejections, lowered region calls). Empty before the first call. That includes graphs on
     other code objects than the model's (a nested function that breaks, a frame dynamo skipped after a break in a
     loop and the functions it calls): the backend notes every frame a ``torch.compile`` call compiled
-    (analysis/breaks.py). ``report.graph_breaks`` lists the break that ended each graph.
+    (analysis/breaks.py). ``report.graph_breaks`` lists the break that ended each graph, and the break that made
+    dynamo run a frame without any graph (``GraphBreak.frame``: one inside a loop, where dynamo cannot resume).
 
     NB: dynamo keeps its compiled graphs per code object, and instances of one class share them (parameters are
     graph inputs): for a module this lists the graphs compiled for it and those compiled for another instance that
@@ -321,7 +346,9 @@ def report(compiled_model: Any) -> Report:
     notes = notes_of(compiled_model)
     breaks += [GraphBreak(why) for why in (_RNN_NOTES.get(notes, ()) if notes is not None else ())
                if not any(why in b.reason for b in breaks)]
-    return Report.of(flat, opts, breaks + _ddp_splits(flat))
+    # NB: a frame dynamo skipped (a break in its loop) has no graph; its break is on no graph either
+    codes = [code for code, _ in root_frames(compiled_model) + (notes.live_frames() if notes is not None else [])]
+    return Report.of(flat, opts, _with_skips(breaks, skipped_in(codes)) + _ddp_splits(flat))
 
 
 #: per torch.compile call (analysis.breaks.CompileNotes): the nn.GRU / nn.LSTM left native while tracing for it

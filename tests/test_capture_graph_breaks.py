@@ -1,11 +1,15 @@
 """Graph breaks that cut a model into many small graphs: ``report()`` counts every graph of the compiled model, on
 whatever code object dynamo keeps it (a nested function that breaks, its resume functions), and the backend says
 so in one warning that names the break, not one warning per small graph. Rejection reasons grouped by cause keep
-their words: only node names that differ between the group's members are masked."""
+their words: only node names that differ between the group's members are masked. A break inside the loop of the
+compiled callable's own forward makes dynamo run it eagerly, without any graph: that is warned and reported too."""
 from __future__ import annotations
 
 import logging
+import warnings
+from pathlib import Path
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -171,3 +175,93 @@ def test_the_report_text_keeps_the_words():
     assert "(a skip across layers)" in text and "(<node> skip" not in text
     assert "of the residual layer at <node>" in text
     assert "recurrence at the: the carry the passes through a skip: not linear" in text
+
+
+# --- a break inside the loop of the compiled callable's own forward: dynamo runs the whole frame eagerly ----------
+
+
+class _BranchInLoop(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            if h.sum() > 0:  # the break
+                h = h * 1.0
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+class _ItemInLoop(_BranchInLoop):
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            scale = float(h.detach().abs().max())  # the break
+            out.append(h / scale)
+        return torch.stack(out, 1)
+
+
+def _line_of(cls, text: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(cls.forward)
+    return first + next(i for i, ln in enumerate(lines) if text in ln)
+
+
+@pytest.mark.parametrize("cls, marker, why", [(_BranchInLoop, "if h.sum() > 0:", "data-dependent branching"),
+                                              (_ItemInLoop, "scale = float(", "a tensor read as a python number")])
+def test_a_break_in_the_loop_of_the_compiled_forward_is_warned_and_reported(cls, marker, why):
+    """dynamo skips the whole forward (it does not resume inside a loop) and runs it eagerly; it compiled nothing, so
+    report() said "not called yet", and nothing warned."""
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(2, 5, 8)
+    line = _line_of(cls, marker)
+    f = torch.compile(model, backend="adjoint", options={"inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f(x).sum().backward()
+    ours = [w for w in said if issubclass(w.category, ac.AdjointCompileWarning)]
+    assert len(ours) == 1, [str(w.message) for w in said]
+    msg = str(ours[0].message)
+    # NB: the warning points at the user's line, and names it and the function that ran eagerly
+    assert (Path(ours[0].filename).name, ours[0].lineno) == ("test_capture_graph_breaks.py", line)
+    assert f"test_capture_graph_breaks.py:{line} in forward (`{marker}" in msg and why in msg.lower()
+    assert f"{cls.__qualname__}.forward (" in msg and "runs eagerly" in msg and "inside a loop" in msg
+    rep = ac.report(f)
+    (brk,) = rep.graph_breaks
+    assert brk.location.endswith(f"test_capture_graph_breaks.py:{line} in forward") and brk.code.startswith(marker)
+    assert brk.frame.startswith(f"{cls.__qualname__}.forward (") and brk.reason.lower().startswith(why)
+    text = str(rep)
+    assert text.startswith("adjoint-compile report: 0 graph(s), 1 graph break(s)")
+    assert "not been called yet" not in text and f"dynamo ran {cls.__qualname__}.forward" in text
+    # explain() lists the same break (torch._dynamo.explain lists none)
+    (seen,) = ac.explain(model, x).graph_breaks
+    assert (seen.location, seen.code, seen.frame) == (brk.location, brk.code, brk.frame)
+
+
+def test_a_skipped_forward_under_a_compiled_function_is_reported_at_its_line():
+    torch.manual_seed(0)
+    model = _BranchInLoop()
+    f = torch.compile(lambda x: model(x).square().mean(), backend="adjoint", options={"inner": "eager"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f(torch.randn(2, 5, 8)).backward()
+    line = _line_of(_BranchInLoop, "if h.sum() > 0:")
+    assert any(issubclass(w.category, ac.AdjointCompileWarning) and w.lineno == line for w in said)
+    rep = ac.report(f)
+    where = f"test_capture_graph_breaks.py:{line} in forward"
+    assert [Path(b.location).name for b in rep.graph_breaks] == [where]
+    assert str(rep).startswith("adjoint-compile report: 1 graph(s), 1 graph break(s)")
+
+
+def test_a_skipped_frame_of_another_backend_is_not_warned_about():
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        torch.compile(_BranchInLoop(), backend="eager")(torch.randn(2, 5, 8))
+    assert not [w for w in said if issubclass(w.category, ac.AdjointCompileWarning)]

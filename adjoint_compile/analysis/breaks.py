@@ -7,20 +7,31 @@
   it, the frames a skipped frame calls). It holds the frames compiled and their graphs (weakly), so that
   ``adjoint_compile.report`` finds graphs that live on code objects other than the compiled model's;
 * :func:`collapse`: the backend's warning for one graph, or None when the graph is one more small graph with
-  nothing recognized that graph breaks split off: those are one WARNING per ``torch.compile`` call, naming the break.
+  nothing recognized that graph breaks split off: those are one WARNING per ``torch.compile`` call, naming the break;
+* :func:`frame_skipped`: a frame dynamo compiled no graph for at all, because of a graph break it cannot resume
+  after (one inside a loop): the whole function runs eagerly. Dynamo says so only in its logs, and
+  ``torch._dynamo.explain`` lists no break; this warns, naming the break's line, and keeps it for ``report()``
+  (:func:`skipped_in`) and ``explain()`` (:func:`collect_skips`).
 
 NB: there is no hook at the end of a compiled call, so the one warning comes with the first such graph; the count
 of all of them is in ``adjoint_compile.report(compiled)``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import linecache
 import logging
 import re
+import sys
+import threading
+import warnings
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from ..errors import AdjointCompileWarning
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +42,16 @@ SMALL_GRAPH_NODES = 64
 #: the attribute of torch's backend wrappers that holds a compile's :class:`CompileNotes`
 NOTES = "_adjoint_compile_notes"
 
+#: a torch recurrent module in a frame: dynamo skips the whole frame (torch._dynamo.config.allow_rnn=False)
+RNN_WORDS = "a torch nn.RNN, nn.GRU or nn.LSTM module, which dynamo leaves out of its graph"
+
 #: dynamo's reasons (GraphCompileReason.reason) that name its own bytecode handler, in words
 _READABLE = (("generic_jump", "data-dependent branching: an `if` (or `while`, `and`/`or`) on a tensor's value"),
+             ("data-dependent branching", "data-dependent branching: an `if` (or `while`, `and`/`or`) on a tensor's "
+                                          "value"),
+             ("unsupported tensor.item() call", "a tensor read as a Python number (`.item()`, `float(t)`, `int(t)`), "
+                                                "which dynamo does not keep in its graph"),
+             ("attempted to wrap rnn, gru, or lstm", RNN_WORDS),
              ("step_unsupported", "an instruction dynamo cannot trace"))
 
 _RESUME = re.compile(r"torch_dynamo_resume_in_(?P<fn>.+)_at_(?P<line>\d+)$")
@@ -47,14 +66,19 @@ class Break:
     location: str = ""
     #: the source line there, stripped ("" when unknown)
     code: str = ""
+    #: the function dynamo ran without a graph because of this break, "name (file:line)" ("" when none)
+    frame: str = ""
 
     @property
     def data_dependent(self) -> bool:
-        return self.reason.startswith("data-dependent")
+        return self.reason.lower().startswith("data-dependent")
 
     def remedy(self) -> str:
         how = ("compute both branches and choose with torch.where, or use torch.cond; " if self.data_dependent
-               else "")
+               else "keep the number a tensor (`h / h.abs().amax()`, not `h / float(h.abs().max())`), or set "
+                    "torch._dynamo.config.capture_scalar_outputs = True; " if self.reason.startswith("a tensor read")
+               else "mode='highway' decomposes nn.GRU and nn.LSTM into their cell equations; "
+               if self.reason.startswith(RNN_WORDS) else "")
         return f"{how}TORCH_LOGS=graph_breaks shows every break and why"
 
     def where(self) -> str:
@@ -67,7 +91,7 @@ def describe(reason: Any) -> str:
     text = str(reason or "").strip()
     first = text.splitlines()[0] if text else "graph break"
     for prefix, words in _READABLE:
-        if first.startswith(prefix):
+        if first.lower().startswith(prefix):
             return words
     return first
 
@@ -123,6 +147,9 @@ class CompileNotes:
 
     def note(self, result: Any, code: Any, globs: dict[str, Any]) -> None:
         self.graphs[result.seq] = result
+        self.note_frame(code, globs)
+
+    def note_frame(self, code: Any, globs: dict[str, Any]) -> None:
         if code is not None and id(code) not in self.frames:
             try:
                 self.frames[id(code)] = (weakref.ref(code), globs)
@@ -160,7 +187,13 @@ def _holders(compiler_fn: Any) -> list[Any]:
 
 def notes_here(tx: Any) -> CompileNotes | None:
     """The notes of the ``torch.compile`` call dynamo is compiling for (made on its first graph), or None."""
-    holders = _holders(getattr(getattr(tx, "output", None), "compiler_fn", None))
+    return notes_for(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+def notes_for(compiler_fn: Any) -> CompileNotes | None:
+    """The notes of the ``torch.compile`` call whose backend chain ``compiler_fn`` is (made when first asked), or
+    None."""
+    holders = _holders(compiler_fn)
     notes = next((n for f in holders if isinstance(n := getattr(f, NOTES, None), CompileNotes)), None)
     if notes is None:
         notes = CompileNotes()
@@ -257,3 +290,124 @@ def collapse(result: Any, message: str | None, opts: Any) -> str | None:
             f"no memory; remove the break ({brk.remedy()}). Further graphs of <= {SMALL_GRAPH_NODES} nodes with "
             f"nothing recognized from this torch.compile are not warned about one by one: "
             f"adjoint_compile.report(compiled) counts them and lists the breaks")
+
+
+# --- frames dynamo ran without a graph ---------------------------------------------------------------------------
+
+#: the frames dynamo skipped because of a graph break it cannot resume after, by code object: that break. An entry
+#: holds while dynamo still marks the code as converted and holds no graph for it (torch._dynamo.reset() forgets both)
+_SKIPPED: weakref.WeakKeyDictionary[Any, Break] = weakref.WeakKeyDictionary()
+#: explain()'s list of the frames skipped while it traces (:func:`collect_skips`)
+_COLLECT = threading.local()
+
+
+@contextlib.contextmanager
+def collect_skips() -> Iterator[list[Break]]:
+    """The frames dynamo skips while this block traces (in this thread), each as the :class:`Break` that made it
+    skip them; ``torch._dynamo.explain`` lists no break for them."""
+    prev, _COLLECT.skips = getattr(_COLLECT, "skips", None), []
+    try:
+        yield _COLLECT.skips
+    finally:
+        _COLLECT.skips = prev
+
+
+def _compiling(err: BaseException) -> tuple[Any, dict[str, Any], Any, bool] | None:
+    """The frame dynamo's ``_compile`` (up the stack) was compiling when ``err`` ended it: its code, globals, the
+    compiler it compiled for, and whether dynamo raises ``err`` to the caller (``fullgraph=True``, export); None when
+    ``err`` is not that compile's (an exception the caller of the compiled code was handling)."""
+    ours: set[int] = set()
+    f = sys._getframe(1)
+    while f is not None:
+        ours.add(id(f))
+        if f.f_code.co_name == "_compile" and f.f_code.co_filename.endswith("convert_frame.py"):
+            break
+        f = f.f_back
+    if f is None:
+        return None
+    tb = err.__traceback__
+    while tb is not None and id(tb.tb_frame) not in ours:
+        tb = tb.tb_next
+    loc = f.f_locals
+    if tb is None or "code" not in loc:
+        return None
+    return loc["code"], loc.get("globals") or {}, loc.get("compiler_fn"), bool(loc.get("one_graph") or
+                                                                              loc.get("export"))
+
+
+def frame_skipped() -> None:
+    """Called at the end of each frame dynamo compiles (polyfills.END_LISTENERS), inside the exception that ended
+    it, if any: when that is a graph break dynamo does not resume after, dynamo runs the whole frame eagerly with
+    only a log line. For ``backend="adjoint"``: warn (at the break's line) and keep the break for ``report()``; under
+    :func:`collect_skips` (explain()): keep it there."""
+    err = sys.exc_info()[1]
+    try:
+        from torch._dynamo.exc import Unsupported, UserError
+    except ImportError:  # NB: an older torch
+        return
+    if not isinstance(err, (Unsupported, UserError)):
+        return
+    got = _compiling(err)
+    if got is None or got[3]:  # NB: fullgraph=True raises the break to the caller
+        return
+    code, globs, compiler_fn, _ = got
+    user = (getattr(err, "real_stack", None) or [None])[-1]
+    brk = at_frame(err, user)
+    loop = "loop" in str(getattr(err, "gb_type", "") or "")
+    resumed = resumed_at(code)  # NB: a resume function: what follows an earlier break in a function
+    frame = (f"the rest of {resumed.location.rsplit(' in ', 1)[-1]} after its graph break at "
+             f"{resumed.location.rsplit(' in ', 1)[0]}" if resumed is not None else
+             f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{code.co_firstlineno})")
+    brk = dataclasses.replace(brk, reason=brk.reason + (", inside a loop" if loop else ""), frame=frame)
+    collect = getattr(_COLLECT, "skips", None)
+    if collect is not None:
+        collect.append(brk)  # NB: explain() reports; it does not warn
+        return
+    from ..polyfills import options_for
+
+    if options_for(compiler_fn) is None:
+        return
+    _SKIPPED[code] = brk
+    notes = notes_for(compiler_fn)
+    if notes is not None:
+        notes.note_frame(code, globs)
+    where = f" at {brk.where()}" if brk.location else ""
+    why = ("dynamo does not resume after a graph break inside a loop" if loop
+           else "dynamo does not resume after this graph break")
+    msg = (f"adjoint-compile: {brk.frame} runs eagerly, without a graph: nothing in it is rewritten and it saves no "
+           f"memory (ordinary autograd). Cause: a graph break{where}: {brk.reason}; {why}, so it skips the whole "
+           f"function (what it calls is compiled on its own). Remove the break ({brk.remedy()}); "
+           f"adjoint_compile.report(compiled) lists it")
+    log.debug("%s", msg)
+    if user is not None and getattr(user, "lineno", None):
+        warnings.warn_explicit(AdjointCompileWarning(msg), AdjointCompileWarning, user.filename, user.lineno)
+    else:
+        warnings.warn(AdjointCompileWarning(msg), stacklevel=2)
+
+
+def skipped_in(codes: Iterable[Any]) -> list[Break]:
+    """The breaks that made dynamo skip these frames (code objects) and still do (:func:`frame_skipped`)."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # NB: an older torch
+        return []
+    out: list[Break] = []
+    for code in codes:
+        try:
+            brk = _SKIPPED.get(code)
+        except TypeError:  # NB: not weakly referenceable
+            continue
+        if brk is not None and brk not in out and code in input_codes and not _debug_get_cache_entry_list(code):
+            out.append(brk)
+    return out
+
+
+def _listen() -> None:
+    from ..polyfills import END_LISTENERS
+
+    if frame_skipped not in END_LISTENERS:
+        END_LISTENERS.append(frame_skipped)
+
+
+_listen()

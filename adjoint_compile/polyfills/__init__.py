@@ -29,7 +29,7 @@ import importlib.machinery
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,24 +125,44 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
-class _KeepStart(list):
-    """dynamo's list of start callbacks, which keeps :func:`_on_compile_start` through ``torch._dynamo.reset()``
-    (it clears the list): the loops must be rolled before the first trace after a reset too."""
+#: called at the end of each frame dynamo compiles (its outermost compile), with no argument, inside the exception
+#: that compile raises when it fails (``sys.exc_info()``): analysis/breaks.py notes a frame dynamo skips
+END_LISTENERS: list[Callable[[], None]] = []
+
+
+@torch._dynamo.disable(recursive=True)
+def _on_compile_end(*_: Any) -> None:
+    for listen in list(END_LISTENERS):
+        try:
+            listen()
+        except Exception as e:  # noqa: BLE001 - a report's note: the compile goes on as it would
+            log.debug("adjoint-compile: compile-end listener failed (%s: %s)", type(e).__name__, e)
+
+
+class _Keep(list):
+    """One of dynamo's lists of compile callbacks, which keeps ours through ``torch._dynamo.reset()`` (it clears
+    the lists): the loops must be rolled before the first trace after a reset too, and skipped frames noted."""
+
+    def __init__(self, items: Any, ours: Callable[..., None]) -> None:
+        super().__init__(items)
+        self.ours = ours
 
     def clear(self) -> None:
         super().clear()
-        self.append(_on_compile_start)
+        self.append(self.ours)
 
 
-def _register_start_callback() -> None:
+def _register_callbacks() -> None:
     try:
         from torch._dynamo.callback import callback_handler
-        if not isinstance(callback_handler.start_callbacks, _KeepStart):
-            callback_handler.start_callbacks = _KeepStart(callback_handler.start_callbacks)
-        if _on_compile_start not in callback_handler.start_callbacks:
-            callback_handler.register_start_callback(_on_compile_start)
+        for attr, ours in (("start_callbacks", _on_compile_start), ("end_callbacks", _on_compile_end)):
+            have = getattr(callback_handler, attr)
+            if not isinstance(have, _Keep):
+                setattr(callback_handler, attr, _Keep(have, ours))
+            if ours not in getattr(callback_handler, attr):
+                getattr(callback_handler, attr).append(ours)
     except Exception as e:  # noqa: BLE001 - older torch: install() must be called by hand
-        log.debug("no dynamo start callback (%s); call adjoint_compile.polyfills.install()", e)
+        log.debug("no dynamo compile callbacks (%s); call adjoint_compile.polyfills.install()", e)
 
 
 @contextlib.contextmanager
@@ -248,7 +268,7 @@ def polyfill_origin(node: fx.Node) -> str | None:
     return None
 
 
-_register_start_callback()
+_register_callbacks()
 importlib.import_module(f"{__name__}.loop_install").patch_compile_entry()
 if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _ImportHook())
