@@ -274,8 +274,9 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     opts = validate(options)
     polyfills.install()
     rnn_notes()  # NB: only this trace's
-    # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would
-    with polyfills.enabled(opts.mode), collect_skips() as skipped:
+    # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would (which also compiles a frame around
+    # a callable whose own loops roll, polyfills/loop_install.py)
+    with polyfills.enabled(opts.mode, opts.roll_loops), collect_skips() as skipped:
         out = torch._dynamo.explain(model_or_fn)(*example_inputs)
     compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
     breaks = _with_skips(_graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()], skipped)

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -65,3 +66,40 @@ def test_the_table_says_what_its_group_column_means():
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "graph"])
     assert lines[header + 2] == GROUP_LEGEND
     assert lines[header + 2].startswith("  group: lowered regions with the same number run in one sharded call")
+
+
+class _OwnLoop(nn.Module):
+    """A recurrence written as a Python loop in the model's own forward."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def _rows(rep):
+    return [(r.kind, r.source, r.length, r.rewrite, r.name) for r in rep.regions]
+
+
+@pytest.mark.parametrize("roll_loops", [True, False])
+def test_explain_traces_a_loop_in_the_models_own_forward_as_torch_compile_does(roll_loops):
+    """torch.compile(model, backend="adjoint") rolls the loop of the model's own forward (a frame around it); explain
+    unrolled it (other rows, names, memory). And explain rolled loops under roll_loops=False."""
+    torch.manual_seed(0)
+    model, x = _OwnLoop(), torch.randn(2, 12, 8)
+    opts = {"inner": "eager", "shard_size": 4, "roll_loops": roll_loops}
+    for target in (model, lambda x: model(x)):
+        seen = ac.explain(target, x, options=opts)
+        torch._dynamo.reset()
+        f = torch.compile(target, backend="adjoint", options=opts)
+        f(x).sum().backward()
+        assert _rows(seen) == _rows(ac.report(f)), (str(seen), str(ac.report(f)))
+        assert [r.source for r in seen.regions] == ["scan" if roll_loops else "unrolled_loop"]
+        torch._dynamo.reset()

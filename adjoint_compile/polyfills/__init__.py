@@ -166,15 +166,15 @@ def _register_callbacks() -> None:
 
 
 @contextlib.contextmanager
-def enabled(mode: str = "exact") -> Iterator[None]:
+def enabled(mode: str = "exact", roll_loops: bool = True) -> Iterator[None]:
     """Use the polyfills while dynamo traces in this thread, whatever the backend (``explain()`` runs under it), as
-    for ``options={"mode": mode}``."""
-    prev = getattr(_FORCE, "on", False), getattr(_FORCE, "mode", None)
-    _FORCE.on, _FORCE.mode = True, mode
+    for ``options={"mode": mode, "roll_loops": roll_loops}``."""
+    prev = getattr(_FORCE, "on", False), getattr(_FORCE, "mode", None), getattr(_FORCE, "roll", True)
+    _FORCE.on, _FORCE.mode, _FORCE.roll = True, mode, roll_loops
     try:
         yield
     finally:
-        _FORCE.on, _FORCE.mode = prev
+        _FORCE.on, _FORCE.mode, _FORCE.roll = prev
 
 
 def _compiler_chain(fn: Any) -> Iterator[Any]:
@@ -197,11 +197,11 @@ def active() -> bool:
 
 
 def traced_options() -> dict[str, Any] | None:
-    """The options dict of the ``backend="adjoint"`` trace under way in this thread ({} when it has none, or under
-    :func:`enabled`: its mode), or None when dynamo is not tracing for it. Read from ``torch.compile``'s wrapper of
-    the backend, which keeps the ``options`` dict it was given."""
+    """The options dict of the ``backend="adjoint"`` trace under way in this thread ({} when it has none; under
+    :func:`enabled`: its mode and roll_loops), or None when dynamo is not tracing for it. Read from
+    ``torch.compile``'s wrapper of the backend, which keeps the ``options`` dict it was given."""
     if getattr(_FORCE, "on", False):
-        return {"mode": getattr(_FORCE, "mode", None) or "exact"}
+        return {"mode": getattr(_FORCE, "mode", None) or "exact", "roll_loops": getattr(_FORCE, "roll", True)}
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()

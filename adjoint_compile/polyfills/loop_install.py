@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import _FORCE, options_for, rolls
+from . import _FORCE, options_for, rolls, traced_options
 from .loop_calls import _callee_ok
 from .loops import analyse
 
@@ -31,7 +31,10 @@ _LIBS = ("torch", "builtins", "adjoint_compile")
 def wrap_top_frame(ctx: Any, target: Any) -> bool:
     """Whether ``torch.compile(target, backend="adjoint")`` (dynamo's context ``ctx``) should compile a frame around
     ``target``: a module whose ``forward``, or a function whose own code, has a loop that rolls."""
-    if not rolls(options_for(getattr(ctx, "callback", None))):
+    opts = options_for(getattr(ctx, "callback", None))
+    if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as torch.compile(backend="adjoint") would
+        opts = traced_options()
+    if not rolls(opts):
         return False
     fn = type(target).forward if isinstance(target, nn.Module) else getattr(target, "__func__", target)
     if not isinstance(fn, types.FunctionType) or "range" not in fn.__code__.co_names \
@@ -165,7 +168,7 @@ def roll_reachable() -> None:
         code, glob, loc, closure, compiler_fn = got
         opts = options_for(compiler_fn)
         if opts is None and getattr(_FORCE, "on", False):  # NB: explain() traces as the backend would
-            opts = {}
+            opts = traced_options()
         if not rolls(opts):
             return
         mods, fns = _reachable(code, glob, loc, closure)
