@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 
 from . import polyfills, timing
-from .analysis.breaks import (RNN_WORDS, SMALL_GRAPH_NODES, Break, at_frame, break_of, collect_skips, notes_here,
-                              notes_of, options_given, skipped_in)
+from .analysis.breaks import (RNN_WORDS, SMALL_GRAPH_NODES, Break, at_frame, backend_name, break_of, collect_skips,
+                              notes_here, notes_of, options_given, skipped_in)
 from .polyfills import torch_rnn
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, run_pipeline
@@ -75,6 +75,9 @@ class Report:
     #: ``report``: the graph's first call against its captured graph, when exactly one graph has these figures
     #: (else see ``compiled[i].fidelity``).
     fidelity: dict[str, Any] | None = None
+    #: when no graph is listed and it is known why (the model was compiled with another backend, or dynamo's caches
+    #: were reset since its calls): that, in words.
+    no_graph: str = ""
 
     @classmethod
     def of(cls, compiled: list[CompiledGraph], options: Options, graph_breaks: list[GraphBreak] | None = None,
@@ -110,6 +113,7 @@ class Report:
                         **({"timing": dict(self.compiled[i].timing)} if i < len(self.compiled) else {})}
                        for i, g in enumerate(self.graphs)],
             "graph_breaks": [b.to_dict() for b in self.graph_breaks],
+            **({"no_graph": self.no_graph} if self.no_graph else {}),
             "regions": regions,
             "rejections": [j.to_dict() for j in self.rejections],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
@@ -164,6 +168,8 @@ class Report:
         elif not self.graphs and (eager := list(dict.fromkeys(b.frame for b in self.graph_breaks if b.frame))):
             lines.append(f"  no graph compiled: dynamo ran {', '.join(eager)} eagerly, without a graph, because of the "
                          f"graph break below: ordinary autograd, nothing rewritten, no memory saved")
+        elif not self.graphs and self.no_graph:
+            lines.append(f"  no graph compiled: {self.no_graph}")
         elif not self.graphs and not self.graph_breaks:
             lines.append("  no graph compiled: the compiled model has not been called yet, its calls held no tensor "
                          "ops, or dynamo ran them without a graph (as it runs torch's nn.RNN, nn.LSTM and nn.GRU "
@@ -349,7 +355,23 @@ def report(compiled_model: Any) -> Report:
                if not any(why in b.reason for b in breaks)]
     # NB: a frame dynamo skipped (a break in its loop) has no graph; its break is on no graph either
     codes = [code for code, _ in root_frames(compiled_model) + (notes.live_frames() if notes is not None else [])]
-    return Report.of(flat, opts, _with_skips(breaks, skipped_in(codes)) + _ddp_splits(flat))
+    rep = Report.of(flat, opts, _with_skips(breaks, skipped_in(codes)) + _ddp_splits(flat))
+    if not flat:
+        rep.no_graph = _no_graph(compiled_model, notes)
+    return rep
+
+
+def _no_graph(compiled_model: Any, notes: Any) -> str:
+    """Why ``report()`` lists no graph, when that is known ("" when not)."""
+    other = backend_name(compiled_model)
+    if other not in (None, "adjoint"):
+        return (f"the model was compiled with backend={other!r}, not backend='adjoint': adjoint_compile.report lists "
+                f"only what torch.compile(..., backend='adjoint') compiled")
+    if notes is not None and notes.frames:
+        return ("dynamo's caches were reset after the compiled model's calls (torch._dynamo.reset(), which "
+                "adjoint_compile.explain() also runs), and what they compiled is gone with them; its next call "
+                "compiles again, and report() then lists that")
+    return ""
 
 
 #: per torch.compile call (analysis.breaks.CompileNotes): the nn.GRU / nn.LSTM left native while tracing for it

@@ -210,3 +210,30 @@ def test_a_deep_copy_of_a_compiled_model_trains_and_reports():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0, msg=n)
         assert p is not dict(f._orig_mod.named_parameters())[n]
     assert [r.rewrite for r in ac.report(g).regions] == ["adjoint"], str(ac.report(g))
+
+
+def test_report_after_explain_says_dynamos_caches_were_reset():
+    """explain() resets dynamo's caches, which hold the compiled graphs: the report said "not called yet"."""
+    torch.manual_seed(0)
+    model, x = _Scan(), torch.randn(2, 16, 6)
+    step = torch.compile(lambda x: model(x).square().mean(), backend="adjoint", options={"inner": "eager"})
+    step(x).backward()
+    assert ac.report(step).compiled
+    ac.explain(lambda x: model(x).square().mean(), x)
+    text = str(ac.report(step))
+    assert "not been called yet" not in text
+    assert "dynamo's caches were reset after the compiled model's calls" in text and "next call" in text
+    step(x).backward()
+    assert len(ac.report(step).compiled) == 1
+
+
+def test_report_of_a_model_compiled_with_another_backend_says_so():
+    f = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    f(torch.randn(3, 2))
+    text = str(ac.report(f))
+    assert "not been called yet" not in text
+    assert "compiled with backend='eager', not backend='adjoint'" in text
+    assert "backend='eager'" in ac.report(f).to_dict()["no_graph"]
+    # torch.compile's default (not called here: inductor needs a C compiler)
+    default = torch.compile(torch.nn.Linear(2, 2))
+    assert "compiled with backend='inductor', not backend='adjoint'" in str(ac.report(default))

@@ -256,6 +256,22 @@ def options_given(compiled: Any) -> dict | None:
     return None
 
 
+def backend_name(compiled: Any) -> str | None:
+    """The backend of the ``torch.compile`` call that made ``compiled``: "adjoint" for this package's (by name or
+    as the function), else the name torch keeps ("inductor", ...); None when none is found."""
+    names = []
+    for o in _linked(compiled):
+        try:
+            if getattr(o, "_adjoint_compile_backend", False):
+                return "adjoint"
+            name = getattr(o, "compiler_name", None)
+        except Exception:  # noqa: BLE001 - an object whose __getattr__ raises something else
+            continue
+        if isinstance(name, str):
+            names.append(name)
+    return "adjoint" if "adjoint" in names else next(iter(names), None)
+
+
 def _unrecognized(result: Any) -> bool:
     return not result.regions and not (result.per_sample is not None and result.per_sample.uses)
 
