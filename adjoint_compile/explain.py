@@ -30,7 +30,7 @@ from .backend import CompiledGraph, run_pipeline
 from .options import Options, validate
 from .records import compiled_graphs, root_frames
 from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
-from .runtime.verify import compare_grads, copy_graph_module, grads_of
+from .runtime.verify import compare_grads, copy_graph_module, grads_of, parameters_of
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ class Report:
         if self.fidelity is not None:
             f = self.fidelity
             lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
-                         f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})")
+                         f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})"
+                         if f.get("tensors", 1) else f"fidelity: nothing compared: {NOTHING_COMPARED}")
         if (spent := timing.summary([c.timing for c in self.compiled])) is not None:
             lines.append(f"compile time: {spent}")  # NB: adjoint_compile/timing.py; seconds, all graphs together
         return "\n".join(lines)
@@ -292,12 +293,17 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     return rep
 
 
+#: verify=True found no gradient to compare
+NOTHING_COMPARED = ("no input is a floating-point tensor and no parameter was found (explain() reads them from an "
+                    "nn.Module, or from the modules a function's closure or globals hold): pass the model itself")
+
+
 def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) -> None:
     """Run the model once with backend="adjoint" (verify on) and once eagerly, with the same loss; copy each region's
     figures into ``rep`` and put the whole model's into ``rep.fidelity``."""
     torch._dynamo.reset()
     fn = torch.compile(model_or_fn, backend="adjoint", options=dict(options))
-    params = dict(model_or_fn.named_parameters()) if isinstance(model_or_fn, torch.nn.Module) else {}
+    params = parameters_of(model_or_fn)
     got = _all_grads(fn, params, example_inputs)
     ran = report(fn)
     figures = {(ran.graph_index[i], r.name): r.details["fidelity"] for i, r in enumerate(ran.regions)
@@ -307,6 +313,8 @@ def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) 
             r.details["fidelity"] = dict(figures[rep.graph_index[i], r.name])
     torch._dynamo.reset()
     rep.fidelity = compare_grads(got, _all_grads(model_or_fn, params, example_inputs))
+    if not rep.fidelity["tensors"]:
+        log.warning("adjoint-compile verify: nothing compared: %s", NOTHING_COMPARED)
     log.info("adjoint-compile verify: all gradients against eager autograd: %s", rep.fidelity)
 
 

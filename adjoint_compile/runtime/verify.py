@@ -11,8 +11,10 @@ compared as one vector: ``grad_rel_err`` = ‖g − g_exact‖ / ‖g_exact‖, 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -281,3 +283,40 @@ class ForwardCheck:
                 args[i].copy_(x)
         torch.set_rng_state(rng)
         return self.fn(*args)
+
+
+def parameters_of(fn: Any) -> dict[str, torch.Tensor]:
+    """The parameters of ``fn`` (a module), or of the modules a function reaches by name: its bound ``self``, a
+    ``functools.partial``'s arguments, its closure and the globals its code (and the code nested in it) reads."""
+    if isinstance(fn, torch.nn.Module):
+        return dict(fn.named_parameters())
+    found: dict[str, Any] = {}
+    if isinstance(fn, functools.partial):
+        found.update({f"partial arg {i}": a for i, a in enumerate(fn.args)})
+        found.update({f"partial {k}": v for k, v in fn.keywords.items()})
+        fn = fn.func
+    found["self"] = getattr(fn, "__self__", None)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or ())
+        found.update({name: c.cell_contents for name, c in cells if _filled(c)})
+        todo, globs = [code], getattr(fn, "__globals__", {})
+        while todo:
+            c = todo.pop()
+            found.update({n: globs[n] for n in c.co_names if n in globs and n not in found})
+            todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    params: dict[str, torch.Tensor] = {}
+    for name, m in found.items():
+        if isinstance(m, torch.nn.Module):
+            params.update({f"{name}.{n}": p for n, p in m.named_parameters()
+                           if all(p is not q for q in params.values())})
+    return params
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # NB: a closure variable not assigned yet
+        return False
+    return True
