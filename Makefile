@@ -26,16 +26,17 @@ demo-figures: setup
 	$(PY) -m adjoint_compile.cli demo --out benchmarks/results
 
 # NB: one process per core, at most 4: most of a test's time is dynamo and the inner compiler in one thread (on
-# CI's 2 cores `make test` takes 60% of its time in one process; the slow tests, a few long ones, gain nothing)
+# CI's 2 cores `make test` takes 60% of its time in one process)
 XDIST ?= -n auto --maxprocesses 4
 
-# everything but the system tests marked slow (real libraries and whole models compiled with inductor)
+# everything but the tests marked slow: about 20 minutes on 2 cores
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
-# the tests marked slow; CI (.ci/run) runs them after `make test`
+# the tests marked slow (real libraries, whole models compiled with inductor, many lengths, each > 7 s on 2 cores);
+# CI (.ci/run) runs them after `make test`
 test-slow: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m slow tests
 
 test-all: test test-slow
 

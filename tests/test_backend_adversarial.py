@@ -45,6 +45,7 @@ def _assert_close(got, ref, tol=1e-5):
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.slow
 def test_more_lengths_than_dynamos_recompile_limit_keep_the_rewrite(inner, caplog):
     """More distinct lengths than dynamo's recompile limit (8) all run the rewrite: one symbolic graph serves them
     (there was a limit of 8 specializations, past which the symbolic graph ran with ordinary autograd)."""
@@ -63,6 +64,7 @@ def test_more_lengths_than_dynamos_recompile_limit_keep_the_rewrite(inner, caplo
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.slow
 def test_concurrent_first_calls_compile_once_each_and_give_exact_gradients(inner):
     """Two threads make the first calls of one compiled model at once (T = 24 and 30, forward and backward). The
     run-time compiles (FX tracing, fake propagation, make_fx, aot_autograd) take turns under dynamo's compile lock;

@@ -205,6 +205,7 @@ class FoldedDropoutLM(nn.Module):
 
 
 @pytest.mark.parametrize("shard", [1, 4, 5])
+@pytest.mark.slow
 def test_dropout_on_rows_with_the_batch_folded_in_draws_the_full_masks(shard):
     """Each row of a shard of ``[B·L, D]`` rows gets the mask of its row b·T + t in the whole ``[B·T, D]`` tensor:
     the same whatever the shard size and over several lengths (a shard once hashed its rows as steps s + b·L + t:

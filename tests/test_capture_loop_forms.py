@@ -264,6 +264,7 @@ def test_loop_form_rolled_before_dynamo_matches_eager_autograd(name):
     assert lin and {r.source for r in lin} <= {"scan", "unrolled_loop"}, [(r.source, r.reason) for r in rep.regions]
 
 
+@pytest.mark.slow
 def test_gla_readout_of_an_input_runs_inside_the_region_and_saves_less_than_aot_eager():
     """fla's naive GLA takes q as an input of its own: the readout (q_t[..., None] * S_t).sum(-2) broadcasts q
     against the states, so q is sliced per shard with them (analysis/grow.py, readout operands) and no full-length

@@ -50,6 +50,7 @@ def _check(model: nn.Module, f, calls) -> None:
 
 
 @pytest.mark.parametrize("form", ["scale", "label_smoothing", "temperature"])
+@pytest.mark.slow
 def test_a_float_argument_that_changes_between_calls(form):
     torch.manual_seed(0)
     model = LM(form).double()

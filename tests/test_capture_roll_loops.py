@@ -182,11 +182,13 @@ def test_the_steps_peeled_at_trace_time_are_no_region():
     assert "mode='highway' unrolls the loop and may rewrite it" in rep.regions[0].reason, rep.regions[0].reason
 
 
+@pytest.mark.slow
 def test_graph_does_not_grow_with_T():
     sizes = [len(_check(Gate(), torch.randn(2, T, 6)).graphs[0].graph.nodes) for T in (16, 128)]
     assert sizes[0] == sizes[1]
 
 
+@pytest.mark.slow
 def test_forms_rolled_exact():
     rep = _check(Forms(), torch.randn(3, 11, 5))
     assert _scans(rep) == 2  # h and s: two recurrences in the one scan
@@ -408,6 +410,7 @@ def test_no_top_frame_wrap_when_rolling_is_off():
     assert seen == [False, False, False, True], seen
 
 
+@pytest.mark.slow
 def test_each_callable_compiled_around_its_own_frame_keeps_its_own_graphs(tmp_path, monkeypatch):
     """Ten functions whose own loop rolls: each compiles (dynamo's limit of 8 graphs per code object would stop the
     ninth if their wrappers shared one code object) and each report lists its own graph only."""
@@ -602,6 +605,7 @@ def test_a_loop_that_is_not_re_rolled_says_so():
                for r in reasons), reasons
 
 
+@pytest.mark.slow
 def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled():
     """A loop over range(T) recompiles at every new length; past dynamo's recompile_limit the model ran uncompiled
     (ordinary autograd, no memory saved) with dynamo's own log line only and nothing in the report."""

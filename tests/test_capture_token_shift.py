@@ -151,6 +151,7 @@ def test_explain_in_exact_mode_is_one_region():
     _one_region(rep, 4)
 
 
+@pytest.mark.slow
 def test_inductor_inner_with_a_short_last_shard():
     """Halos and their cotangents are handed on as contiguous copies: a compiled program is specialized to its
     example inputs' strides, and a slice of a padded shard's has strides that depend on the shard's length."""

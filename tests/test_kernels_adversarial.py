@@ -151,6 +151,7 @@ def test_fp64_finite_extremes_match_the_loop(case):
 
 @settings(max_examples=15, **SETTINGS)
 @given(case=_cases(finite=False))
+@pytest.mark.slow
 def test_fp32_extremes_match_the_loop_triton(case):
     _check_case(case, torch.float32, ["triton"])
 

@@ -217,6 +217,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 # ---------------------------------------------------------------------------------------------- both impls
 @pytest.mark.parametrize("impl, shape", [("reference", (2, 5, 2)), ("cpu", (2, 5, 2)), ("triton", (1, 4, 2))])
 @pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.slow
 def test_gradcheck(impl, shape, window):
     a, b, h0 = _inputs(shape, 1)
     for rev in (False, True) if impl != "triton" else (window is None,):

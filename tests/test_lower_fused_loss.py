@@ -97,6 +97,7 @@ def test_tied_head_and_no_bias(op_calls):
     assert op_calls[0] > 0
 
 
+@pytest.mark.slow
 def test_default_and_off_leave_a_cpu_loss_as_written(op_calls):
     for fused in ("auto", False):
         torch.manual_seed(0)
@@ -115,6 +116,7 @@ class BigVocab(nn.Module):
         return F.cross_entropy(self.lm(ids).flatten(0, 1), tg.flatten())
 
 
+@pytest.mark.slow
 def test_a_fused_loss_runs_in_longer_chunks(monkeypatch, op_calls):
     """Without logits a chunk holds a few hidden states per step: with the same least bytes per chunk, the fused
     loss's chunks are far longer than those of the loss as written (sized by their logits)."""
@@ -185,6 +187,7 @@ def test_another_reader_of_the_logits_keeps_them(model, op_calls):
     assert not _tail(rep).get("fused_heads") and op_calls[0] == 0
 
 
+@pytest.mark.slow
 def test_many_lengths(op_calls):
     """The lengths a training run sees, one compiled step: fused at each, exact at each."""
     torch.manual_seed(0)
@@ -209,6 +212,7 @@ def test_many_lengths(op_calls):
 
 
 @pytest.mark.parametrize("form", ["[B, V, T]", "z-loss", "labels padded by -100, [..., 1:]"])
+@pytest.mark.slow
 def test_through_the_triton_kernels(form, monkeypatch, op_calls):
     """fp32, the kernels under the interpreter (the same code a GPU compiles), against eager fp32."""
     monkeypatch.setattr(loss_tail, "FUSED_IMPL", "triton")

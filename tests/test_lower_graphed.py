@@ -55,6 +55,7 @@ class Step(torch.nn.Module):
 # NB: one case with inductor's own programs, the rest with aot_eager's (the stand_in fixture)
 @pytest.mark.parametrize("options", [{"shard_size": 4, "inner": "inductor"},
                                      {"shard_size": 5, "mode": "truncated", "window": 64, "inner": "aot_eager"}])
+@pytest.mark.slow
 def test_replayed_programs_give_autograd_gradients(stand_in, options):
     torch.manual_seed(0)
     model = Step().double()
@@ -133,6 +134,7 @@ def test_a_buffer_updated_through_data_between_replays(stand_in):
     assert _loops_captured(stand_in) >= 3
 
 
+@pytest.mark.slow
 def test_training_steps_with_weights_updated_in_place(stand_in):
     """Three optimizer steps (weights updated in place between the replays) against eager training in fp64."""
     model, ref, f = _graphed_step()
@@ -181,6 +183,7 @@ def _loops_captured(calls) -> int:
     return sum(1 for fn in calls if fn.__name__ == "loop")
 
 
+@pytest.mark.slow
 def test_the_loss_chunk_loop_is_one_graph_from_the_second_call(stand_in):
     """The loss's whole loop over its chunks is one graph: captured at the second call with a length (the first
     compiles the chunks' programs) and replayed after, each replay exact against autograd; a length seen once is not
@@ -207,6 +210,7 @@ def test_two_forwards_before_one_backward_keep_their_own_loss_gradients(stand_in
     assert _loops_captured(stand_in) >= 3
 
 
+@pytest.mark.slow
 def test_a_process_keeps_a_few_chunk_loops(stand_in):
     """Each length seen twice captures a loop, holding its full-length inputs and gradients: the most recent
     MAX_LOOPS are kept, so lengths that keep changing do not pile up graphs."""
@@ -219,6 +223,7 @@ def test_a_process_keeps_a_few_chunk_loops(stand_in):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["as-written", "fused"])
+@pytest.mark.slow
 def test_every_loss_form_through_the_replayed_chunk_loop(stand_in, fused):
     """All the loss forms of one forward (several losses, means over valid targets with their counts, a z-loss, label
     smoothing, shifts) through the captured chunk loop: three calls at one length (the loop captured at the second,
@@ -254,6 +259,7 @@ def test_every_loss_form_through_the_replayed_chunk_loop(stand_in, fused):
     assert ("'fused_heads': 1" in tail) == fused, tail
 
 
+@pytest.mark.slow
 def test_eval_calls_and_a_frozen_head_between_replays(stand_in):
     """At one length: training steps (the loop captured, replayed), an evaluation under no_grad, steps with the head
     frozen (another set of gradients: a loop of its own) and training again, each against autograd in fp64."""

@@ -49,6 +49,7 @@ def _errors(got: dict, ref: dict) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [0, 11], ids=["scan", "lm_loss"])
+@pytest.mark.slow
 def test_parameter_gradients_summed_over_many_shards(dtype, vocab):
     # shards of one step: 301 per-shard gradients (and, with the loss, 301 loss chunks) add up per parameter; summed
     # in bf16 they were off by 0.02-0.1 where eager's one reduction is off by 0.003

@@ -95,6 +95,7 @@ def test_padded_dilated_conv_joins_with_a_halo_of_dilation_times_k_minus_1(shard
     _one_region(_check(ConvScan("pad", k=3, dilation=2), x, {"shard_size": shard}), 2, shard)
 
 
+@pytest.mark.slow
 def test_inductor_programs_take_halos_from_shards_of_another_length():
     """T = 13 in shards of 4: the last shard is 1 step long, so the halo cotangent it hands left is a slice of a
     shorter buffer (other strides) than the one the full shards hand on; compiled programs must accept both."""

@@ -245,6 +245,7 @@ def _check(model: nn.Module, shard: int, *data: torch.Tensor, tol: float = 1e-10
 
 
 @pytest.mark.parametrize("shard", SHARDS)
+@pytest.mark.slow
 def test_every_form_is_exact(shard):
     """All forms from one forward (fp64, 1e-10): each loss's value, and the gradients of a random combination of
     them (a wrong gradient of any one form shows)."""
@@ -270,6 +271,7 @@ class MaskedMean(nn.Module):
 @pytest.mark.parametrize("how,dtype", [("view, cast", torch.int64), ("view, cast", torch.bool),
                                        ("cast, view", torch.int64)])
 @pytest.mark.parametrize("shard", [4, 5])
+@pytest.mark.slow
 def test_a_mask_given_as_an_input(how, dtype, shard):
     """The mask's rows are the steps' (flattened like the logits): the region takes it in with the loss. Flattened
     before the cast, it was not followed back to the input, and the loss stayed outside (exact, O(B·T·V))."""
@@ -300,6 +302,7 @@ def test_shift_by_slicing_the_inputs(shard):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("items", [None, 17])
+@pytest.mark.slow
 def test_transformers_causal_lm_loss(items, dtype):
     """transformers' ForCausalLMLoss (labels padded with -100 and shifted, ``.float()``, ``view(-1, V)``; a sum over
     ``num_items_in_batch`` when given) as a model's ``loss_function`` would call it. NB: its ``.float()`` rounds the
@@ -351,6 +354,7 @@ _ALL_IGNORED = {
 
 
 @pytest.mark.parametrize("form", list(_ALL_IGNORED))
+@pytest.mark.slow
 def test_every_target_ignored(form):
     """A mean over no valid target is nan, as in eager, and its gradients are eager's: zero (a fully padded
     micro-batch must not put nan into the optimizer); a sum is 0 with zero gradients. Where the loss is a sum over
@@ -410,6 +414,7 @@ def test_logits_returned_with_the_loss():
     assert not rep.fallbacks and _takes_in(rep, 1, tail=False)
 
 
+@pytest.mark.slow
 def test_one_graph_for_every_length():
     """Lengths 13, 17, 9, 22: one compiled graph serves them (runtime/length_generic.py retargets the folded
     literal fold·T of ``reshape(B * T, V)`` too), each exact."""
@@ -446,6 +451,7 @@ def _batch(B: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
 
 
+@pytest.mark.slow
 def test_batch_size_changing_with_the_length():
     """Batches of 3 at several lengths, a smaller last batch of an epoch, then batches of 3 again: the graph for
     every length folds the batch into the loss's rows, and each region is analysed at its own call's sizes (a
@@ -458,6 +464,7 @@ def test_batch_size_changing_with_the_length():
         _step_matches(f, step, ref, *_batch(b, t, k))
 
 
+@pytest.mark.slow
 def test_micro_batches_of_two_batch_sizes_at_one_length_before_one_backward():
     """Gradient accumulation over micro-batches of batch sizes 3 and 4 at one length, one backward: each forward's
     backward runs with its own batch's sizes."""
@@ -530,6 +537,7 @@ def test_a_merge_that_cannot_be_sharded_leaves_the_region_as_before(monkeypatch)
     assert [r.rewrite for r in lin] == ["adjoint", "adjoint"] and len({r.details["region_call"] for r in lin}) == 2
 
 
+@pytest.mark.slow
 def test_logits_exist_one_shard_at_a_time():
     """A training step's live tensors at T = 2048 exceed those at T = 256 by the boundary states alone: the
     [B, T, V] logits, their log-softmax and gradient are made one shard at a time, forward and backward (eager

@@ -579,6 +579,7 @@ class NormalizedHead(nn.Module):
         return F.linear(h, w / w.norm(dim=1, keepdim=True), self.lm.head.bias)
 
 
+@pytest.mark.slow
 def test_a_head_it_cannot_make_per_example_stays_outside_and_the_report_says_why():
     """The region ends before the loss, exact as before (the head lowered on the logits' rows outside), and its row
     names the logits handed to the loss whole, their size and the cause; without per_sample_clip the loss joins."""

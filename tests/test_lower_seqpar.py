@@ -280,6 +280,7 @@ def test_a_rank_that_raises_makes_the_others_fail_within_the_group_timeout(tmp_p
     assert float(got.split()[2]) < 11, got  # the group's timeout is 6 s; rank 1 stays stuck for 12 s
 
 
+@pytest.mark.slow
 def test_the_example_runs_under_torchrun(tmp_path):
     """examples/sequence_parallel.py at a tiny size, launched as docs/sequence-parallel.md says (torchrun, two processes)."""
     import subprocess
@@ -367,6 +368,7 @@ def _views_worker(rank, world, port, out_dir):
         torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_slices_passed_as_views_under_dynamic_shapes(tmp_path):
     """A rank's slice x[:, 4:8] is a view with a storage offset, which dynamo passes as an input of its own under
     dynamic shapes: the ranks' fingerprints differed and every step raised 'the ranks disagree on the model' (found
@@ -402,6 +404,7 @@ def _loop_worker(rank, world, port, out_dir):
                                                                                              f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_a_loop_whose_first_state_is_made_like_a_step(tmp_path):
     """The slice `b[:, 0]` read only for its shape (a loop's zero first state) picks a step, but no values: the graph
     was refused ("indexing a single step"), and its region's reason in report() was empty. Both ranks' gradients

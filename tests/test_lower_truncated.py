@@ -291,6 +291,7 @@ def test_gated_recurrences_and_residual_chains_say_why_in_truncated_mode():
     assert gated_regions and all(r.rewrite == "none" and "not a*h + b" in r.reason for r in gated_regions)
 
 
+@pytest.mark.slow
 def test_verify_reports_fidelity_in_truncated_mode():
     m, _ = _models(3)
     x = torch.randn(B, 13, D, dtype=torch.double)

@@ -90,6 +90,7 @@ def test_fifty_lengths_keep_the_rewrite_with_bounded_compiles(dynamic, monkeypat
     assert shorts and all(T <= 3 for T in shorts), shorts
 
 
+@pytest.mark.slow
 def test_short_lengths_and_zero_behave_as_eager():
     step = _run([5, 7, 1, 2, 3], {"inner": "aot_eager", "shard_size": 4})
     torch.manual_seed(0)
@@ -139,6 +140,7 @@ def test_fifty_lengths_with_the_default_shard_size_keep_the_rewrite():
     assert ac.report(step).fallbacks == []
 
 
+@pytest.mark.slow
 def test_short_lengths_before_a_long_one_are_said_once_with_their_sizes():
     torch.manual_seed(0)
     model = SSMStack(d_model=8, d_state=3, n_layers=2).double()
@@ -179,6 +181,7 @@ def test_a_buffer_written_by_the_forward_is_written_once_per_call_at_every_lengt
     assert len(generic_regions(f)) == 1
 
 
+@pytest.mark.slow
 def test_prepared_lengths_are_bounded(monkeypatch):
     from adjoint_compile.runtime import length_generic
 
@@ -188,6 +191,7 @@ def test_prepared_lengths_are_bounded(monkeypatch):
     assert [key[0] for key in region.regions] == [24, 25, 22] and region.lengths == {21, 22, 23, 24, 25}
 
 
+@pytest.mark.slow
 def test_sizes_fold_when_fake_propagation_drops_python_numbers(monkeypatch):
     """Before torch 2.13 FakeTensorProp recorded tensors and symbolic numbers only: a size computed from a now static
     shape kept dynamo's symbolic value (a tuple of sizes became Nones). Specialization must fold those sizes anyway,
@@ -259,6 +263,7 @@ def test_a_size_read_as_a_number_inside_the_region_is_exact_at_every_size(by):
     assert any(r.rewrite == "adjoint" for r in ac.report(f).regions)
 
 
+@pytest.mark.slow
 def test_a_batch_size_held_by_the_regions_keeps_one_graph_for_its_lengths():
     """SSMStack reshapes by its batch size: with dynamic=True (every size symbolic) the graph for every length holds
     B at its first value, serves every length at that B, and a call at another B is specialized, all exact."""
@@ -341,6 +346,7 @@ def test_batches_of_one_compile_no_programs_per_length(monkeypatch):
     assert counts[-1] == counts[-4] and counts[-1] <= 10, counts
 
 
+@pytest.mark.slow
 def test_a_long_sequence_in_a_smaller_batch_than_the_short_ones_is_sharded():
     """Short calls in big batches ((64, 10), (48, 12): too short to shard), then long ones in a batch of 2: the retry
     was keyed on the inputs' total size, smaller at (2, 100), so every long call kept ordinary autograd."""
@@ -481,6 +487,7 @@ def test_a_loop_writing_a_buffer_is_rewritten_at_every_length():
     assert {T for T, how in rows if how == "adjoint"} == {13, 9, 17}, rows
 
 
+@pytest.mark.slow
 def test_a_graph_with_nothing_to_rewrite_at_any_length_is_not_called_short():
     """A symbolic graph whose specialization rewrites nothing (two carried states, one reading the other) was run as
     'a length too short to shard', warned, and specialized again at every longer length. Now it runs as captured,
@@ -582,6 +589,7 @@ def test_min_gru_keeps_its_last_steps_and_serves_every_length_from_one_lowering(
     assert {T for r in generic_regions(step) for T in r.lengths} == {100, 150, 37}
 
 
+@pytest.mark.slow
 def test_a_batch_of_another_size_does_not_make_every_later_length_compile_again(monkeypatch):
     """A batch of another size (an epoch's last, short batch) makes dynamo recompile with a symbolic batch size; the
     graph for every length it makes holds that size (SSMStack reshapes by it), and every later call of the usual
@@ -607,6 +615,7 @@ def test_a_batch_of_another_size_does_not_make_every_later_length_compile_again(
     assert not said, said
 
 
+@pytest.mark.slow
 def test_graphs_for_every_length_per_held_batch_size_are_bounded_and_said():
     """Each batch size the regions hold gets a graph for every length, up to MAX_GENERIC; calls at further batch
     sizes are specialized per length, said once, and stay exact."""
@@ -629,6 +638,7 @@ def test_graphs_for_every_length_per_held_batch_size_are_bounded_and_said():
     assert len(held) == 1, [str(x.message) for x in said]
 
 
+@pytest.mark.slow
 def test_min_lm_with_its_loss_serves_every_length_from_one_lowering():
     """minLM (conv, two minGRU layers, its own loss on ``ids[:, :-1]`` against ``ids[:, 1:]``) lowers into two
     region calls, the second reading the first's output, and its minGRU keeps ``out[:, -seq_len:]`` of T - 1 steps:
@@ -667,6 +677,7 @@ def test_mambapy_pscan_lengths_of_one_padded_size_share_one_lowering():
     assert {T for r in generic_regions(step) for T in r.lengths} == {50, 63, 45}
 
 
+@pytest.mark.slow
 def test_a_batch_size_first_seen_too_short_to_shard_gets_its_graph_at_a_longer_call(monkeypatch):
     """Another batch size whose first call is too short to shard is tried again at a longer call, which makes its
     graph for every length; the calls after it are not lowered again."""

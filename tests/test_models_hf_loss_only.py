@@ -58,6 +58,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 # head's ``logits.float()``): compiled and eager agree to fp32 rounding, not to fp64's 1e-10
 @pytest.mark.parametrize("fused", [False, True], ids=["as-written", "fused"])
 @pytest.mark.parametrize("make,items", [(_mamba, None), (_mamba2, 17)], ids=["mamba", "mamba2"])
+@pytest.mark.slow
 def test_loss_and_gradients_equal_the_unpatched_eager_model(make, items, fused):
     """Compiled with backend="adjoint" and loss_only: logits None, the loss and every parameter's gradient those of the
     unpatched model run eagerly (num_items_in_batch passed through to its loss_function for Mamba-2), and the one

@@ -136,6 +136,7 @@ def test_mamba2_exact_gradients(inner, shard, T):
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+@pytest.mark.slow
 def test_new_lengths_reuse_one_lowering(dynamic):
     """A Mamba layer cuts its causal conv at the input's length (``conv1d(x)[..., :seq_len]``): the graph for every
     length now takes that cut in, so new lengths are not lowered and compiled again. Each length exact against

@@ -70,6 +70,7 @@ def _rewritten(f: Callable) -> int:
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.slow
 def test_bf16_autocast_as_accurate_as_aot_eager(name):
     """Under CPU bf16 autocast the shards recompute with the forward's autocast settings. Measured against the fp32
     eager step, the adjoint's output and every gradient are as accurate as aot_eager's of the same model under the

@@ -58,6 +58,7 @@ def test_mambapy_pscan_is_recognized_sharded_and_exact(inner, shard_size):
     assert "registered_scan" in str(rep) and not rep.rejections
 
 
+@pytest.mark.slow
 def test_mambapy_pscan_with_symbolic_lengths_is_sharded_and_exact():
     """A new length (or dynamic=True) makes the graph symbolic: its PScan was not looked at before specializing, so
     nothing was rewritten and no reason given; its call then has the sizes among its operands. And dead-code

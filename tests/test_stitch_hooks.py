@@ -47,6 +47,7 @@ def test_a_hook_on_a_value_sees_its_whole_gradient(at, layer):
         assert any("gradient hook" in r.reason for r in rows if r.rewrite == "none"), ac.report(f)
 
 
+@pytest.mark.slow
 def test_a_hook_between_two_grouped_layers_with_inductor():
     """The hooked value joins two layers' regions (an input of the second made by the first's): with inductor."""
     torch.manual_seed(1)

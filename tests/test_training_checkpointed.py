@@ -65,6 +65,7 @@ def _inputs(*Ts):
     {"shard_size": 5, "verify": True},
     {"shard_size": 4, "per_sample_clip": 1e12},  # a bound no example reaches: the gradient is the plain sum
 ], ids=["exact", "verify", "per_sample_clip"])
+@pytest.mark.slow
 def test_first_call_checkpointed_is_eager(options):
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -84,6 +85,7 @@ def test_first_call_checkpointed_is_eager(options):
     {"shard_size": 4, "mode": "truncated", "window": 3},
     {"shard_size": 4, "inner": "eager"},
 ], ids=["truncated", "dropout"])
+@pytest.mark.slow
 def test_first_call_checkpointed_is_unchecked(options):
     """The checkpoint replays the forward's random state: with dropout its masks are those of the run without it."""
     runs = []

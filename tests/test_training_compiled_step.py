@@ -57,6 +57,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("backend", ["adjoint", "aot_eager"])
+@pytest.mark.slow
 def test_a_compiled_train_step_runs_and_matches_eager(backend, tmp_path):
     script = tmp_path / "step.py"
     script.write_text(_SCRIPT)

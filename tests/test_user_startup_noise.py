@@ -54,6 +54,7 @@ assert ext.CUDA_HOME, ext.CUDA_HOME
 """
 
 
+@pytest.mark.slow
 def test_no_cuda_runtime_line_when_inductor_first_builds_cpu_code(tmp_path):
     env = {"CUDA_HOME": str(tmp_path)}
     # NB: dynamo first in both: importing it with the patched torch.cuda fails (it imports CUDA stream functions)
@@ -73,6 +74,7 @@ x = torch.randn(100_000)                  # made before the block and freed insi
 """
 
 
+@pytest.mark.slow
 def test_measuring_cpu_memory_does_not_print_the_profilers_lines():
     profiler = ("from torch.profiler import ProfilerActivity, profile\n"
                 "with profile(activities=[ProfilerActivity.CPU], profile_memory=True):")
@@ -107,6 +109,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_compiling_a_ddp_model_does_not_warn_about_ddps_record_function():
     p = _python(DDP.format(own=False, ddp=True))
     assert "Profiler record function" not in p.stderr, p.stderr
