@@ -63,6 +63,8 @@ _REWRITTEN_CODES: weakref.WeakSet = weakref.WeakSet()
 #: those whose graphs with symbolic sizes made a graph for every length since then (at a call, not a compile: apart,
 #: so that the recompile limit's warning stays with the graphs that held rewritten regions when compiled)
 _GENERIC_CODES: weakref.WeakSet = weakref.WeakSet()
+#: what was said once per code object (:func:`first_notice`)
+_NOTICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiling_code() -> Any:
@@ -84,6 +86,18 @@ def rewritten(code: Any, now: bool = False) -> bool:
     return code in _REWRITTEN_CODES or code in _GENERIC_CODES
 
 
+def first_notice(code: Any, what: str) -> bool:
+    """Whether ``what`` is said of ``code`` for the first time since dynamo's cache for it was last empty (a loop over
+    time recompiles its code at each new length: each graph would say it again)."""
+    if code is None:
+        return True
+    said = _NOTICES.setdefault(code, set())
+    if what in said:
+        return False
+    said.add(what)
+    return True
+
+
 def count_loop_compiles(result: Any) -> None:
     """Warn, and list in report(), when a frame whose graphs held rewritten regions has been compiled as often as
     dynamo's recompile limit allows: past the limit dynamo runs the frame uncompiled (ordinary autograd, no memory
@@ -99,6 +113,7 @@ def count_loop_compiles(result: Any) -> None:
     except (AttributeError, ImportError, TypeError):  # NB: not under a dynamo compile
         return
     if n == 1:
+        _NOTICES.pop(code, None)
         _LOOP_CODES.discard(code)
         _REWRITTEN_CODES.discard(code)
         _GENERIC_CODES.discard(code)

@@ -24,7 +24,7 @@ import torch
 
 from .analysis.optable import draws_random
 from .errors import AdjointCompileWarning
-from .frames import compiling_code, rewritten
+from .frames import compiling_code, first_notice, rewritten
 from .inner import COMPILE_LOCK
 from .passes import decide
 from .passes.lower.length_generic import generalize
@@ -185,10 +185,14 @@ class LengthDispatch:
         return self.fallback
 
     def _per_length(self, why: str) -> None:
-        """Said once per graph: every new length costs a pipeline run and its inner compiles."""
+        """Said once per code object (a loop over time recompiles it at each new length: each graph would say it
+        again): every new length costs a pipeline run and its inner compiles."""
         decide.lowered_per_length(self.owner.regions, why)
+        said = not first_notice(self.code, "per_length")
         # NB: per_sample_clip, sequence_parallel and highway are specialized per size by design (docs)
-        if self.opts.per_sample_clip is None and self.opts.sequence_parallel is None and self.opts.mode != "highway":
+        if said:
+            log.info("adjoint-compile: the rewritten regions cannot serve every sequence length (%s)", why)
+        elif self.opts.per_sample_clip is None and self.opts.sequence_parallel is None and self.opts.mode != "highway":
             warnings.warn(AdjointCompileWarning(
                 f"adjoint-compile: the rewritten regions cannot serve every sequence length ({why}): each new length "
                 f"is specialized, lowered and compiled again (the memory saving stays); pad batches to a few lengths "

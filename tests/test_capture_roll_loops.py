@@ -619,6 +619,9 @@ def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled(
     said = [str(w.message) for w in got if "recompile_limit" in str(w.message)]
     assert len(said) == 1 and "compiled 3 times" in said[0] and "ops.linear_scan" in said[0], said
     assert any("recompile_limit" in fb.cause for fb in ac.report(f).fallbacks)
+    # NB: each new length's graph said this again (the loop recompiles the code at each length)
+    per_length = [str(w.message) for w in got if "cannot serve every sequence length" in str(w.message)]
+    assert len(per_length) == 1, per_length
 
 
 def test_static_shapes_at_dynamos_recompile_limit_say_the_next_length_runs_uncompiled():
