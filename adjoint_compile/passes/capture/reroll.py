@@ -11,7 +11,8 @@ each recurrence becomes
 and every former use of a per-step state (or of the scan op's outputs) reads from H:
 
 * ``unrolled_loop`` (a Python loop dynamo unrolled): state k is ``H[k]``; a ``torch.stack`` of all states along
-  ``d`` becomes ``H.movedim(0, d)``. A and B come, in order of preference, from
+  ``d`` becomes ``H.movedim(0, d)`` (flipped along ``d`` when they are stacked in reverse, as a loop over
+  ``reversed(range(T))`` does). A and B come, in order of preference, from
 
   - the *batched* step: the template step's computation of a_t and b_t re-emitted once for all steps, with each
     per-step slice ``x[:, t]`` replaced by the whole sequence ``x.movedim(1, 0)`` (op by op, under rules that
@@ -36,8 +37,8 @@ that recognition of the normalized graph can report it), and the pass goes on wi
 the capture form and the name the user wrote it with.
 
 Part of the capture stage (:func:`~adjoint_compile.passes.capture.capture`): the graph is normalized once, before
-recognition runs on it. The batched re-emission (values, the emitter that can take
-its nodes back, the per-op rules) is :mod:`.batching`.
+recognition runs on it. The batched re-emission (values, the emitter that can take its nodes back, the per-op
+rules) is :mod:`.batching`.
 """
 from __future__ import annotations
 
@@ -260,15 +261,18 @@ def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) ->
 
 
 def _commit_states(gm: fx.GraphModule, em: Emitter, H: fx.Node, states: list[fx.Node], r: Recurrence) -> None:
-    """Every use of state k reads H[k]; a stack of exactly the states along d is H.movedim(0, d)."""
+    """Every use of state k reads H[k]; a stack of exactly the states along d is H.movedim(0, d) (flipped: in
+    reverse)."""
     for u in list(states[-1].users):
-        if u.op == "call_function" and u.target is torch.stack and u.args and list(u.args[0]) == states:
-            d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
-            if isinstance(d, int):
-                nd = len(hinted_shape(states[-1])) + 1
-                mv = em(torch.movedim, (H, 0, d % nd))
-                u.replace_all_uses_with(mv)
-                gm.graph.erase_node(u)
+        d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+        order = list(u.args[0]) if u.target is torch.stack and u.args else None
+        if isinstance(d, int) and order in (states, states[::-1]):
+            nd = len(hinted_shape(states[-1])) + 1
+            mv = em(torch.movedim, (H, 0, d % nd))
+            if order != states:
+                mv = em(torch.flip, (mv, [d % nd]))
+            u.replace_all_uses_with(mv)
+            gm.graph.erase_node(u)
     used = [(k, s) for k, s in enumerate(states) if s.users]
     # NB: the example values of all T reads H[k] from one fake unbind: fake-tensor dispatch of T selects, one at a
     # time, was ~0.4 ms each, the largest part of re-rolling a loop at T = 8192
@@ -287,12 +291,11 @@ def _commit_states(gm: fx.GraphModule, em: Emitter, H: fx.Node, states: list[fx.
 
 
 def _sub(gm: fx.GraphModule, ref: Any) -> fx.GraphModule:
-    if isinstance(ref, fx.Node) and ref.op == "get_attr":
-        sub: Any = gm
-        for part in str(ref.target).split("."):
-            sub = getattr(sub, part, None)
-        if isinstance(sub, fx.GraphModule):
-            return sub
+    sub: Any = gm if isinstance(ref, fx.Node) and ref.op == "get_attr" else None
+    for part in str(ref.target).split(".") if sub is not None else ():
+        sub = getattr(sub, part, None)
+    if isinstance(sub, fx.GraphModule):
+        return sub
     raise _Unproven("the step function is not a readable sub-graph")
 
 
@@ -304,11 +307,6 @@ def _items(node: fx.Node) -> dict[int, list[fx.Node]]:
         else:
             raise _Unproven(f"{node.name} is used by {u.name} other than through its outputs")
     return out
-
-
-def _replace_uses(repl: dict[fx.Node, fx.Node]) -> None:
-    for u, n in repl.items():
-        u.replace_all_uses_with(n)
 
 
 def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov: dict[str, Any]) -> list[fx.Node]:
@@ -381,7 +379,8 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
             if not v.batched:
                 v = Value(em("expand", (em(torch.unsqueeze, (v.node, 0)), T, *hinted_shape(v.node)), method=True), True)
             repl.update({u: v.node for u in users})
-    _replace_uses(repl)
+    for u, n in repl.items():
+        u.replace_all_uses_with(n)
     return Hs
 
 
@@ -420,7 +419,8 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
             H = emit_scan(em, A, B, h0, T, state, example_value(out).dtype)
             made[k] = H
             repl.update({u: H for u in users})
-    _replace_uses(repl)
+    for u, n in repl.items():
+        u.replace_all_uses_with(n)
     return made
 
 
