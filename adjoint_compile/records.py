@@ -10,8 +10,9 @@ import torch
 import torch.fx as fx
 from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
 
-from .analysis.breaks import notes_of
+from .analysis.breaks import notes_of, options_given
 from .backend import CompiledGraph, CompiledGraphFn
+from .options import Options, validate
 
 __all__ = ["root_frames", "compiled_graphs"]
 
@@ -82,9 +83,22 @@ def compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
         found = {k: c for k, c in found.items() if c.frame_module is None or c.frame_module() is None
                  or id(c.frame_module()) in mine or any(c.callers.get(id(p)) is p for p in params)}
     notes = notes_of(compiled_model)
-    if notes is not None:  # NB: only this compile's graphs: other compiles may share the frames' code
+    if notes is not None:
+        # NB: another torch.compile of the same code (to compare modes) has its own cache entries on that code: not
+        # its graphs, which this compile's notes do not hold, where their options differ from this one's
+        given = _options(compiled_model)
+        found = {k: c for k, c in found.items() if notes.graphs.get(c.seq) is c or given is None
+                 or c.options is None or c.options == given}
         found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})
     return list(found.values())
+
+
+def _options(compiled_model: Any) -> Options | None:
+    try:
+        given = options_given(compiled_model)
+        return None if given is None else validate(given)
+    except (ValueError, TypeError):  # NB: bad options raise at the first call
+        return None
 
 
 def _cached_records(frames: list[tuple[Any, dict[str, Any]]]) -> dict[int, CompiledGraph]:

@@ -237,3 +237,26 @@ def test_report_of_a_model_compiled_with_another_backend_says_so():
     # torch.compile's default (not called here: inductor needs a C compiler)
     default = torch.compile(torch.nn.Linear(2, 2))
     assert "compiled with backend='inductor', not backend='adjoint'" in str(ac.report(default))
+
+
+def test_two_compiles_of_the_same_code_with_other_options_report_their_own_graphs():
+    """Compiling one loss (or one model) twice to compare modes: each report listed both compiles' graphs, and the
+    second one's header said the first one's mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    k, v = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def loss(x):
+        return ac.ops.linear_scan(torch.sigmoid(k(x)), v(x)).square().mean()
+
+    model = _Scan()
+    x = torch.randn(2, 16, 4)
+    for target, inputs in ((loss, x), (model, torch.randn(2, 16, 6))):
+        exact = torch.compile(target, backend="adjoint", options={"shard_size": 4, "inner": "eager"})
+        truncated = torch.compile(target, backend="adjoint", options={"mode": "truncated", "window": 2,
+                                                                     "shard_size": 4, "inner": "eager"})
+        exact(inputs).sum().backward()
+        truncated(inputs).sum().backward()
+        for f, rewrite, mode in ((exact, "adjoint", "exact"), (truncated, "truncated", "truncated")):
+            rep = ac.report(f)
+            assert [r.rewrite for r in rep.regions] == [rewrite] and rep.options.mode == mode, str(rep)
