@@ -35,7 +35,8 @@ def _oracle_step(model, W, *data):
 
 
 @pytest.mark.parametrize("shard", SHARDS)
-@pytest.mark.parametrize("W", [3, T])
+# NB: a window of the whole length (exact mode's gradients) runs with the slow tests
+@pytest.mark.parametrize("W", [3, pytest.param(T, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("form", CHECKED)
 def test_truncated_with_the_loss_in_the_region_equals_the_oracle(form, W, shard):
     torch.manual_seed(0)
