@@ -62,6 +62,20 @@ def test_a_float_argument_that_changes_between_calls(form):
     assert len(rep.compiled) >= 2 and all(r.rewrite == "adjoint" for r in rep.regions), str(rep)
 
 
+def test_a_temperature_that_changes_between_calls_keeps_the_loss_in_the_region():
+    """dynamo passes a float that changed as a 0-dim tensor read by ``.item()``: the region could not take the number,
+    so from the second value on it ended before the loss and kept the logits. The 0-dim tensor itself is the same
+    divisor; the loss stays in the region at every value."""
+    torch.manual_seed(0)
+    model = LM("temperature").double()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    ids, t = torch.randint(0, V, (2, 13)), torch.randint(0, V, (2, 13))
+    _check(model, f, [(ids, t, 0.5), (ids, t, 0.7), (ids, t, 2.0)])
+    rep = ac.report(f)
+    assert len(rep.compiled) >= 2 and all(r.rewrite == "adjoint" and "its loss runs once" in r.reason
+                                          for r in rep.regions), str(rep)
+
+
 def test_dynamic_true_with_an_embedding_is_sharded():
     """dynamo passes nn.Embedding's norm_type as a 0-dim tensor read by .item() under dynamic=True: the region
     starting at the token lookup was never lowered (and once crashed)."""

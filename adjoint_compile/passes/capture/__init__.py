@@ -62,7 +62,7 @@ from .reroll_readouts import reroll_readouts
 from .reverse_scans import forward_reverse_scans
 from .scan_forms import match_scan_forms, rewrite_scan_forms
 from .seeded_dropout import seed_dropouts
-from .specialize import has_symbolic_sizes
+from .specialize import float_args_as_tensors, has_symbolic_sizes
 from ..match.find_cells import find_cells
 from ..match.unrolled import find_unrolled
 
@@ -112,6 +112,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
     if not normalize or captured.symbolic:
         return captured
+    floats = timed("float_args", float_args_as_tensors, gm)
     # NB: first: the passes below replace and reorder ops, which may carry a no_grad block's op out of it
     detached = timed("no_grad_blocks", detach_no_grad_outputs, gm)
     known = timed("known_scans", replace_known_scans, gm)
@@ -147,6 +148,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
         captured.normalized["readouts"] = readouts
     if reversed_:
         captured.normalized["reverse_scans"] = reversed_
+    if floats:
+        captured.normalized["float_args"] = floats
     if noops or buffers:
         captured.normalized.update({"noop_ops": noops, "buffer_writes": buffers})
     if masked:

@@ -122,7 +122,7 @@ def _scalar_items_as_tensors(graph: fx.Graph) -> int:
     done = 0
     for n in list(graph.nodes):
         t = n.args[0] if n.op == "call_method" and n.target == "item" and n.args else None
-        tv = t.meta.get("val") if isinstance(t, fx.Node) else None
+        tv = t.meta.get("val", t.meta.get("example_value")) if isinstance(t, fx.Node) else None
         if not (isinstance(tv, torch.Tensor) and tv.ndim == 0 and tv.is_floating_point()):
             continue
         users = list(n.users)
@@ -132,6 +132,19 @@ def _scalar_items_as_tensors(graph: fx.Graph) -> int:
             u.args = fx.node.map_arg(u.args, lambda x: t if x is n else x)
             u.kwargs = fx.node.map_arg(u.kwargs, lambda x: t if x is n else x)
         done += 1
+    return done
+
+
+def float_args_as_tensors(gm: fx.GraphModule) -> int:
+    """:func:`_scalar_items_as_tensors` in a graph dynamo made: a float argument that changed between calls (a
+    temperature or loss-scale schedule) comes as a 0-dim tensor read by ``.item()``; the sharded region takes tensors
+    only, so a loss scaled so ended its region before the loss, keeping the logits. Returns how many."""
+    done = _scalar_items_as_tensors(gm.graph)
+    if done:
+        eliminate_dead_code(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("capture: %d float argument(s) fed to tensor arithmetic as the 0-dim tensors dynamo passes", done)
     return done
 
 
