@@ -505,3 +505,36 @@ def test_exact_mode_points_to_highway_only_where_highway_takes_the_loop():
     assert reasons["highway"] and all("carries more than its one state" in r for r in reasons["highway"])
     assert reasons["exact"] and all("mode='highway' would not either: the loop carries more than its one state" in r
                                     for r in reasons["exact"]), reasons["exact"]
+
+
+class _GRULoop(torch.nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.z, self.c = torch.nn.Linear(2 * d, d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            xh = torch.cat([x[:, t], h], -1)
+            z = torch.sigmoid(self.z(xh))
+            h = (1 - z) * h + z * torch.tanh(self.c(xh))
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def test_a_two_step_loop_says_it_is_too_short():
+    """Its reason named an internal node ("the template step reads l_s_modules_z_parameters_weight_, which is
+    neither its state, a slice nor shared")."""
+    import warnings
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, x = _GRULoop().double(), torch.randn(2, 2, 4, dtype=torch.float64)
+    f = torch.compile(m, backend="adjoint", options={"mode": "highway", "iterations": 2, "inner": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.autograd.grad(f(x).square().sum(), list(m.parameters()))
+    want = torch.autograd.grad(m(x).square().sum(), list(m.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+    (r,) = ac.report(f).regions
+    assert r.rewrite == "none" and r.reason.startswith("a loop of 2 steps is too short for Highway-BP"), r.reason

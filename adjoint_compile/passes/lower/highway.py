@@ -257,6 +257,9 @@ def lower_loop(gm: fx.GraphModule, r: Recurrence, opts: Options) -> Lowered:
         if n in env:
             continue
         for a in n.all_input_nodes:
+            if a not in env and T < 3:  # NB: shared inputs are told by comparing two steps after the first
+                raise _Refused(f"a loop of {T} steps is too short for Highway-BP to tell the weights its steps share "
+                               f"(it compares the second and third steps); ordinary autograd")
             if a not in env:
                 raise _Refused(f"the template step reads {a.name}, which is neither its state, a slice nor shared")
         env[n] = g.node_copy(n, env.__getitem__)
