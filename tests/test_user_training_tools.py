@@ -166,6 +166,8 @@ def test_ddp_and_fsdp2_gradients_equal_single_process_autograd(tmp_path):
                        for kind, rw, n, _ in res["regions"]), (case, res["regions"])
             assert len(res["breaks"]) == (res["graphs"] - 1 if case[0] == "ddp" else 0), res["breaks"]
             assert all("DDPOptimizer" in b for b in res["breaks"])
+            # NB: dynamo skips the frame that calls FSDP2's hooks by design (each sharded layer compiles on its own)
+            assert not [w for w in res["warnings"] if "runs eagerly" in w], res["warnings"]
             assert res["grads"].keys() == want.keys()
             errs = {n: _rel(res["grads"][n], want[n]) for n in want}
             assert max(errs.values()) <= 1e-4, (case, errs)

@@ -363,6 +363,10 @@ def frame_skipped() -> None:
         return
     if not isinstance(err, (Unsupported, UserError)):
         return
+    stack = [str(getattr(f, "filename", "")).replace("\\", "/") for f in getattr(err, "real_stack", None) or []]
+    if any("/torch/distributed/" in f for f in stack):
+        # NB: FSDP2's hooks, which dynamo skips by design: it compiles each sharded module's forward on its own
+        return
     got = _compiling(err)
     if got is None or got[3]:  # NB: fullgraph=True raises the break to the caller
         return
