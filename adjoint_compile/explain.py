@@ -28,7 +28,7 @@ from .polyfills import torch_rnn
 from .polyfills.torch_rnn import take_notes as rnn_notes
 from .backend import CompiledGraph, run_pipeline
 from .options import Options, validate
-from .records import compiled_graphs, root_frames
+from .records import compiled_graphs, declared_options, root_frames
 from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
 from .runtime.verify import compare_grads, copy_graph_module, grads_of, parameters_of
 
@@ -355,7 +355,7 @@ def report(compiled_model: Any) -> Report:
         flat += [c, *c.specializations]
     for c in flat:
         _fidelity(c)
-    opts = next((c.options for c in flat if c.options is not None), None) or _declared_options(compiled_model)
+    opts = next((c.options for c in flat if c.options is not None), None) or declared_options(compiled_model) or validate(None)
     breaks = [GraphBreak(b.reason, b.location, b.code) for c in found if (b := break_of(c.captured.gm)) is not None]
     # NB: an nn.GRU / nn.LSTM left native is a break dynamo does not record on a graph (explain() lists it too)
     notes = notes_of(compiled_model)
@@ -464,11 +464,3 @@ def _fidelity(c: CompiledGraph) -> None:
 
 def _listed(xs: list[Any], most: int = 6) -> str:
     return ", ".join(map(str, xs)) if len(xs) <= most else f"{', '.join(map(str, xs[:most - 1]))}, ..., {xs[-1]}"
-
-
-def _declared_options(compiled_model: Any) -> Options:
-    """The options of the ``torch.compile`` call (before its first graph, which records its own)."""
-    try:
-        return validate(options_given(compiled_model))
-    except (ValueError, TypeError):  # NB: bad options raise at the first call, with the message that names them
-        return validate(None)

@@ -14,7 +14,7 @@ from .analysis.breaks import notes_of, options_given
 from .backend import CompiledGraph, CompiledGraphFn
 from .options import Options, validate
 
-__all__ = ["root_frames", "compiled_graphs"]
+__all__ = ["root_frames", "compiled_graphs", "declared_options"]
 
 
 def _wrapped_functions(fn: Any) -> list[Any]:
@@ -86,18 +86,21 @@ def compiled_graphs(compiled_model: Any) -> list[CompiledGraph]:
     if notes is not None:
         # NB: another torch.compile of the same code (to compare modes) has its own cache entries on that code: not
         # its graphs, which this compile's notes do not hold, where their options differ from this one's
-        given = _options(compiled_model)
+        given = declared_options(compiled_model)
         found = {k: c for k, c in found.items() if notes.graphs.get(c.seq) is c or given is None
                  or c.options is None or c.options == given}
         found.update({k: c for k, c in _cached_records(notes.live_frames()).items() if notes.graphs.get(c.seq) is c})
     return list(found.values())
 
 
-def _options(compiled_model: Any) -> Options | None:
+def declared_options(compiled_model: Any) -> Options | None:
+    """The options of the ``torch.compile(..., backend="adjoint")`` call that made ``compiled_model`` (known before
+    its first graph, which records its own); None when none is found or they are bad (they raise at the first
+    call, with the message that names them)."""
     try:
         given = options_given(compiled_model)
         return None if given is None else validate(given)
-    except (ValueError, TypeError):  # NB: bad options raise at the first call
+    except (ValueError, TypeError):
         return None
 
 

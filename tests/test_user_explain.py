@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import adjoint_compile as ac
 from adjoint_compile.explain import GROUP_LEGEND
+from helpers import StepLoop
 
 
 def test_explain_on_graph_with_nothing_to_rewrite():
@@ -68,22 +69,6 @@ def test_the_table_says_what_its_group_column_means():
     assert lines[header + 2].startswith("  group: lowered regions with the same number run in one sharded call")
 
 
-class _OwnLoop(nn.Module):
-    """A recurrence written as a Python loop in the model's own forward."""
-
-    def __init__(self, d: int = 8):
-        super().__init__()
-        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x):
-        a, b = torch.sigmoid(self.a(x)), self.b(x)
-        h, out = torch.zeros_like(x[:, 0]), []
-        for t in range(x.shape[1]):
-            h = a[:, t] * h + b[:, t]
-            out.append(h)
-        return torch.stack(out, 1)
-
-
 def _rows(rep):
     return [(r.kind, r.source, r.length, r.rewrite, r.name) for r in rep.regions]
 
@@ -93,7 +78,7 @@ def test_explain_traces_a_loop_in_the_models_own_forward_as_torch_compile_does(r
     """torch.compile(model, backend="adjoint") rolls the loop of the model's own forward (a frame around it); explain
     unrolled it (other rows, names, memory). And explain rolled loops under roll_loops=False."""
     torch.manual_seed(0)
-    model, x = _OwnLoop(), torch.randn(2, 12, 8)
+    model, x = StepLoop(8), torch.randn(2, 12, 8)
     opts = {"inner": "eager", "shard_size": 4, "roll_loops": roll_loops}
     for target in (model, lambda x: model(x)):
         seen = ac.explain(target, x, options=opts)
