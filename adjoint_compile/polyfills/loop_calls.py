@@ -36,7 +36,10 @@ _SAFE_NN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn
     getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n)) + tuple(
     v for v in vars(nn.modules.activation).values()
     if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == nn.modules.activation.__name__
-    and v is not nn.MultiheadAttention)
+    and v is not nn.MultiheadAttention) + tuple(
+    # NB: the losses are functions of their inputs (a per-step criterion(head(h), y[:, t]) is batched over the steps)
+    v for v in vars(nn.modules.loss).values()
+    if isinstance(v, type) and issubclass(v, nn.modules.loss._Loss) and v is not nn.CTCLoss)
 
 
 class _Reject(Exception):

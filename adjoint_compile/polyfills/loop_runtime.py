@@ -28,7 +28,7 @@ from torch._higher_order_ops.scan import scan
 
 from . import rolling
 
-__all__ = ["ok", "run", "stacked", "stack", "ORIGINS"]
+__all__ = ["ok", "run", "stacked", "stack", "total", "ORIGINS"]
 
 ORIGINS = {__file__: "adjoint-compile's loop roller (a Python loop over range traced once, as torch's scan)"}
 #: fewest steps worth rolling: two are peeled, the scan takes at least one
@@ -56,6 +56,12 @@ def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any
 def _tensors(*groups: tuple[Any, ...]) -> bool:
     # NB: complex carries are left to the Python loop: scan's autograd fails on them (_conj_copy, torch 2.13)
     return all(isinstance(v, torch.Tensor) and not v.is_complex() for g in groups for v in g)
+
+
+def _floating(*groups: tuple[Any, ...]) -> bool:
+    # NB: scan's autograd fails on an integer carry or output (a count or an argmax per step: "outs_to_grad length
+    # != tangents length", torch 2.13); such a loop runs as written
+    return all(v.is_floating_point() for g in groups for v in g)
 
 
 def _same_meta(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -90,7 +96,7 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
     seq = tuple(x.movedim(d, 0)[r.start:r.stop] for x, d in zip(xs, dims))
     c1, y0 = step(carry, tuple(x[0] for x in seq))
     c2, y1 = step(c1, tuple(x[1] for x in seq))
-    if not (_tensors(c1, c2, y0, y1, seq) and _same_meta(c1, c2) and _same_meta(y0, y1)):
+    if not (_tensors(c1, c2, y0, y1, seq) and _floating(c1, y0) and _same_meta(c1, c2) and _same_meta(y0, y1)):
         lists = tuple([a, b] for a, b in zip(y0, y1))
         c = c2
         for i in range(2, len(r)):
@@ -124,3 +130,19 @@ def stack(tensors: Any, dim: int = 0) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
         return tensors.movedim(0, dim).contiguous()
     return torch.stack(tensors, dim)
+
+
+def total(c0: Any, ys: Any) -> Any:
+    """``c0 + ys[0] + ys[1] + ...``: a sum the loop accumulated (``loss = loss + e``). Rolled, ``ys`` holds the
+    terms stacked time first, added in the dtype each step's sum takes (a 0-dim fp32 ``c0`` keeps bf16 terms in
+    fp32), as are the terms of a loop run as written when they are tensors of one shape and dtype; others (lists)
+    are added in order, as the loop did."""
+    if not isinstance(ys, torch.Tensor) and ys and all(
+            isinstance(y, torch.Tensor) and y.shape == ys[0].shape and y.dtype == ys[0].dtype for y in ys):
+        ys = torch.stack(ys)  # NB: one sum, not a chain of T adds that reads as another recurrence
+    if isinstance(ys, torch.Tensor):
+        dtype = (c0 + ys[0]).dtype  # NB: torch.result_type does not trace; dynamo drops the unused sum
+        return c0 + ys.to(dtype).sum(0)
+    for y in ys:
+        c0 = c0 + y
+    return c0

@@ -226,6 +226,35 @@ def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list
     return calls
 
 
+def _accumulated(s: ast.stmt, body: list[ast.stmt] | None = None,
+                 before: list[ast.stmt] | None = None) -> tuple[str, ast.expr] | None:
+    """``c = c + e``, ``c = e + c`` or ``c += e`` (c: a name): (c, e). Given the loop's ``body`` and the statements
+    ``before`` it, only where c is a sum over the steps: no other statement of the step reads or writes c, nor does
+    e; and ``+=`` only onto a number (on a tensor made before the loop it would write into that tensor)."""
+    if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.target, ast.Name):
+        c, term = s.target.id, s.value
+    elif (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+          and isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add)):
+        c = s.targets[0].id
+        mine = [(x, y) for x, y in ((s.value.left, s.value.right), (s.value.right, s.value.left))
+                if isinstance(x, ast.Name) and x.id == c]
+        if not mine:
+            return None
+        term = mine[0][1]
+    else:
+        return None
+    if body is None:
+        return c, term
+    if c in _names(term, ast.Load) or any(c in _names(o, ast.Load) | _names(o, ast.Store) for o in body if o is not s):
+        return None
+    if isinstance(s, ast.AugAssign):
+        made = [o for o in before or () if c in _names(o, ast.Store)]
+        if not (made and isinstance(made[-1], ast.Assign) and isinstance(made[-1].value, ast.Constant)
+                and isinstance(made[-1].value.value, (int, float)) and not isinstance(made[-1].value.value, bool)):
+            return None
+    return c, term
+
+
 def _made_empty(s: ast.stmt, name: str) -> bool:
     """``name = []`` / ``list()``, or one of ``a, name = [], []``."""
     if not (isinstance(s, ast.Assign) and len(s.targets) == 1):
@@ -252,6 +281,8 @@ class _Plan:
     body: list[ast.stmt]
     #: the function's own names the step reads and does not assign, but self (loop_runtime.ok checks them)
     invariants: list[str]
+    #: sums over the steps (``loss = loss + e``): a per-step output e, added up after the loop
+    sums: list[str]
 
 
 def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn, tree: ast.FunctionDef) -> _Plan:
@@ -261,11 +292,16 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     lists: list[str] = []
     assigned: set[str] = set()
     read_first: list[str] = []
+    accs: dict[str, ast.stmt] = {}
     for s in loop.body:
         if isinstance(s, ast.Pass):
             continue
         lst = _append_target(s)
-        if lst is not None:
+        if (acc := _accumulated(s, loop.body, block[:idx])) is not None:
+            accs[acc[0]] = s
+            loads, stores = _names(acc[1], ast.Load), set()
+            _check_calls(acc[1], f)
+        elif lst is not None:
             if lst in lists:
                 raise _Reject(f"{lst} is appended to twice a step")
             lists.append(lst)
@@ -278,7 +314,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
             _check_calls(s, f)
         read_first += [n for n in sorted(loads) if n not in assigned and n not in read_first]
         assigned |= stores
-    if not lists and not assigned:
+    if not lists and not assigned and not accs:
         raise _Reject("the step assigns nothing")
     for lst in lists:
         if lst in assigned or lst in read_first:
@@ -291,10 +327,10 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     carries = [n for n in read_first if n in assigned]
     before = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
               and n.lineno < loop.lineno}
-    for c in carries:
+    for c in carries + list(accs):
         if c not in before and c not in f.params:
             raise _Reject(f"the carry {c} is not assigned before the loop")
-    indexer = _IndexByT(var, assigned | set(lists))
+    indexer = _IndexByT(var, assigned | set(lists) | set(accs))
     body = [indexer.visit(copy.deepcopy(s)) for s in loop.body]
     if var in set().union(*(_names(s, ast.Load) for s in body)):
         raise _Reject("t is used other than as an index")
@@ -311,7 +347,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     own = before | f.params | set(f.fn.__code__.co_freevars)
     # NB: self's submodule calls are checked per instance (loop_install); any other module the step reads is not
     invariants = [n for n in read_first if n not in assigned and n != var and n in own and n != "self"]
-    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants)
+    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants, list(accs))
 
 
 def _tup(names: list[str], ctx: type) -> ast.Tuple:
@@ -328,10 +364,12 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     if p.carries:
         inner.append(ast.Assign([_tup(p.carries, ast.Store)], ast.Name(f"{P}c", ast.Load())))
     inner.append(ast.Assign([_tup([f"{P}x{i}" for i in range(len(p.xs))], ast.Store)], ast.Name(f"{P}x", ast.Load())))
-    j = 0
+    j, out_of = 0, {}
     for s in p.body:
-        if _append_target(s) is not None:
-            inner.append(ast.Assign([ast.Name(f"{P}y{j}", ast.Store())], s.value.args[0]))
+        acc = _accumulated(s) if p.sums else None
+        if _append_target(s) is not None or acc is not None and acc[0] in p.sums:
+            out_of[_append_target(s) or acc[0]] = j
+            inner.append(ast.Assign([ast.Name(f"{P}y{j}", ast.Store())], acc[1] if acc else s.value.args[0]))
             j += 1
         else:
             inner.append(s)
@@ -345,10 +383,15 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     for i, lst in enumerate(p.lists):
         rolled.append(ast.Assign([ast.Name(lst, ast.Store())], ast.Call(
             ast.Attribute(ast.Name(rt, ast.Load()), "stacked", ast.Load()),
-            [ast.Subscript(ast.Name(ys, ast.Load()), ast.Constant(i), ast.Load()),
+            [ast.Subscript(ast.Name(ys, ast.Load()), ast.Constant(out_of[lst]), ast.Load()),
              ast.Constant(p.stacks[i] is not None)], [])))
         for c in p.stacks[i] or ():
             c.func = ast.Attribute(ast.Name(rt, ast.Load()), "stack", ast.Load())
+    for c in p.sums:
+        rolled.append(ast.Assign([ast.Name(c, ast.Store())], ast.Call(
+            ast.Attribute(ast.Name(rt, ast.Load()), "total", ast.Load()),
+            [ast.Name(c, ast.Load()), ast.Subscript(ast.Name(ys, ast.Load()), ast.Constant(out_of[c]), ast.Load())],
+            [])))
     loop = p.loop
     args = _range_args(loop)
     loop.iter = ast.Name(r, ast.Load())
@@ -445,7 +488,8 @@ def _analyse(fn: types.FunctionType) -> tuple[types.CodeType | None, tuple[LoopR
             continue
         plans.append(plan)
         reports.append(LoopReport(where, True, f"carries {', '.join(plan.carries) or 'nothing'}; "
-                                               f"collects {', '.join(plan.lists) or 'nothing'}"))
+                                               f"collects {', '.join(plan.lists) or 'nothing'}"
+                                  + (f"; sums {', '.join(plan.sums)}" if plan.sums else "")))
     if not plans:
         return None, tuple(reports), set()
     # NB: innermost blocks last in source order: replace from the end so earlier indices stay valid

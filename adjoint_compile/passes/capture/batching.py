@@ -23,6 +23,7 @@ from ...analysis import optable as ops
 from ...analysis.affine import Atom, Const, Expr, Prod, Quot, Select, Sum, UpdateForm
 from ...analysis.fx import example_value, hinted_shape
 from ...regions import PROVENANCE
+from .batching_losses import batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class Batcher:
         if not any(x.batched for x in vals):
             # NB: a value that is the same at every step (computed from shared weights only) is copied once
             return Value(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), False)
+        if name in ops.BATCH_LOSSES:
+            return batch_loss(self, v, name, args, kwargs)
         first = args[0] if args else None
         rest_unbatched = all(not x.batched for x in vals if x is not first)
         if name == "getattr":
@@ -238,6 +241,9 @@ class Batcher:
                     args[pos] = _shift(args[pos], v.name)
                 elif kw in kwargs:
                     kwargs[kw] = _shift(kwargs[kw], v.name)
+                elif name in ("sum", "mean", "amax", "amin") and len(args) == 1 and first.rank():
+                    # NB: a reduction of the whole step (``h.sum()``): over every dim but the step axis
+                    args.append(tuple(range(1, first.rank() + 1)))
                 else:
                     raise Unproven(f"{name} {v.name} has no dim argument (all dims, the step's included)")
             return Value(self.em(v.target, _unwrap(tuple(args)), _unwrap(kwargs), method), True)

@@ -1,0 +1,266 @@
+"""A loop that scores each step as it goes, the way RNN training scripts write it (``loss += criterion(head(h),
+y[:, t])``), or sums anything over its steps: the sum is not a second state of the recurrence. The loop roller
+(polyfills/loops.py) makes each step's term an output of the rolled step and adds the terms up after the loop
+(loop_runtime.total); the per-step loss is batched over the steps (passes/capture/batching_losses.py). The
+recurrence is then sharded with the head and the loss in its region. Before, the loop carried (h, loss), was
+reported as a gated recurrence ("its update is not a*h + b") and kept ordinary autograd, logits included.
+
+Against eager autograd in fp64 (the loss and every gradient to 1e-10), at odd T with shard sizes 1, 4 and 5.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adjoint_compile as ac
+from adjoint_compile.polyfills import loops
+
+D, V, B = 6, 11, 3
+
+
+class _Base(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, V)
+        self.register_buffer("w", torch.linspace(0.5, 2.0, V))
+        self.crit = nn.CrossEntropyLoss(ignore_index=-100)
+
+    def gates(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.emb(ids)
+        return torch.sigmoid(self.a(x)), self.b(x), torch.zeros_like(x[:, 0])
+
+
+class Assign(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = ids.new_zeros((), dtype=a.dtype)
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(self.head(h), y[:, t])
+        return loss / ids.shape[1]
+
+
+class InPlaceOntoZero(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss += self.crit(self.head(h), y[:, t])
+        return loss / ids.shape[1]
+
+
+class SumOverCount(_Base):
+    """Two sums: the loss summed and the targets counted (a step whose targets are all ignored adds 0 to both)."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss, n = 0.0, 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = F.cross_entropy(self.head(h), y[:, t], reduction="sum") + loss
+            n = n + (y[:, t] != -100).sum()
+        return loss / n
+
+
+class Smoothed(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(self.head(h), y[:, t], label_smoothing=0.1)
+        return loss
+
+
+class Weighted(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(self.head(h), y[:, t], weight=self.w)
+        return loss
+
+
+class Nll(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.nll_loss(F.log_softmax(self.head(h), -1), y[:, t])
+        return loss
+
+
+class Collected(_Base):
+    """The per-step losses appended to a list and averaged after the loop."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        out = []
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            out.append(F.cross_entropy(self.head(h), y[:, t]))
+        return torch.stack(out).mean()
+
+
+class StateSum(_Base):
+    """A sum of the states themselves (a whole-step reduction), returned with the last state."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        total = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            total = total + h.square().sum()
+        return total + h.sum()
+
+
+class OneRow(_Base):
+    """One unbatched sequence: each step's logits are one row [V] and its target a number."""
+
+    def forward(self, ids, y):
+        a, b, _ = self.gates(ids[0])
+        h, y = torch.zeros_like(a[0]), y[0]
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[t] * h + b[t]
+            loss = loss + F.cross_entropy(self.head(h), y[t])
+        return loss
+
+
+FORMS = {c.__name__: c for c in (Assign, InPlaceOntoZero, SumOverCount, Smoothed, Weighted, Nll, Collected,
+                                 StateSum, OneRow)}
+#: the forms whose loss (a cross-entropy) the region takes in
+LOSSES = set(FORMS) - {"StateSum"}
+
+
+def _data(t: int, whole_step_ignored: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(t)
+    ids, y = torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
+    y[1, ::3] = -100  # ignored targets, at shard boundaries among others
+    if whole_step_ignored:
+        y[:, t // 2] = -100
+    return ids, y
+
+
+def _run(name: str, t: int, shard: int, whole_step_ignored: bool = False):
+    torch.manual_seed(0)
+    model = FORMS[name]().double()
+    ref = copy.deepcopy(model)
+    ids, y = _data(t, whole_step_ignored)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": shard, "inner": "aot_eager"})
+    got, want = f(ids, y), ref(ids, y)
+    got.backward()
+    want.backward()
+    assert torch.allclose(got, want, rtol=0, atol=1e-10), (got, want)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), k
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() < 1e-10, (k, (p.grad - q.grad).abs().max())
+    return f
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_a_loop_that_sums_each_step_is_sharded_exactly(name):
+    f = _run(name, 13, 4)
+    rep = ac.report(f)
+    # NB: SumOverCount's count is an integer per step, which torch's scan cannot differentiate past: that loop runs
+    # unrolled, and is re-rolled from the graph
+    source = "unrolled_loop" if name == "SumOverCount" else "scan"
+    assert [(r.source, r.rewrite) for r in rep.regions] == [(source, "adjoint")], str(rep)
+    if name in LOSSES - {"SumOverCount"}:
+        assert rep.regions[0].details.get("sums_over_time"), str(rep)  # the head and the loss are in the region
+    (loop,) = loops.rolled()[f"{name}.forward"]
+    if name != "Collected":
+        assert loop.rolled and "; sums " in loop.reason, loop
+
+
+@pytest.mark.parametrize("shard", [1, 5])
+@pytest.mark.parametrize("name", ["Assign", "SumOverCount"])
+def test_other_shard_sizes_and_a_whole_step_ignored(name, shard):
+    _run(name, 7, shard, whole_step_ignored=name == "SumOverCount")
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_too_short_to_roll_runs_as_written(t):
+    """Fewer than three steps: the loop runs as written, with the same values."""
+    _run("InPlaceOntoZero", t, 4)
+
+
+class InPlaceOntoATensor(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = torch.zeros((), dtype=a.dtype)
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss += F.cross_entropy(self.head(h), y[:, t])
+        return loss
+
+
+class ListOfStates(_Base):
+    """``hs = hs + [h]``: a sum of lists, added in order as the loop does."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        hs = []
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs = hs + [h]
+        return self.head(torch.stack(hs, 1)).square().mean()
+
+
+FORMS.update(InPlaceOntoATensor=InPlaceOntoATensor, ListOfStates=ListOfStates)
+
+
+def test_a_sum_written_into_a_tensor_made_before_the_loop_is_not_rolled():
+    """``+=`` onto a tensor made before the loop writes into that tensor: not a sum the roller may move."""
+    _run("InPlaceOntoATensor", 9, 4)
+    (loop,) = loops.rolled()["InPlaceOntoATensor.forward"]
+    assert not loop.rolled and "in-place update" in loop.reason, loop
+
+
+def test_a_sum_of_lists_is_added_in_order():
+    f = _run("ListOfStates", 9, 4)
+    (loop,) = loops.rolled()["ListOfStates.forward"]
+    assert loop.rolled and "sums hs" in loop.reason, loop
+    assert ac.report(f).regions, str(ac.report(f))
+
+
+class CountsToo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, hs, n = torch.zeros_like(x[:, 0]), [], []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+            n.append((h > 0).sum())
+        return torch.stack(hs, 1).square().mean(), torch.stack(n)
+
+
+def test_a_loop_that_also_collects_integers_runs():
+    """An integer per step (a count, an argmax) made torch's scan fail to trace its autograd ("outs_to_grad length
+    != tangents length"): the compile raised. Such a loop runs unrolled, and its recurrence is re-rolled."""
+    torch.manual_seed(0)
+    model = CountsToo().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, 9, D, dtype=torch.float64)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    (got, n), (want, m) = f(x), ref(x)
+    assert torch.equal(n, m) and abs(got - want) < 1e-12
+    got.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-10
+    assert [r.rewrite for r in ac.report(f).regions] == ["adjoint"], str(ac.report(f))
