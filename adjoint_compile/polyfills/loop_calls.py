@@ -30,7 +30,9 @@ _DENY = {"item", "tolist", "numpy", "backward", "register_hook", "retain_grad", 
          "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson", "randperm",
          # Python containers changed in place: a side effect scan refuses
          "append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add", "discard", "sort",
-         "reverse", "popitem"}
+         "reverse", "popitem",
+         # complex values made in the step: scan's autograd refuses them (view_as_complex_copy, torch 2.13)
+         "view_as_complex", "view_as_real", "complex", "polar"}
 _SAFE_NN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.Identity, nn.Conv1d, nn.Conv2d,
             nn.Flatten, nn.Unflatten) + tuple(
     getattr(nn, n) for n in ("RMSNorm",) if hasattr(nn, n)) + tuple(

@@ -87,9 +87,14 @@ def _carried(c: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor, ...], dims: tuple[int, ...],
-        r: range) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        r: range, invariants: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """The loop's final carries and its per-step outputs, each a tensor ``[n, ...]`` (time first) when rolled or a
-    list of n tensors when the steps ran as a Python loop. ``step(carry, x_t) -> (carry, ys_t)``."""
+    list of n tensors when the steps ran as a Python loop. ``step(carry, x_t, invariants) -> (carry, ys_t)``, where
+    ``invariants`` are the values of the function the step reads and does not assign."""
+    # NB: scan refuses inputs that alias each other; views among the values the step reads (``decay, gain =
+    # p.unbind(0)``, ``x.real`` and ``x.imag``) would be two of them: each view is read through a copy
+    inv = tuple(v.clone() if isinstance(v, torch.Tensor) and v._base is not None else v for v in invariants)
+    step = _with(step, inv)
     # NB: int() specializes a length dynamo holds symbolic (a model seen at several lengths): inductor lowers a scan
     # of symbolic length to a while loop it cannot compile; the loop as written specializes it too
     r = range(int(r.start), int(r.stop))
@@ -115,6 +120,12 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
             return scan(body, c0, seq)
     c, ys = scan(body, c2, tuple(x[2:] for x in seq))
     return c, tuple(torch.cat([a.unsqueeze(0), b.unsqueeze(0), rest]) for a, b, rest in zip(y0, y1, ys))
+
+
+def _with(step: Callable[..., Any], inv: tuple[Any, ...]) -> Callable[..., Any]:
+    def bound(c: tuple[Any, ...], x: tuple[Any, ...]) -> Any:
+        return step(c, x, inv)
+    return bound
 
 
 def stacked(ys: Any, keep: bool) -> Any:

@@ -15,7 +15,7 @@ source of the function that holds it, ahead of dynamo. Before and after::
                                                       h = _x0 * h + _x1
                                                       _y0 = h
                                                       return (h,), (_y0,)
-                                                  (h,), _ys = loop_runtime.run(_step, (h,), (a, b), (1, 1), _r)
+                                                  (h,), _ys = loop_runtime.run(_step, (h,), (a, b), (1, 1), _r, ())
                                                   hs = loop_runtime.stacked(_ys[0], True)
                                               else:
                                                   for t in _r:  <the loop as written>
@@ -363,6 +363,8 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     inner: list[ast.stmt] = []
     if p.carries:
         inner.append(ast.Assign([_tup(p.carries, ast.Store)], ast.Name(f"{P}c", ast.Load())))
+    if p.invariants:
+        inner.append(ast.Assign([_tup(p.invariants, ast.Store)], ast.Name(f"{P}i", ast.Load())))
     inner.append(ast.Assign([_tup([f"{P}x{i}" for i in range(len(p.xs))], ast.Store)], ast.Name(f"{P}x", ast.Load())))
     j, out_of = 0, {}
     for s in p.body:
@@ -375,9 +377,10 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
             inner.append(s)
     inner.append(ast.Return(ast.Tuple([_tup(p.carries, ast.Load),
                                        _tup([f"{P}y{i}" for i in range(j)], ast.Load)], ast.Load())))
-    fdef = _def(step, [f"{P}c", f"{P}x"], inner)
+    fdef = _def(step, [f"{P}c", f"{P}x", f"{P}i"], inner)
     call = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "run", ast.Load()),
-                    [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load())], [])
+                    [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load()),
+                     _tup(p.invariants, ast.Load)], [])
     rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(p.carries, ast.Store), ast.Name(ys, ast.Store())],
                                                           ast.Store())], call)]
     for i, lst in enumerate(p.lists):
