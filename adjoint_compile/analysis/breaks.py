@@ -399,10 +399,25 @@ def frame_skipped() -> None:
            f"function (what it calls is compiled on its own). Remove the break ({brk.remedy()}); "
            f"adjoint_compile.report(compiled) lists it")
     log.debug("%s", msg)
+    if "functorch" in str(getattr(err, "gb_type", "") or "") + str(err).split("\n", 1)[0]:
+        # NB: torch.func.grad/vmap of a compiled function: dynamo refuses every frame under the transform, the
+        # library's and Python's own among them; one warning says so
+        if not _FUNCTORCH_WARNED:
+            _FUNCTORCH_WARNED.append(True)
+            warnings.warn(AdjointCompileWarning(
+                "adjoint-compile: a compiled function called under a torch.func transform (torch.func.grad, vmap, "
+                "jvp of it) runs eagerly: dynamo does not trace under the transform, so nothing is rewritten and it "
+                "saves no memory (ordinary autograd; the values are exact). adjoint_compile.report(compiled) lists "
+                "the functions that ran eagerly"), stacklevel=2)
+        return
     if user is not None and getattr(user, "lineno", None):
         warnings.warn_explicit(AdjointCompileWarning(msg), AdjointCompileWarning, user.filename, user.lineno)
     else:
         warnings.warn(AdjointCompileWarning(msg), stacklevel=2)
+
+
+#: whether the warning for functions compiled under a torch.func transform was given (once a process)
+_FUNCTORCH_WARNED: list[bool] = []
 
 
 def skipped_in(codes: Iterable[Any]) -> list[Break]:

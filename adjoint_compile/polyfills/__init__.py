@@ -240,8 +240,11 @@ def rolling() -> bool:
 
     NB: highway mode rewrites gated cells from the unrolled steps (passes/match/find_cells.py), not from a scan. Nor
     inside another higher-order op's body (``torch.utils.checkpoint``, ``cond``): their tracers and dispatch modes
-    refuse a scan inside (checkpoint's has no rule for it), where the loop as written traces."""
-    return rolls(traced_options()) and not _in_subgraph()
+    refuse a scan inside (checkpoint's has no rule for it), where the loop as written traces. Nor under a
+    ``torch.func`` transform (vmap, grad, jvp)."""
+    # NB: nor under a torch.func transform that dynamo traces inline (a compiled vmap over an ensemble): its
+    # interpreter is live while tracing, and torch's scan refuses the batched carries
+    return rolls(traced_options()) and not _in_subgraph() and torch._C._functorch.peek_interpreter_stack() is None
 
 
 def _in_subgraph() -> bool:
