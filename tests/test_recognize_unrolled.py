@@ -261,3 +261,25 @@ def test_a_stack_of_dense_layers_is_no_near_miss():
 
     regions, rejections = find_unrolled(trace(f, torch.randn(B, D), torch.randn(B, D)))
     assert regions == [] and rejections == []
+
+
+def d_skip_loop(a, b, c, x, h):
+    outs = []
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        outs.append(c[:, t] * h + 0.5 * x[:, t])
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("T", [4, 7])
+def test_a_readout_affine_in_the_state_is_not_taken_for_one_more_step(T):
+    """``y_t = c_t * h_t + D * x_t`` is affine in h_t, as the next state is: the final readout, which no next state
+    follows, was linked as one more step, and the loop was rejected ("steps differ in size")."""
+    a, b, h0 = _inputs(T)
+    c, x = torch.randn(B, T, D), torch.randn(B, T, D)
+    gm = trace(d_skip_loop, a, b, c, x, h0)
+    found, rejected = find_unrolled(gm)
+    assert [(r.kind, r.length) for r in found] == [("linear_recurrence", T)], (found, rejected)
+    assert not rejected, rejected
+    recipe = found[0].reroll
+    assert recipe.steps == T and len(recipe.states) == T

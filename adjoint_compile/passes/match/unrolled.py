@@ -354,6 +354,10 @@ def _match_chain(chain: list[fx.Node], link_kind: str, ctx: _Ctx) -> tuple[Recur
         loop = _check_windows(chain, ctx)
         xs = _xs(loop, ctx)
     except _Mismatch as e:
+        if len(chain) > 3 and e.node is not None and ctx.pos[e.node] > ctx.pos[chain[-2]]:
+            # NB: the last link is a readout of the final state that is affine in it (``y = c_t * h + D * x_t``):
+            # at every other step the next state follows it, and is the one linked
+            return _match_chain(chain[:-1], link_kind, ctx)
         if e.kind == "inputs" or link_kind == "matrix" or not _reads_slices(chain, ctx):
             # NB: a chain of layers (different weights, attention then MLP) is a depth chain: not reported here
             log.debug("chain at %s is not a loop over time: %s", chain[-1].name, e.reason)
