@@ -128,10 +128,12 @@ BATCH_VIEWS = _names("view reshape")
 #: act on trailing feature dims only: a leading step axis is a batch dim.
 BATCH_FEATURE_OPS = _names("layer_norm rms_norm linear view_as_real view_as_complex")
 BATCH_MATMULS = _names("matmul")
+#: an einsum with an explicit output: the step axis is one more subscript of the per-step operands and the output.
+BATCH_EINSUM = _names("einsum")
 #: a loss of the step's rows (passes/capture/batching_losses.py): its rows and targets flattened with the step axis.
 BATCH_LOSSES = _names("cross_entropy nll_loss")
 BATCHABLE = (BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_FEATURE_OPS | BATCH_MATMULS | BATCH_INDEX
-             | BATCH_LOSSES)
+             | BATCH_LOSSES | BATCH_EINSUM)
 
 # --------------------------------------------------------------------------------------------------------------
 # the spellings

@@ -192,6 +192,8 @@ class Batcher:
             return Value(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), False)
         if name in ops.BATCH_LOSSES:
             return batch_loss(self, v, name, args, kwargs)
+        if name in ops.BATCH_EINSUM:
+            return self._einsum(v, args, kwargs)
         first = args[0] if args else None
         rest_unbatched = all(not x.batched for x in vals if x is not first)
         if name == "getattr":
@@ -248,6 +250,22 @@ class Batcher:
                     raise Unproven(f"{name} {v.name} has no dim argument (all dims, the step's included)")
             return Value(self.em(v.target, _unwrap(tuple(args)), _unwrap(kwargs), method), True)
         raise Unproven(f"op {v.name} ({name}) has no batching rule")
+
+    def _einsum(self, v: fx.Node, args: Any, kwargs: Any) -> Value:
+        """``einsum("bhk,bhkv->bhv", q_t, S_t)`` as ``einsum("zbhk,zbhkv->zbhv", q, S)``: a subscript of its own for
+        the step axis on each per-step operand and on the output."""
+        eq, operands = (args[0], list(args[1])) if len(args) == 2 and isinstance(args[1], (list, tuple)) else \
+            (args[0] if args else None, list(args[1:]))
+        if kwargs or not isinstance(eq, str) or "->" not in eq:
+            raise Unproven(f"einsum {v.name} has no explicit output ('...->...') or is not einsum(eq, *operands)")
+        ins, out = eq.replace(" ", "").split("->")
+        subs = ins.split(",")
+        free = next((c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in eq), None)
+        if len(subs) != len(operands) or free is None:
+            raise Unproven(f"einsum {v.name}: {len(subs)} subscripts for {len(operands)} operands")
+        batched = [isinstance(x, Value) and x.batched for x in operands]
+        new_eq = ",".join(free + s if b else s for s, b in zip(subs, batched)) + "->" + free + out
+        return Value(self.em(v.target, (new_eq, *_unwrap(tuple(operands))), {}), True)
 
     def pad(self, x: Any, R: int) -> Any:
         """A batched value with unit dims after the step axis, so that its per-step rank is R (broadcasting)."""

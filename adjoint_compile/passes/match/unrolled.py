@@ -452,7 +452,8 @@ def find_unrolled(gm: fx.GraphModule) -> tuple[list[Recurrence], list[Rejection]
         except Exception as e:  # noqa: BLE001 - never raise on odd graphs
             log.debug("unrolled matcher failed on chain at %s", chain[-1].name, exc_info=True)
             rec, rej = None, Rejection("recurrence", chain[-1].name, f"matcher error {type(e).__name__}: {e}")
-        span = (ctx.pos[chain[0]], ctx.pos[chain[-1]])
+        # NB: a recurrence's own last state, which is not the chain's last node when a readout ended the chain
+        span = (ctx.pos[chain[0]], ctx.pos[rec.outputs[-1] if rec is not None and rec.outputs else chain[-1]])
         results.append((rec, rej, span, len(chain)))
     # NB: one loop can show several chains (h = a*h + b links both the adds and the a*h products); keep the chain
     # with the most steps, then the one whose states come last in each step (the loop's real carry).

@@ -1,0 +1,52 @@
+"""A step written with ``einsum`` (RetNet's and S4D's recurrent forms: ``S = g * S + einsum("bhk,bhv->bhkv", k_t,
+v_t)``, read out by ``einsum("bhk,bhkv->bhv", q_t, S)``) is batched over the steps with a subscript of its own for
+the step axis (passes/capture/batching.py). Before, einsum had no batching rule: the readout stayed outside the
+region, kept every state, and the rewrite was declined ("would not pay") at every length. Against eager autograd in
+fp64, the loop rolled (a module's forward) and unrolled (``roll_loops=False``), T = 7 and 13, shard size 4.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adjoint_compile as ac
+
+B, H, K = 2, 2, 3
+
+
+class Retention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H * K, 3 * H * K)
+        self.decay = nn.Parameter(torch.tensor([0.9, 0.97]))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, H, K)).permute(2, 0, 3, 1, 4)  # [B, H, T, K] each
+        S, outs = torch.zeros(x.shape[0], H, K, K, dtype=x.dtype), []
+        for t in range(x.shape[1]):
+            S = self.decay[:, None, None] * S + torch.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t])
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+        return torch.stack(outs, 2).square().mean()
+
+
+@pytest.mark.parametrize("roll", [True, False])
+@pytest.mark.parametrize("T", [7, 13])
+def test_einsum_steps_are_batched_and_sharded(T, roll):
+    torch.manual_seed(0)
+    model = Retention().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, T, H * K, dtype=torch.float64)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager", "roll_loops": roll})
+    got, want = f(x), ref(x)
+    got.backward()
+    want.backward()
+    assert abs(got - want) < 1e-12
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-10, n
+    rep = ac.report(f)
+    assert [(r.source, r.rewrite) for r in rep.regions] == [("scan" if roll else "unrolled_loop", "adjoint")], str(rep)
+    assert "einsum" not in str(rep.regions[0].details.get("readouts", "")), rep.regions[0].details
