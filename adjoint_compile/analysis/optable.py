@@ -50,6 +50,8 @@ SAME_SHAPE = _names("""to type type_as float half double bfloat16 int long bool 
 zeros_like ones_like empty_like full_like requires_grad_ alias resolve_conj resolve_neg""")
 #: plain numbers about a tensor (no step axis).
 METADATA = _names("size dim numel stride is_contiguous element_size nelement")
+#: new tensors of a given size that read only the dtype and device of the tensor they are called on.
+NEW_FACTORIES = _names("new_zeros new_ones new_full new_empty")
 #: draw from torch's generator (a shard's recomputation would draw other numbers).
 RANDOM = _names("rand_like randn_like randint_like bernoulli multinomial normal poisson")
 DROPOUT = _names("dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout")
@@ -140,7 +142,7 @@ BATCHABLE = (BATCH_POINTWISE | frozenset(BATCH_DIM_ARGS) | BATCH_VIEWS | BATCH_F
 
 #: every name of the table.
 KNOWN: frozenset[str] = frozenset().union(
-    POINTWISE, SAME_SHAPE, METADATA, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
+    POINTWISE, SAME_SHAPE, METADATA, NEW_FACTORIES, RANDOM, DROPOUT, MATMULS, REDUCTIONS, ALONG_DIM, NORM_LAYERS, RESHAPES,
     EXPANDS, TRANSPOSES, MOVEDIMS, SPLITS, CATS, CONVS, COMPLEX_VIEWS, REPEATS, LOSS_OPS, SINGLE, EXPLICIT.values(),
     LINEAR_IN_CARRY, SELECT_OPS, FILL_LIKE, SUM_OPS, NONLINEAR_STATE, RESIDUAL_NORMS, RMS_PARTS, SYNONYMS, INPLACE, BATCHABLE)
 

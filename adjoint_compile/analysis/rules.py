@@ -258,6 +258,17 @@ def metadata(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     return None, None
 
 
+def new_factory(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    # x.new_zeros(B, D) (a loop's first state): a constant, unless it has the steps' length (a buffer over time,
+    # which a shard would make whole)
+    out, T = ctx.out_shape, ctx.T
+    if out is None:
+        return None, f"no shape for {node.name}"
+    if T is not None and T > 1 and T in out:
+        return None, f"{op_label(node)} makes a tensor with a dim of the steps' length ({list(out)})"
+    return None, None
+
+
 def linear(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     x, w, b = ctx.arg(0, "input"), ctx.arg(1, "weight"), ctx.arg(2, "bias")
     if ctx.sd(w) is not None or ctx.sd(b) is not None:

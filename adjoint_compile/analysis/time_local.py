@@ -63,6 +63,7 @@ def _by_name(names: Any, rule: Rule) -> None:
 _by_name(ops.POINTWISE, r.pointwise)
 _by_name(ops.SAME_SHAPE, r.same_shape)
 _by_name(ops.METADATA, r.metadata)
+_by_name(ops.NEW_FACTORIES, r.new_factory)
 _by_name(ops.RANDOM, r.random_draw)
 _by_name(ops.DROPOUT, r.dropout)
 _by_name(["linear"], r.linear)

@@ -83,6 +83,7 @@ class _Fn:
     params: set[str]
     locals_: set[str]            # every name the function assigns or binds
     module_calls: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # self.attr(...) paths
+    self_name: str = "self"      # what a method calls its instance (``s`` in ``def forward(s, x)``)
 
 
 def _check_calls(node: ast.AST, f: _Fn) -> None:
@@ -117,7 +118,7 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
             if isinstance(target, types.FunctionType) and _helper_ok(target):
                 continue
             raise _Reject(f"calls {'.'.join(path)}, which may not trace inside torch's scan")
-        if path is not None and path[0] == "self" and len(path) >= 2:
+        if path is not None and path[0] == f.self_name and len(path) >= 2:
             f.module_calls.add(path[1:])  # self.mod(...) or self.method(...) or self.param.method(...)
         # else: a method of a local tensor, allowed unless denied above
 
@@ -145,7 +146,7 @@ def _read_calls(fn: types.FunctionType) -> frozenset[tuple[str, ...]] | None:
     except (OSError, TypeError, SyntaxError, _Reject):
         return None
     params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
-    f = _Fn(fn, params, _names(tree, ast.Store) | params)
+    f = _Fn(fn, params, _names(tree, ast.Store) | params, self_name=self_param(fn, tree))
     for s in ast.walk(tree):
         if isinstance(s, (ast.If, ast.For, ast.While, ast.Try, ast.With, ast.Raise, ast.Global, ast.Nonlocal,
                           ast.Delete, ast.FunctionDef, ast.ClassDef)) and s is not tree or (
@@ -157,6 +158,17 @@ def _read_calls(fn: types.FunctionType) -> frozenset[tuple[str, ...]] | None:
     except _Reject:
         return None
     return frozenset(f.module_calls)
+
+
+def self_param(fn: types.FunctionType, tree: ast.FunctionDef) -> str:
+    """The name a method gives its instance, its first parameter (``self``, or ``s`` in ``def forward(s, x)``);
+    "self" for a plain function, a static method or a class method."""
+    parts = fn.__qualname__.split(".")
+    args = tree.args.posonlyargs + tree.args.args
+    if len(parts) < 2 or parts[-2] == "<locals>" or not args or any(
+            isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod") for d in tree.decorator_list):
+        return "self"
+    return args[0].arg
 
 
 def _helper_ok(fn: types.FunctionType, owner: Any = None, depth: int = 0) -> bool:

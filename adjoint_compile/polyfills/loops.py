@@ -62,7 +62,7 @@ import torch
 
 from ..errors import AdjointCompileWarning
 from . import _ORIGINS, loop_runtime
-from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root
+from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root, self_param
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     stacks = [_stack_uses(lst, after, torch_names) for lst in lists]
     own = before | f.params | set(f.fn.__code__.co_freevars)
     # NB: self's submodule calls are checked per instance (loop_install); any other module the step reads is not
-    invariants = [n for n in read_first if n not in assigned and n != var and n in own and n != "self"]
+    invariants = [n for n in read_first if n not in assigned and n != var and n in own and n != f.self_name]
     return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants, list(accs))
 
 
@@ -477,9 +477,9 @@ def _analyse(fn: types.FunctionType) -> tuple[types.CodeType | None, tuple[LoopR
         tree = _parse(fn)
     except (OSError, TypeError, SyntaxError, _Reject):
         return None, (), set()
-    tree.decorator_list = []
     params = {a.arg for a in ast.walk(tree.args) if isinstance(a, ast.arg)}
-    f = _Fn(fn, params, _names(tree, ast.Store) | params)
+    f = _Fn(fn, params, _names(tree, ast.Store) | params, self_name=self_param(fn, tree))
+    tree.decorator_list = []
     plans, reports = [], []
     for loop, path in _loops(tree):
         where = f"{fn.__code__.co_filename}:{loop.lineno}"

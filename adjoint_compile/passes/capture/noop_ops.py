@@ -104,7 +104,43 @@ def drop_noop_ops(gm: fx.GraphModule) -> int:
         n.replace_all_uses_with(src)
         gm.graph.erase_node(n)
         dropped += 1
-    return rewritten(gm, dropped, log, "noop_ops: dropped %d no-op casts/slices")
+    dropped += _constant_fills(gm)
+    return rewritten(gm, dropped, log, "noop_ops: dropped %d no-op casts/slices, or fills of a tensor's shape")
+
+
+#: fills that read only their input's shape, dtype and device -> the factory that makes the same tensor
+_FILLS = {"zeros_like": torch.zeros, "ones_like": torch.ones, "empty_like": torch.empty, "full_like": torch.full,
+          "new_zeros": torch.zeros, "new_ones": torch.ones, "new_empty": torch.empty, "new_full": torch.full}
+
+
+def _constant_fills(gm: fx.GraphModule) -> int:
+    """``zeros_like(x[:, 0])`` / ``x.new_zeros(B, D)`` (a loop's first state) as ``torch.zeros((B, D), dtype, device)``:
+    the same values without reading x, so that x (a layer's output, a token lookup) is not read by an op that
+    selects one step, which would end the region before it. Static shapes only; kept with ``requires_grad``,
+    ``memory_format`` or ``layout``, or a fill value that is not a number."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+        make = _FILLS.get(name) if n.op in ("call_function", "call_method") and isinstance(name, str) else None
+        ev = example_value(n)
+        if make is None or not isinstance(ev, torch.Tensor) or set(n.kwargs) - {"dtype", "device"} or \
+                not all(isinstance(d, int) for d in ev.shape):
+            continue
+        fill = ()
+        if make is torch.full:
+            value = n.args[-1] if len(n.args) >= 2 else n.kwargs.get("fill_value")
+            if not isinstance(value, (int, float, bool)) or len(n.args) < 2:
+                continue
+            fill = (value,)
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(make, (tuple(ev.shape), *fill), {"dtype": ev.dtype, "device": ev.device})
+        new.meta.update(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        done += 1
+    if done:
+        eliminate_dead_code(gm.graph)  # NB: the slices that only fed a shape
+    return done
 
 
 def rewritten(gm: fx.GraphModule, count: int, logger: logging.Logger, message: str) -> int:
