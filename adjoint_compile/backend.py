@@ -443,9 +443,10 @@ def unsaved_message(result: CompiledGraph, opts: Options) -> str | None:
         return None
     tail = (f"; for rejected candidates: {REMEDY_UNRECOGNIZED}" if groups else
             "; adjoint_compile.explain(model, *inputs) shows every decision")
+    done = sum(1 for r in result.regions if r.rewrite != "none")
     head = (f"adjoint-compile: {len(declined)} recognized region(s) kept ordinary autograd and {len(rejections)} "
-            f"candidate(s) were rejected in a graph of {len(nodes)} nodes (mode={opts.mode}); each reason names its "
-            f"remedy{tail}")
+            f"candidate(s) were rejected" + (f" ({done} other region(s) rewritten)" if done else "") +
+            f" in a graph of {len(nodes)} nodes (mode={opts.mode}); each reason names its remedy{tail}")
     return "\n  ".join([head, *lines])
 
 

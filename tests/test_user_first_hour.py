@@ -226,3 +226,28 @@ def test_a_candidate_at_an_op_a_rewritten_region_covers_does_not_warn():
     rep = ac.explain(M(), torch.randn(2, 5, 3), options={"mode": "highway", "iterations": 5})
     assert [r.rewrite for r in rep.regions] == ["highway"] and rep.rejections, str(rep)
     assert unsaved_message(rep.compiled[0], rep.options) is None
+
+
+class _ScanAndDenseLoop(nn.Module):
+    """A scan that is rewritten, and a dense loop (h @ W) that is rejected."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b, self.w = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = self.w(h) + x[:, t]
+            hs.append(h)
+        return y + torch.stack(hs, 1)
+
+
+def test_the_warning_counts_the_regions_rewritten_beside_the_rejected():
+    """The warning read '0 recognized region(s) kept ordinary autograd and 1 candidate(s) were rejected' where a
+    region was rewritten: it says so."""
+    rep = ac.explain(_ScanAndDenseLoop(), torch.randn(2, 9, 6), options={"shard_size": 4})
+    assert [r.rewrite for r in rep.regions if r.kind == "linear_recurrence"] == ["adjoint"], str(rep)
+    msg = unsaved_message(rep.compiled[0], rep.options)
+    assert msg is not None and "(1 other region(s) rewritten)" in msg, msg
