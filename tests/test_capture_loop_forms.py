@@ -44,6 +44,24 @@ def buffer_written(a, b, h):
     return o
 
 
+def buffer_selected(a, b, h):
+    """The buffer's step written through ``select`` and ``copy_`` (time-major, as LRU ports write it)."""
+    o = torch.zeros(a.shape[1], a.shape[0], a.shape[2])
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        o.select(0, t).copy_(h)
+    return o.transpose(0, 1)
+
+
+def buffer_one_step_slices(a, b, h):
+    """Each step written into a ``t:t+1`` slice (RWKV-5/6's ``out[:, :, t:t+1] = ...``)."""
+    o = torch.empty_like(b)
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        o[:, t:t + 1] = h[:, None]
+    return o
+
+
 def noop_casts(a, b, h):
     outs = []
     for t in range(a.shape[1]):
@@ -75,6 +93,10 @@ CASES = {
                                                     C=torch.randn(B, T, N), h=torch.randn(B, D, N))),
     "buffer_written": (buffer_written, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D),
                                                       h=torch.randn(B, D))),
+    "buffer_selected": (buffer_selected, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D),
+                                                        h=torch.randn(B, D))),
+    "buffer_one_step_slices": (buffer_one_step_slices, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D),
+                                                                      h=torch.randn(B, D))),
     "noop_casts": (noop_casts, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D), h=torch.randn(B, D))),
     "lerp": (lerp_loop, lambda T: dict(z=torch.rand(B, T, D), c=torch.randn(B, T, D), h=torch.randn(B, D))),
     "noop_slice": (noop_slice, lambda T: dict(z=torch.rand(B, T, D), c=torch.randn(B, T, D), h=torch.randn(B, 1, D))),

@@ -46,27 +46,52 @@ def _fname(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
 
 
-def _write_dim(idx: Any, rank: int) -> tuple[int, int] | None:
-    """(dim, index) of ``o[idx] = v`` when ``idx`` is full slices around one int; else None."""
+def _one_step(it: Any) -> bool:
+    """``t:t+1`` (ints): one index kept as a dim of size 1 (RWKV's ``out[:, :, t:t+1] = ...``)."""
+    return isinstance(it, slice) and isinstance(it.start, int) and isinstance(it.stop, int) and \
+        it.start >= 0 and it.stop == it.start + 1 and it.step in (None, 1)
+
+
+def _write_dim(idx: Any, rank: int) -> tuple[int, int, bool] | None:
+    """(dim, index, whether the dim is kept) of ``o[idx] = v`` when ``idx`` is full slices around one int or one
+    ``t:t+1`` slice; else None."""
     items = idx if isinstance(idx, tuple) else (idx,)
-    ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool)]
+    ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool) or _one_step(it)]
     if len(ints) != 1 or len(items) > rank:
         return None
     if not all(isinstance(it, slice) and (it.start, it.stop, it.step) == (None, None, None)
                for i, it in enumerate(items) if i != ints[0]):
         return None
-    return ints[0], items[ints[0]]
+    it = items[ints[0]]
+    return (ints[0], it.start, True) if isinstance(it, slice) else (ints[0], it, False)
 
 
 def buffer_write(u: fx.Node, buf: fx.Node) -> tuple[fx.Node, Any, Any] | None:
     """``(node, idx, value)`` when ``u`` writes into ``buf``: ``buf[idx] = value`` (``node`` is the setitem), or
-    ``buf[idx].copy_(value)`` (``u`` is the view, ``node`` the copy, the view's only use); else None."""
+    ``buf[idx].copy_(value)`` / ``buf.select(d, t).copy_(value)`` (``u`` is the view, ``node`` the copy, the view's
+    only use); else None."""
     if u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf:
         return (u, u.args[1], u.args[2]) if len(u.args) == 3 and not u.kwargs else (u, None, None)
-    if u.op == "call_function" and u.target is operator.getitem and len(u.users) == 1:
+    view = u.op == "call_function" and u.target is operator.getitem
+    if _select(u) is not None:
+        d, t = _select(u)
+        view, u_idx = True, (slice(None),) * d + (t,)
+    else:
+        u_idx = u.args[1] if view else None
+    if view and len(u.users) == 1:
         c = next(iter(u.users))
         if c.op == "call_method" and c.target == "copy_" and c.args[0] is u:
-            return (c, u.args[1], c.args[1]) if len(c.args) == 2 and not c.kwargs else (c, None, None)
+            return (c, u_idx, c.args[1]) if len(c.args) == 2 and not c.kwargs else (c, None, None)
+    return None
+
+
+def _select(u: fx.Node) -> tuple[int, int] | None:
+    """(dim, index) of ``buf.select(dim, index)`` / ``torch.select(buf, dim, index)`` with ints (dim >= 0)."""
+    if (u.op == "call_method" and u.target == "select" or u.op == "call_function" and u.target is torch.select) \
+            and len(u.args) == 3 and not u.kwargs and all(isinstance(a, int) for a in u.args[1:]):
+        rank = example_value(u.args[0]).dim() if isinstance(example_value(u.args[0]), torch.Tensor) else 0
+        d = u.args[1] + rank if u.args[1] < 0 else u.args[1]
+        return (d, u.args[2]) if 0 <= d < rank else None
     return None
 
 
@@ -91,16 +116,18 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
             return f"write {node.name} is not o[idx] = v"
         got = _write_dim(idx, ev.dim())
         if got is None:
-            return f"write {node.name} does not index one dim with an int"
-        d, t = got
+            return f"write {node.name} does not index one dim with an int (or a t:t+1 slice)"
+        d, t, kept = got
         if dim is None:
-            dim = d
+            dim, keep = d, kept
+        if kept != keep:
+            return f"write {node.name} mixes o[t] and o[t:t+1] writes"
         n = ev.shape[d]
         t = t + n if t < 0 else t
         if d != dim or not 0 <= t < n or t in by_index:
             return f"write {node.name} writes another dim or an index twice"
         v = example_value(value)
-        want = ev.shape[:d] + ev.shape[d + 1:]
+        want = ev.shape[:d] + ((1,) if keep else ()) + ev.shape[d + 1:]
         if not isinstance(value, fx.Node) or not isinstance(v, torch.Tensor) or v.shape != want or \
                 v.dtype != ev.dtype or v.device != ev.device:
             return f"write {node.name} writes a value of another shape or dtype than the slice"
@@ -127,7 +154,7 @@ def _stack_one(gm: fx.GraphModule, buf: fx.Node, pos: dict[fx.Node, int]) -> str
             value = after
         values.append(value)
     with gm.graph.inserting_after(after):
-        st = gm.graph.call_function(torch.stack, (values, dim))
+        st = gm.graph.call_function(torch.cat if keep else torch.stack, (values, dim))
     st.meta["example_value"] = ev  # NB: the same shape, dtype and device
     st.meta["adjoint_compile"] = {"pass": "buffer_writes", "buffer": buf.name}
     buf.replace_all_uses_with(st, delete_user_cb=lambda u: u not in writes and u is not st)
