@@ -118,3 +118,27 @@ def test_a_step_that_makes_complex_values_runs_unrolled():
     _exact(MadeComplex)
     (loop,) = loops.rolled()["MadeComplex.forward"]
     assert not loop.rolled and "view_as_complex" in loop.reason, loop
+
+
+class NoneAfterT(nn.Module):
+    """A matrix state indexed ``a[:, t, :, None]`` and read out with ``x[:, t, ..., None]`` (mLSTM's recurrent
+    form): the roller refused an ellipsis or None after t."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(N, N), nn.Linear(N, N)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        C, outs = torch.zeros(x.shape[0], N, N, dtype=x.dtype), []
+        for t in range(x.shape[1]):
+            C = a[:, t, :, None] * C + b[:, t, :, None] * b[:, t, None, :]
+            outs.append((C @ x[:, t, ..., None])[..., 0])
+        return torch.stack(outs, 1)
+
+
+def test_an_index_with_none_or_an_ellipsis_after_t_rolls():
+    f = _exact(NoneAfterT)
+    (loop,) = loops.rolled()["NoneAfterT.forward"]
+    assert loop.rolled, loop
+    assert [(r.source, r.rewrite) for r in ac.report(f).regions] == [("scan", "adjoint")], str(ac.report(f))

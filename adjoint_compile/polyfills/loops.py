@@ -124,11 +124,13 @@ class _IndexByT(ast.NodeTransformer):
         root = _root(node.value)
         if _attr_path(node.value) is None or root in self.assigned or root == self.var:
             raise _Reject("t indexes something the step assigns, or not a name")
-        if any(_ellipsis(e) or (isinstance(e, ast.Constant) and e.value is None) for e in after):
-            raise _Reject("an ellipsis or None after t")
         if all(_full_slice(e) for e in before):
+            # NB: the step's slice has X's dims but t's, in order: the items after t (``...``, ``None`` too) index
+            # the same dims of it as of X
             dim = len(before)
         elif len(before) == 1 and _ellipsis(before[0]):
+            if any(_ellipsis(e) or (isinstance(e, ast.Constant) and e.value is None) for e in after):
+                raise _Reject("an ellipsis or None after t, after an ellipsis")
             dim = -(len(after) + 1)
         else:
             raise _Reject("t indexes after something other than full slices")
