@@ -175,13 +175,19 @@ def roll_reachable() -> None:
         by_class: dict[type, list[nn.Module]] = {}
         for m in mods:
             by_class.setdefault(type(m), []).append(m)
+        methods: dict[str, Any] = {}
         for cls, insts in by_class.items():
             for klass in cls.__mro__:
                 if klass.__module__.split(".")[0] in _LIBS:
                     continue
                 for v in vars(klass).values():
-                    if isinstance(v, types.FunctionType) and "range" in v.__code__.co_names:
-                        _install(v, insts)
+                    if isinstance(v, types.FunctionType):
+                        methods[f"m{len(methods)}"] = v
+                        if "range" in v.__code__.co_names:
+                            _install(v, insts)
+        # NB: and the plain functions the methods call (a module-level ``selective_scan(...)`` or ``wkv(...)`` that
+        # holds the loop), found through the methods' globals and closures as the frame's own are
+        fns += [f for f in _reachable(code, {}, methods, ())[1] if f not in methods.values() and f not in fns]
         for fn in fns:
             if "range" in fn.__code__.co_names:
                 _install(fn, [])

@@ -50,10 +50,8 @@ import torch
 import torch.fx as fx
 
 from ...analysis.affine import classify_update
-from ...analysis.fx import example_value, hinted_shape, is_copy
-from ...analysis.fx import reachable as forward_reach
-from ...analysis.fx import eliminate_dead_code
-from ...analysis.fx import stable_toposort as _toposort
+from ...analysis.fx import eliminate_dead_code, example_value, hinted_shape, is_copy
+from ...analysis.fx import reachable as forward_reach, stable_toposort as _toposort
 from ...regions import PROVENANCE, LoopRecipe, PerStepSlice, Recurrence, Region
 from .batching import Batcher, Emitter, Value, batch_op, coefficients, emit_expr, emit_scan, full_steps, initial_state
 from .batching import Unproven as _Unproven
@@ -468,6 +466,8 @@ def reroll(gm: fx.GraphModule, regions: list[Region]) -> list[str]:
             if recs[0].source == "scan":
                 Hs = _reroll_scan(gm, op, recs, prov)
                 pairs = [(r, Hs[r.carry_index]) for r in recs]
+                for r, H in pairs:  # NB: each carry's scan is reported under its own name (scan[carry 1], ...)
+                    H.meta[PROVENANCE] = {**H.meta.get(PROVENANCE, {}), "region": r.name}
                 new = Hs
             else:
                 by_leaf = _reroll_assoc(gm, op, recs, prov)
