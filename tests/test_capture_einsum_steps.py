@@ -22,13 +22,15 @@ class Retention(nn.Module):
         super().__init__()
         self.qkv = nn.Linear(H * K, 3 * H * K)
         self.decay = nn.Parameter(torch.tensor([0.9, 0.97]))
+        self.w = nn.Parameter(torch.randn(K, K))
 
     def forward(self, x):
         q, k, v = self.qkv(x).unflatten(-1, (3, H, K)).permute(2, 0, 3, 1, 4)  # [B, H, T, K] each
         S, outs = torch.zeros(x.shape[0], H, K, K, dtype=x.dtype), []
         for t in range(x.shape[1]):
             S = self.decay[:, None, None] * S + torch.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t])
-            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+            # NB: an implicit output ("bhkv,vw" is "bhkv,vw->bhkw") beside the explicit one
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S) + torch.einsum("bhkv,vw", S, self.w).sum(-2))
         return torch.stack(outs, 2).square().mean()
 
 

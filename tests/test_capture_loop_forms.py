@@ -62,6 +62,15 @@ def buffer_one_step_slices(a, b, h):
     return o
 
 
+def buffer_ellipsis(a, b, h):
+    """``o[..., t, :] = h``: the ellipsis stands for full slices."""
+    o = torch.zeros_like(b)
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        o[..., t, :] = h
+    return o
+
+
 def noop_casts(a, b, h):
     outs = []
     for t in range(a.shape[1]):
@@ -97,6 +106,8 @@ CASES = {
                                                         h=torch.randn(B, D))),
     "buffer_one_step_slices": (buffer_one_step_slices, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D),
                                                                       h=torch.randn(B, D))),
+    "buffer_ellipsis": (buffer_ellipsis, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D),
+                                                        h=torch.randn(B, D))),
     "noop_casts": (noop_casts, lambda T: dict(a=torch.rand(B, T, D), b=torch.randn(B, T, D), h=torch.randn(B, D))),
     "lerp": (lerp_loop, lambda T: dict(z=torch.rand(B, T, D), c=torch.randn(B, T, D), h=torch.randn(B, D))),
     "noop_slice": (noop_slice, lambda T: dict(z=torch.rand(B, T, D), c=torch.randn(B, T, D), h=torch.randn(B, 1, D))),

@@ -135,8 +135,46 @@ class OneRow(_Base):
         return loss
 
 
+class WeightedSmoothed(_Base):
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(self.head(h), y[:, t], weight=self.w, label_smoothing=0.1)
+        return loss
+
+
+class TupleMadeSums(_Base):
+    """``+=`` onto numbers made together (``loss, n = 0.0, 0``)."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss, n = 0.0, 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss += F.cross_entropy(self.head(h), y[:, t], reduction="sum")
+        return loss / ids.numel()
+
+
+class StaticLoop(_Base):
+    """The loop in a static method the forward calls."""
+
+    @staticmethod
+    def run(a, b, h, w, c, y):
+        loss = 0
+        for t in range(a.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(F.linear(h, w, c), y[:, t])
+        return loss
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        return self.run(a, b, h, self.head.weight, self.head.bias, y)
+
+
 FORMS = {c.__name__: c for c in (Assign, InPlaceOntoZero, SumOverCount, Smoothed, Weighted, Nll, Collected,
-                                 StateSum, OneRow)}
+                                 StateSum, OneRow, WeightedSmoothed, TupleMadeSums, StaticLoop)}
 #: the forms whose loss (a cross-entropy) the region takes in
 LOSSES = set(FORMS) - {"StateSum"}
 
@@ -178,7 +216,7 @@ def test_a_loop_that_sums_each_step_is_sharded_exactly(name):
     assert [(r.source, r.rewrite) for r in rep.regions] == [(source, "adjoint")], str(rep)
     if name in LOSSES - {"SumOverCount"}:
         assert rep.regions[0].details.get("sums_over_time"), str(rep)  # the head and the loss are in the region
-    (loop,) = loops.rolled()[f"{name}.forward"]
+    (loop,) = loops.rolled()[f"{name}.{'run' if name == 'StaticLoop' else 'forward'}"]
     if name != "Collected":
         assert loop.rolled and "; sums " in loop.reason, loop
 
@@ -264,3 +302,63 @@ def test_a_loop_that_also_collects_integers_runs():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max() < 1e-10
     assert [r.rewrite for r in ac.report(f).regions] == ["adjoint"], str(ac.report(f))
+
+
+class SumsOnly(_Base):
+    """A second loop that only sums the per-step losses of logits made before it: it has no carry (torch's scan
+    raised "requires init leaves", dynamo skipped the whole forward), and it reuses ``t`` (the first loop was not
+    rolled: "t is read after the loop")."""
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        hs = []
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        logits = self.head(torch.stack(hs, 1))
+        loss = 0
+        for t in range(ids.shape[1]):
+            loss = loss + F.cross_entropy(logits[:, t], y[:, t])
+        return loss
+
+
+FORMS["SumsOnly"] = SumsOnly
+
+
+def test_a_loop_that_only_sums_runs_and_the_loop_before_it_rolls():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f = _run("SumsOnly", 13, 4)
+    assert not [w for w in said if issubclass(w.category, ac.AdjointCompileWarning)], [str(w.message) for w in said]
+    first, second = loops.rolled()["SumsOnly.forward"]
+    assert first.rolled and second.rolled and "sums loss" in second.reason, (first, second)
+    rep = ac.report(f)
+    assert [(r.source, r.rewrite) for r in rep.regions if r.kind == "linear_recurrence"] == [("scan", "adjoint")], \
+        str(rep)
+
+
+class Dropped(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, ids, y):
+        a, b, h = self.gates(ids)
+        loss = 0
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            loss = loss + F.cross_entropy(self.head(self.drop(h)), y[:, t])
+        return loss
+
+
+FORMS["Dropped"] = Dropped
+
+
+def test_a_loop_refused_for_its_instance_says_so():
+    """A step calling a submodule that may not trace inside torch's scan (a dropout) runs as written; rolled() said
+    it was rolled."""
+    _run("Dropped", 9, 4)
+    (loop,) = loops.rolled()["Dropped.forward"]
+    assert not loop.rolled and "self.drop (Dropout)" in loop.reason, loop

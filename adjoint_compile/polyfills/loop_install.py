@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import _FORCE, options_for, rolls, traced_options
 from .loop_calls import _callee_ok
-from .loops import analyse
+from .loops import analyse, refused
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,12 @@ def _reachable(code: types.CodeType, glob: dict[str, Any], loc: dict[str, Any], 
     return mods, fns
 
 
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for a in path:
+        obj = getattr(obj, a, None)
+    return obj
+
+
 def _has(cell: Any) -> bool:
     try:
         cell.cell_contents
@@ -152,6 +158,8 @@ def _install(fn: Any, instances: list[Any]) -> str:
             del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
         log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
                  fn.__qualname__, type(bad[0]).__name__, ".".join(bad[1]))
+        refused(fn, f"the step calls self.{'.'.join(bad[1])} ({type(_at(bad[0], bad[1])).__name__}), which may "
+                    "not trace inside torch's scan")
         return "instance refused"
     if mine is None:
         fn._torchdynamo_inline = new
@@ -181,6 +189,8 @@ def roll_reachable() -> None:
                 if klass.__module__.split(".")[0] in _LIBS:
                     continue
                 for v in vars(klass).values():
+                    # NB: a static method's loops too (no instance); a class method's calls on cls are not checked
+                    v = v.__func__ if isinstance(v, staticmethod) else v
                     if isinstance(v, types.FunctionType):
                         methods[f"m{len(methods)}"] = v
                         if "range" in v.__code__.co_names:

@@ -101,7 +101,9 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
     seq = tuple(x.movedim(d, 0)[r.start:r.stop] for x, d in zip(xs, dims))
     c1, y0 = step(carry, tuple(x[0] for x in seq))
     c2, y1 = step(c1, tuple(x[1] for x in seq))
-    if not (_tensors(c1, c2, y0, y1, seq) and _floating(c1, y0) and _same_meta(c1, c2) and _same_meta(y0, y1)):
+    # NB: a loop without carries (it only sums or collects per-step values) runs as written: scan needs a carry
+    if not (carry and _tensors(c1, c2, y0, y1, seq) and _floating(c1, y0) and _same_meta(c1, c2)
+            and _same_meta(y0, y1)):
         lists = tuple([a, b] for a, b in zip(y0, y1))
         c = c2
         for i in range(2, len(r)):

@@ -63,10 +63,11 @@ import torch
 from ..errors import AdjointCompileWarning
 from . import _ORIGINS, loop_runtime
 from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root, self_param
+from .loop_source import _accumulated, _following, _live, _made_empty, _stack_uses
 
 log = logging.getLogger(__name__)
 
-__all__ = ["analyse", "rolled", "LoopReport"]
+__all__ = ["analyse", "rolled", "refused", "LoopReport"]
 
 _ORIGINS.update(loop_runtime.ORIGINS)
 
@@ -93,6 +94,16 @@ def rolled() -> dict[str, tuple[LoopReport, ...]]:
     """Function qualname -> its loops over ``range`` and whether each is rolled (functions looked at so far)."""
     return {code.co_qualname if hasattr(code, "co_qualname") else code.co_name: reps
             for code, (_, reps, _) in _RESULTS.items() if reps}
+
+
+def refused(fn: types.FunctionType, why: str) -> None:
+    """Record that ``fn``'s rolled form is not used (an instance's step calls a submodule that may not trace inside
+    torch's scan): its loops run as written."""
+    code = fn.__code__
+    if code in _RESULTS:
+        new, reps, calls = _RESULTS[code]
+        _RESULTS[code] = (new, tuple(dataclasses.replace(r, rolled=False, reason=why) if r.rolled else r
+                                     for r in reps), calls)
 
 
 def _full_slice(e: ast.expr) -> bool:
@@ -186,90 +197,14 @@ def _stmt_stores(s: ast.stmt) -> set[str]:
     return out
 
 
-def _following(path: list[tuple[list[ast.stmt], int, ast.AST]]) -> list[ast.stmt]:
-    """The statements that may run after the loop at ``path`` (innermost block first), with the bodies of enclosing
-    loops from their start (their next iteration)."""
-    out: list[ast.stmt] = []
-    for level, (block, i, owner) in enumerate(reversed(path)):
-        out.extend(block[i + 1:])
-        if isinstance(owner, (ast.For, ast.While, ast.AsyncFor)):
-            if level:
-                raise _Reject("the loop is inside a block within another loop")
-            out.extend(block[:i])
-    return out
 
 
-def _live(name: str, after: list[ast.stmt]) -> bool:
-    """Whether ``name`` may be read after the loop before being assigned again (conservative)."""
-    for s in after:
-        if name in _names(s, ast.Load) or isinstance(s, ast.AugAssign) and name in _names(s.target, ast.Store):
-            return True
-        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
-            return False
-    return False
 
 
-def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list[ast.Call] | None:
-    """The ``torch.stack(name, dim)`` calls that read the list ``name`` after the loop, or None when it is read
-    some other way."""
-    calls: list[ast.Call] = []
-    for s in after:
-        loads = [n for n in ast.walk(s) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
-        ok = {id(c.args[0]): c for c in ast.walk(s) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-              and c.func.attr == "stack" and isinstance(c.func.value, ast.Name) and c.func.value.id in torch_names
-              and c.args and isinstance(c.args[0], ast.Name) and c.args[0].id == name and len(c.args) <= 2
-              and all(k.arg == "dim" for k in c.keywords)}
-        for n in loads:
-            if id(n) not in ok:
-                return None
-            calls.append(ok[id(n)])
-        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
-            break
-    return calls
 
 
-def _accumulated(s: ast.stmt, body: list[ast.stmt] | None = None,
-                 before: list[ast.stmt] | None = None) -> tuple[str, ast.expr] | None:
-    """``c = c + e``, ``c = e + c`` or ``c += e`` (c: a name): (c, e). Given the loop's ``body`` and the statements
-    ``before`` it, only where c is a sum over the steps: no other statement of the step reads or writes c, nor does
-    e; and ``+=`` only onto a number (on a tensor made before the loop it would write into that tensor)."""
-    if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.target, ast.Name):
-        c, term = s.target.id, s.value
-    elif (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
-          and isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add)):
-        c = s.targets[0].id
-        mine = [(x, y) for x, y in ((s.value.left, s.value.right), (s.value.right, s.value.left))
-                if isinstance(x, ast.Name) and x.id == c]
-        if not mine:
-            return None
-        term = mine[0][1]
-    else:
-        return None
-    if body is None:
-        return c, term
-    if c in _names(term, ast.Load) or any(c in _names(o, ast.Load) | _names(o, ast.Store) for o in body if o is not s):
-        return None
-    if isinstance(s, ast.AugAssign):
-        made = [o for o in before or () if c in _names(o, ast.Store)]
-        if not (made and isinstance(made[-1], ast.Assign) and isinstance(made[-1].value, ast.Constant)
-                and isinstance(made[-1].value.value, (int, float)) and not isinstance(made[-1].value.value, bool)):
-            return None
-    return c, term
 
 
-def _made_empty(s: ast.stmt, name: str) -> bool:
-    """``name = []`` / ``list()``, or one of ``a, name = [], []``."""
-    if not (isinstance(s, ast.Assign) and len(s.targets) == 1):
-        return False
-    target, value = s.targets[0], s.value
-    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
-        pairs = list(zip(target.elts, value.elts))
-    else:
-        pairs = [(target, value)]
-    return any(isinstance(t, ast.Name) and t.id == name and (
-        isinstance(v, ast.List) and not v.elts
-        or isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "list" and not v.args)
-        for t, v in pairs)
 
 
 @dataclasses.dataclass

@@ -88,6 +88,24 @@ class Captured:
     #: in-place writes into tensors the graph made that normalization could not turn into values: the graph is
     #: not normalized further, and recognition refuses it
     writes: list[fx.Node] = dataclasses.field(default_factory=list)
+    #: the torch.func transform (vmap, grad, jvp) the graph runs its inputs under, traced inline: the graph is not
+    #: normalized, and recognition refuses it (its values are batched or wrapped)
+    transform: str | None = None
+
+
+#: functorch's wrappers of a value entering a transform's level
+_WRAPS = frozenset("_add_batch_dim _wrap_for_grad _make_dual".split())
+
+
+def _transform(gm: fx.GraphModule) -> str | None:
+    """The torch.func transform a graph runs its inputs under (``vmap(f)`` compiled over an ensemble's stacked
+    weights, ``torch.func.grad`` inside the compiled code): a functorch wrapper of a graph input. NB: torch's own
+    vmaps of intermediate values (the combines of a generic ``associative_scan``) are not that."""
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name in _WRAPS and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
+            return f"{name}({n.args[0].name})"
+    return None
 
 
 def match_recurrences(gm: fx.GraphModule, cands: Candidates | None = None) -> tuple[list[Recurrence], list[Rejection]]:
@@ -109,8 +127,9 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     """
     if normalize:  # NB: before the symbolic check: a symbolic graph is lowered from this one too
         drop_unused_float_args(gm)
-    captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm))
-    if not normalize or captured.symbolic:
+    captured = Captured(gm=gm, example_inputs=list(example_inputs), symbolic=has_symbolic_sizes(gm),
+                        transform=_transform(gm))
+    if not normalize or captured.symbolic or captured.transform:
         return captured
     floats = timed("float_args", float_args_as_tensors, gm)
     # NB: first: the passes below replace and reorder ops, which may carry a no_grad block's op out of it

@@ -23,7 +23,7 @@ from ...analysis import optable as ops
 from ...analysis.affine import Atom, Const, Expr, Prod, Quot, Select, Sum, UpdateForm
 from ...analysis.fx import example_value, hinted_shape
 from ...regions import PROVENANCE
-from .batching_losses import batch_loss
+from .batching_losses import NotBatched, batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,10 @@ class Batcher:
             # NB: a value that is the same at every step (computed from shared weights only) is copied once
             return Value(self.em(v.target, _unwrap(args), _unwrap(kwargs), method), False)
         if name in ops.BATCH_LOSSES:
-            return batch_loss(self, v, name, args, kwargs)
+            try:
+                return Value(batch_loss(self, v, name, args, kwargs), True)
+            except NotBatched as e:
+                raise Unproven(str(e)) from e
         if name in ops.BATCH_EINSUM:
             return self._einsum(v, args, kwargs)
         first = args[0] if args else None
@@ -256,9 +259,13 @@ class Batcher:
         the step axis on each per-step operand and on the output."""
         eq, operands = (args[0], list(args[1])) if len(args) == 2 and isinstance(args[1], (list, tuple)) else \
             (args[0] if args else None, list(args[1:]))
-        if kwargs or not isinstance(eq, str) or "->" not in eq:
-            raise Unproven(f"einsum {v.name} has no explicit output ('...->...') or is not einsum(eq, *operands)")
-        ins, out = eq.replace(" ", "").split("->")
+        if kwargs or not isinstance(eq, str):
+            raise Unproven(f"einsum {v.name} is not einsum(eq, *operands)")
+        eq = eq.replace(" ", "")
+        if "->" not in eq:  # NB: implicit output: "..." first, then the labels seen once, in order (A-Z, then a-z)
+            letters = [c for c in eq if c.isalpha()]
+            eq += "->" + ("..." if "..." in eq else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        ins, out = eq.split("->")
         subs = ins.split(",")
         free = next((c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in eq), None)
         if len(subs) != len(operands) or free is None:

@@ -12,33 +12,37 @@ the loop roller turns into the same) reduces over the step's own rows only. Batc
 
 and for one row per step (x [C], y []), the loss of each step's row. The mean is eager's own (a step whose targets
 are all ignored is nan in both). Not batched (:class:`.batching.Unproven`): probability targets, per-step class
-weights, a target the same at every step, the legacy ``size_average``/``reduce``, and label smoothing with class
-weights under ``mean`` (eager's denominator differs there).
+weights, a target the same at every step, and the legacy ``size_average``/``reduce``.
 """
 from __future__ import annotations
 
 import inspect
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ...analysis.fx import example_value
 
-if TYPE_CHECKING:
-    from .batching import Batcher, Value
-
-__all__ = ["LOSSES", "batch_loss"]
+__all__ = ["LOSSES", "NotBatched", "batch_loss"]
 
 #: the table's name of a loss -> the function its arguments are bound against
 LOSSES = {"cross_entropy": F.cross_entropy, "nll_loss": F.nll_loss}
 
 
-def batch_loss(b: Batcher, v: Any, name: str, args: tuple, kwargs: dict) -> Value:
-    """The per-step loss ``v`` for all steps, step axis first."""
-    from .batching import Unproven, Value
+class NotBatched(Exception):
+    """The loss has no exact batched form here; the message says why (the batching takes it as unproven)."""
 
+
+def _per_step(x: Any) -> bool:
+    return bool(getattr(x, "batched", False))
+
+
+def batch_loss(b: Any, v: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """The per-step loss ``v`` for all steps, step axis first: its node. ``b``: the :class:`.batching.Batcher`;
+    the arguments are its values (a node and whether it has the step axis first)."""
+    Unproven = NotBatched
     try:
         bound = inspect.signature(LOSSES[name]).bind(*args, **kwargs)
     except TypeError as e:
@@ -48,20 +52,18 @@ def batch_loss(b: Batcher, v: Any, name: str, args: tuple, kwargs: dict) -> Valu
     x, y, reduction = a.pop("input"), a.pop("target"), a.pop("reduction")
     if a.pop("size_average") is not None or a.pop("reduce") is not None:
         raise Unproven(f"{name} {v.name} uses the legacy size_average/reduce arguments")
-    if not (isinstance(x, Value) and x.batched and isinstance(y, Value) and y.batched):
+    if not (_per_step(x) and _per_step(y)):
         raise Unproven(f"{name} {v.name}: its input and its target are not both per-step values")
     weight, ignore = a.get("weight"), a.get("ignore_index")
     target = example_value(y.node)
     if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.is_complex():
         raise Unproven(f"{name} {v.name} has probability targets")
-    if isinstance(weight, Value) and weight.batched:
+    if _per_step(weight):
         raise Unproven(f"{name} {v.name} has per-step class weights")
     if reduction not in ("none", "sum", "mean") or not isinstance(ignore, int):
         raise Unproven(f"{name} {v.name} has reduction={reduction!r}, ignore_index={ignore!r}")
-    if reduction == "mean" and weight is not None and a.get("label_smoothing", 0.0):
-        raise Unproven(f"{name} {v.name}: a mean with label smoothing and class weights")
     em, r = b.em, x.rank()
-    rest = {k: (w.node if isinstance(w, Value) else w) for k, w in a.items()}
+    rest = {k: getattr(w, "node", w) for k, w in a.items()}
     if r == 1:  # NB: one row per step: x [T, C] and y [T] are T rows
         loss = em(LOSSES[name], (x.node, y.node), {**rest, "reduction": "none"})
     else:
@@ -71,18 +73,18 @@ def batch_loss(b: Batcher, v: Any, name: str, args: tuple, kwargs: dict) -> Valu
         flat = em(LOSSES[name], tuple(rows), {**rest, "reduction": "none"})
         loss = em(torch.movedim, (em(torch.unflatten, (flat, 0, (-1, b.T))), 1, 0))
     if reduction == "none":
-        return Value(loss, True)
+        return loss
     dims = tuple(range(1, r))
     total = em(torch.sum, (loss, dims)) if dims else loss
     if reduction == "sum":
-        return Value(total, True)
+        return total
     valid = em(operator.ne, (y.node, ignore))
     if weight is None:
         count = em("to", (valid, example_value(loss).dtype), {}, True)
     else:
         # NB: a lookup (as of token embeddings), which the time-local analysis follows; an ignored target reads row 0
-        table = em(torch.unsqueeze, (weight.node if isinstance(weight, Value) else weight, -1))
+        table = em(torch.unsqueeze, (getattr(weight, "node", weight), -1))
         picked = em(torch.squeeze, (em(F.embedding, (em(torch.where, (valid, y.node, 0)), table)), -1))
         count = em(operator.mul, (picked, valid))
     den = em(torch.sum, (count, dims)) if dims else count
-    return Value(em(operator.truediv, (total, den)), True)
+    return em(operator.truediv, (total, den))

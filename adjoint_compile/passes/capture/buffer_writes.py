@@ -56,6 +56,9 @@ def _write_dim(idx: Any, rank: int) -> tuple[int, int, bool] | None:
     """(dim, index, whether the dim is kept) of ``o[idx] = v`` when ``idx`` is full slices around one int or one
     ``t:t+1`` slice; else None."""
     items = idx if isinstance(idx, tuple) else (idx,)
+    if sum(it is Ellipsis for it in items) == 1:  # NB: o[..., t, :] = h: the ellipsis stands for full slices
+        k = items.index(Ellipsis)
+        items = items[:k] + (slice(None),) * (rank - len(items) + 1) + items[k + 1:]
     ints = [i for i, it in enumerate(items) if isinstance(it, int) and not isinstance(it, bool) or _one_step(it)]
     if len(ints) != 1 or len(items) > rank:
         return None

@@ -234,12 +234,6 @@ def _neighbourhoods(gm: fx.GraphModule, recs: list[Recurrence]) -> None:
         r.group = gid.get(id(r))
 
 
-def _transform(gm: fx.GraphModule) -> fx.Node | None:
-    """The first node that enters a torch.func transform's level (``_vmap_increment_nesting``, ...), if any."""
-    return next((n for n in gm.graph.nodes if n.op == "call_function"
-                 and getattr(n.target, "__name__", "").endswith("_increment_nesting")), None)
-
-
 def _order(recs: list[Recurrence], key: Any) -> int:
     return next(i for i, r in enumerate(recs) if id(r) == key)
 
@@ -248,10 +242,10 @@ def recognize_captured(captured: Captured, opts: Options) -> tuple[list[Region],
     """The stage's entry (``backend.py``): :func:`recognize` on a captured graph, once. Never raises: a failure is a
     rejection, and a graph capture left with in-place writes is refused whole, as is a graph that runs a torch.func
     transform."""
-    if (t := _transform(captured.gm)) is not None:
-        return [], [Rejection("graph", t.name, f"the graph runs a torch.func transform (vmap, grad or jvp, traced "
-                              f"inline: {t.target.__name__}), whose values are batched or wrapped: nothing in it "
-                              "is rewritten, and it keeps ordinary autograd")]
+    if captured.transform:
+        return [], [Rejection("graph", "<graph>", f"the graph runs its inputs under a torch.func transform (vmap, "
+                              f"grad or jvp, traced inline: {captured.transform}), whose values are batched or "
+                              "wrapped: nothing in it is rewritten, and it keeps ordinary autograd")]
     if captured.writes:
         w = captured.writes[0]
         line = source_line(w)
