@@ -264,7 +264,8 @@ class Batcher:
         eq = eq.replace(" ", "")
         if "->" not in eq:  # NB: implicit output: "..." first, then the labels seen once, in order (A-Z, then a-z)
             letters = [c for c in eq if c.isalpha()]
-            eq += "->" + ("..." if "..." in eq else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+            once = sorted(c for c in set(letters) if letters.count(c) == 1)
+            eq += "->" + ("..." if "..." in eq else "") + "".join(once)
         ins, out = eq.split("->")
         subs = ins.split(",")
         free = next((c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in eq), None)
