@@ -136,3 +136,37 @@ def test_a_weighted_mean_counts_in_fp32(how, shard):
     ours, eager = _errors(g_c, ref_grads), _errors(g_e, ref_grads)
     for n in ours:
         assert ours[n] <= 3 * eager[n] + 2e-3, (n, ours[n], eager[n])
+
+
+class _AutocastInside(nn.Module):
+    """A loop under a torch.autocast entered inside the compiled code, its readout appended per step."""
+
+    def __init__(self, d: int = 6, v: int = 11) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, v)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, ys = torch.zeros_like(x[:, 0]), []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + b[:, t]
+                ys.append(self.head(h).pow(2).mean(-1))
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("roll", [True, False])
+def test_a_loop_under_autocast_inside_the_compiled_code_keeps_its_dtype(roll):
+    """The re-rolled scan and its batched readout were placed at the graph's end, after the autocast block: they
+    ran in fp32, and the output came back fp32 where eager's is bf16 (the first-call check caught it and fell back;
+    without it the difference was silent). They are placed where the loop was."""
+    torch.manual_seed(0)
+    model = _AutocastInside()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 13, 6)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager",
+                                                          "check_forward": False, "roll_loops": roll})
+    got, want = f(x), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    rep = ac.report(f)
+    assert not rep.fallbacks and all("autocast" in r.reason for r in rep.regions), str(rep)

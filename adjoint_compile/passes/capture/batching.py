@@ -75,16 +75,19 @@ class Value:
 
 
 class Emitter:
-    """Creates nodes before the graph's output, with ``example_value`` from fake tensors and provenance.
+    """Creates nodes before ``at`` (the graph's output by default), with ``example_value`` from fake tensors and
+    provenance.
 
     Nothing it creates is used by the old graph until the caller commits, so :meth:`rollback` can erase it all.
     """
 
-    def __init__(self, gm: fx.GraphModule, prov: dict[str, Any]) -> None:
+    def __init__(self, gm: fx.GraphModule, prov: dict[str, Any], at: fx.Node | None = None) -> None:
         self.gm = gm
         self.prov = prov
         self.made: list[fx.Node] = []
-        self.out = next(n for n in gm.graph.nodes if n.op == "output")
+        # NB: where the computation it replaces was (a scan op, a loop's last state), not at the graph's end: there
+        # it runs under the same autocast and grad modes (dynamo's graph enters and leaves them by nodes)
+        self.out = at if at is not None else next(n for n in gm.graph.nodes if n.op == "output")
         self.mode = _fake_mode(gm)
 
     def __call__(self, target: Any, args: tuple = (), kwargs: dict | None = None, method: bool = False,

@@ -413,7 +413,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, entry: _Entry) -> fx.Node:
     # NB: reported as e.g. "PScan(autograd_function_apply_1)": the implementation and the call it replaced
     region = f"{entry.name.rsplit('.', 1)[-1]}({node.name})"
     prov = {"pass": "known_scans", "source": SOURCE, "region": region, "implementation": entry.name}
-    em = Emitter(gm, prov)
+    em = Emitter(gm, prov, at=node)
     H = em(scan_op(), (pos[ad.a], pos[ad.b], pos[ad.h0] if ad.h0 is not None else None, ad.dim, ad.reverse,
                        None, None))
     for u in users if tuple_out else [node]:

@@ -242,7 +242,7 @@ def _reroll_unrolled(gm: fx.GraphModule, r: Recurrence, prov: dict[str, Any]) ->
         raise _Unproven("the state has no static shape")
     why = []
     for how, build in (("batched", _unrolled_batched), ("stacked", _unrolled_stacked)):
-        em = Emitter(gm, prov)
+        em = Emitter(gm, prov, at=states[-1])
         try:
             A, B = build(gm, r, em, recipe, pos)
             H = emit_scan(em, A, B, h0, T, state, dtype)
@@ -329,7 +329,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
     T = hinted_shape(xs[0])[0]
     items = _items(node)
     carries, news, ys = phs[:n_c], results[:n_c], results[n_c:]
-    with Emitter(gm, prov) as em:  # NB: an unproven rewrite takes back every node it made
+    with Emitter(gm, prov, at=node) as em:  # NB: an unproven rewrite takes back every node it made
         depends = forward_reach(list(carries)).__contains__
         leaves = {p: Value(x, True) for p, x in zip(phs[n_c:n_c + n_x], xs)}
         leaves.update({p: Value(a, False) for p, a in zip(phs[n_c + n_x:], add)})
@@ -395,7 +395,7 @@ def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],
     decay = {xs.index(r.a) for r in recs if isinstance(r.a, fx.Node) and r.a in xs and r.b is not None}
     made: dict[int, fx.Node] = {}
     repl: dict[fx.Node, fx.Node] = {}
-    with Emitter(gm, prov) as em:
+    with Emitter(gm, prov, at=node) as em:
         for k, users in sorted(items.items()):
             out = users[0]
             state_full = hinted_shape(out)

@@ -227,7 +227,7 @@ def _unbind_rest(gm: fx.GraphModule, H: fx.Node, T: int) -> int:
     picks = {k: g for k, g in _picks(H, T).items() if g.users}
     if len(picks) < 2:
         return 0
-    em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name})
+    em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name}, at=H.next)
     if len(picks) == T:  # NB: a stack or cat of the states themselves (cat: reroll's commit handles stacks only)
         _stacks(gm, em, [picks[k] for k in range(T)], H)
         picks = {k: g for k, g in picks.items() if g.users}
@@ -253,7 +253,7 @@ def _one(gm: fx.GraphModule, H: fx.Node) -> str:
     if not st.tmpl:
         return ""  # NB: the states are used as they are (a stack of them, a cat): nothing per step to re-roll
     st.check()
-    em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name})
+    em = Emitter(gm, {"pass": "reroll_readouts", "scan": H.name}, at=H.next)
     with em:
         side_slices = set(st.slices)
         inside = st.tmpl_set | (set(st.side) - side_slices)
