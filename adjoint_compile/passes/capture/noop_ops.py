@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.fx import eliminate_dead_code, example_value, is_inplace
+from ...regions import PROVENANCE
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ def _constant_fills(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(make, (tuple(ev.shape), *fill), {"dtype": ev.dtype, "device": ev.device})
         new.meta.update(n.meta)
+        # NB: the same value as the captured graph's node of that name (passes/lower/length_generic.py reads it there)
+        new.meta[PROVENANCE] = {"pass": "noop_ops", "fill_of": n.name}
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
         done += 1

@@ -226,8 +226,11 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         names = [_region_output(low.get(a), calls) or a for a in prov.get("inputs", [])]
         prov = {**prov, "inputs": names}
         remade = {a: low[a] for a in names if a not in by_name and _remakes(low.get(a), by_name)}
+        # NB: a fill of a shape made a constant (passes/capture/noop_ops.py): the captured graph's fill is that value
+        filled = {a: f for a in names if a not in by_name and a in low
+                  and (f := low[a].meta.get(PROVENANCE, {}).get("fill_of")) in by_name}
         ends = [*names, *prov.get("outputs", [])]
-        missing = [m for m in ends if m not in by_name and m not in remade]
+        missing = [m for m in ends if m not in by_name and m not in remade and m not in filled]
         # NB: a name the captured graph gives another op (a pass made it in one graph only) is not the same value
         other = [m for m in ends if m in by_name and m in low and (
             (low[m].op, low[m].target) != (by_name[m].op, by_name[m].target) if low[m].op != "placeholder"
@@ -237,7 +240,7 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
         if missing:
             return [], f"{c}: node(s) {', '.join(missing[:3])} of the lowered region are not in the captured graph"
         # NB: a remade input stands for the value it is made from, until it is made (below)
-        inputs = [by_name[a] if a not in remade else by_name[remade[a].args[0].name] for a in names]
+        inputs = [by_name[filled.get(a, a)] if a not in remade else by_name[remade[a].args[0].name] for a in names]
         outputs = [by_name[o] for o in prov.get("outputs", [])]
         mset = _members(outputs, inputs, {by_name[m] for m in members if m in by_name})
         if isinstance(mset, str):
