@@ -1,6 +1,8 @@
 """Helpers shared by the pass-level tests (importable: pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -73,3 +75,23 @@ def generic_regions(step):
         if fn is not None:
             out += [m for m in fn.modules() if isinstance(m, LengthGenericRegion)]
     return out
+
+
+def compiled_matches_eager(model, *inputs, loss=None, options=None, tol=1e-10):
+    """``model`` (and ``loss`` of its output, when given) compiled with backend="adjoint" and run once, against a deep
+    copy of it run eagerly: the value and every parameter's gradient agree to ``tol`` (a frozen parameter has none in
+    both). Returns the compiled callable, for its report."""
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    # NB: without a loss the model itself is compiled (its own forward's loops roll through a frame around it)
+    f = torch.compile(model if loss is None else lambda *xs: loss(model(*xs)), backend="adjoint",
+                      options=options or {"shard_size": 4, "inner": "aot_eager"})
+    got, want = f(*inputs), (loss or (lambda y: y))(ref(*inputs))
+    got.backward()
+    want.backward()
+    assert (got - want).abs().max() <= tol, (got, want)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), k
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= tol, (k, (p.grad - q.grad).abs().max())
+    return f

@@ -6,13 +6,12 @@ fp64, the loop rolled (a module's forward) and unrolled (``roll_loops=False``), 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
+from helpers import compiled_matches_eager
 
 B, H, K = 2, 2, 3
 
@@ -38,17 +37,8 @@ class Retention(nn.Module):
 @pytest.mark.parametrize("T", [7, 13])
 def test_einsum_steps_are_batched_and_sharded(T, roll):
     torch.manual_seed(0)
-    model = Retention().double()
-    ref = copy.deepcopy(model)
-    x = torch.randn(B, T, H * K, dtype=torch.float64)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager", "roll_loops": roll})
-    got, want = f(x), ref(x)
-    got.backward()
-    want.backward()
-    assert abs(got - want) < 1e-12
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() < 1e-10, n
+    f = compiled_matches_eager(Retention().double(), torch.randn(B, T, H * K, dtype=torch.float64),
+                               options={"shard_size": 4, "inner": "aot_eager", "roll_loops": roll})
     rep = ac.report(f)
     assert [(r.source, r.rewrite) for r in rep.regions] == [("scan" if roll else "unrolled_loop", "adjoint")], str(rep)
     assert "einsum" not in str(rep.regions[0].details.get("readouts", "")), rep.regions[0].details

@@ -7,8 +7,6 @@ instance is not called ``self`` had its loops left unrolled. Against eager autog
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.polyfills import loops
+from helpers import compiled_matches_eager
 
 D, V, B = 6, 11, 2
 
@@ -65,18 +64,9 @@ class LM(nn.Module):
 @pytest.mark.parametrize("layer", [ZerosLike, NewZerosOwnName])
 def test_a_stack_of_loop_layers_is_one_region_from_the_lookup_to_the_loss(layer, T):
     torch.manual_seed(0)
-    model = LM(layer).double()
-    ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(T)
     ids, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
-    got, want = f(ids, y), ref(ids, y)
-    got.backward()
-    want.backward()
-    assert abs(got - want) < 1e-12
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() < 1e-10, n
+    f = compiled_matches_eager(LM(layer).double(), ids, y)
     rep = ac.report(f)
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert [(r.source, r.rewrite) for r in lin] == [("scan", "adjoint")] * 2, str(rep)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import adjoint_compile as ac
 from adjoint_compile.polyfills import loops
+from helpers import compiled_matches_eager
 
 D, V, B = 6, 11, 3
 
@@ -190,20 +191,8 @@ def _data(t: int, whole_step_ignored: bool) -> tuple[torch.Tensor, torch.Tensor]
 
 def _run(name: str, t: int, shard: int, whole_step_ignored: bool = False):
     torch.manual_seed(0)
-    model = FORMS[name]().double()
-    ref = copy.deepcopy(model)
-    ids, y = _data(t, whole_step_ignored)
-    torch._dynamo.reset()
-    f = torch.compile(model, backend="adjoint", options={"shard_size": shard, "inner": "aot_eager"})
-    got, want = f(ids, y), ref(ids, y)
-    got.backward()
-    want.backward()
-    assert torch.allclose(got, want, rtol=0, atol=1e-10), (got, want)
-    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), k
-        if q.grad is not None:
-            assert (p.grad - q.grad).abs().max() < 1e-10, (k, (p.grad - q.grad).abs().max())
-    return f
+    return compiled_matches_eager(FORMS[name]().double(), *_data(t, whole_step_ignored),
+                                  options={"shard_size": shard, "inner": "aot_eager"})
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))

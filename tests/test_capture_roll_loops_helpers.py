@@ -6,14 +6,13 @@ eager autograd in fp64, T = 7 and 13, shard size 4.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
 from adjoint_compile.polyfills import loops
+from helpers import compiled_matches_eager
 
 C, B = 5, 2
 
@@ -43,18 +42,8 @@ class TimeMix(nn.Module):
 @pytest.mark.parametrize("T", [7, 13])
 def test_a_loop_in_a_function_a_layer_calls_rolls_and_each_carry_is_sharded(T):
     torch.manual_seed(0)
-    model = nn.Sequential(TimeMix(), TimeMix()).double()
-    ref = copy.deepcopy(model)
-    x = torch.randn(B, T, C, dtype=torch.float64)
-    torch._dynamo.reset()
-    f = torch.compile(lambda x: model(x).square().mean(), backend="adjoint",
-                      options={"shard_size": 4, "inner": "aot_eager"})
-    got, want = f(x), ref(x).square().mean()
-    got.backward()
-    want.backward()
-    assert abs(got - want) < 1e-12
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() < 1e-10, n
+    f = compiled_matches_eager(nn.Sequential(TimeMix(), TimeMix()).double(), torch.randn(B, T, C, dtype=torch.float64),
+                               loss=lambda y: y.square().mean())
     assert all(r.rolled for r in loops.rolled()["wkv"])
     rows = [(r.source, r.rewrite, r.name) for r in ac.report(f).regions if r.kind == "linear_recurrence"]
     assert sorted(rows) == sorted([("scan", "adjoint", f"{s}[carry {i}]") for s in ("scan", "scan_1")

@@ -5,14 +5,13 @@ to the scan as copies; a step that makes complex values runs unrolled. Against e
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import adjoint_compile as ac
 from adjoint_compile.polyfills import loops
+from helpers import compiled_matches_eager
 
 N, B, T = 4, 2, 7
 
@@ -84,19 +83,8 @@ class MadeComplex(nn.Module):
 
 def _exact(cls: type) -> object:
     torch.manual_seed(0)
-    model = cls().double()
-    ref = copy.deepcopy(model)
-    x = torch.randn(B, T, N, dtype=torch.float64)
-    torch._dynamo.reset()
-    f = torch.compile(lambda x: model(x).square().mean(), backend="adjoint",
-                      options={"shard_size": 4, "inner": "aot_eager"})
-    got, want = f(x), ref(x).square().mean()
-    got.backward()
-    want.backward()
-    assert abs(got - want) < 1e-12, (got, want)
-    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() < 1e-10, k
-    return f
+    return compiled_matches_eager(cls().double(), torch.randn(B, T, N, dtype=torch.float64),
+                                  loss=lambda y: y.square().mean())
 
 
 @pytest.mark.parametrize("cls", [Unbound, ViewOfTheInput])
