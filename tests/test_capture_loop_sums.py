@@ -351,3 +351,14 @@ def test_a_loop_refused_for_its_instance_says_so():
     _run("Dropped", 9, 4)
     (loop,) = loops.rolled()["Dropped.forward"]
     assert not loop.rolled and "self.drop (Dropout)" in loop.reason, loop
+
+
+def test_an_unrolled_loop_that_sums_says_the_sum_is_not_a_state():
+    """Unrolled (roll_loops=False), the loop carries (h, loss) and keeps ordinary autograd: it was reported as "a
+    gated recurrence (its update is not a*h + b ...)", which h's update is. The reason says what the sum is and how
+    to write it."""
+    torch.manual_seed(0)
+    f = compiled_matches_eager(Assign().double(), *_data(13, False),
+                               options={"shard_size": 4, "inner": "aot_eager", "roll_loops": False})
+    (r,) = ac.report(f).regions
+    assert r.rewrite == "none" and "is a sum over the loop's steps" in r.reason and "list" in r.reason, r.reason

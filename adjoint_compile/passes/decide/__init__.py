@@ -141,6 +141,8 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 p = Plan("none", SEQUENCE_PARALLEL)
             elif symbolic:
                 p = Plan("none", SYMBOLIC)
+        elif r.kind == "gated_recurrence" and opts.mode != "highway" and _a_sum(r):
+            p = Plan("none", SUM_NOT_STATE.format(name=r.name))
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and (why := _highway_refusal(r)):
             p = Plan("none", p.reason.replace("mode='highway' rewrites it", f"mode='highway' would not either: {why}"))
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and _rolled_loop(r):
@@ -150,6 +152,21 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 "ac.explain(..., options={'mode': 'highway'}) tells"))
         plans.append(p)
     return plans
+
+
+#: a "gated recurrence" that is a sum over the steps of a loop left unrolled
+SUM_NOT_STATE = ("{name} is a sum over the loop's steps (c = c + e, its terms reading the loop's state), which the "
+                 "loop carries beside its state: unrolled, the two are not told apart, and both keep ordinary "
+                 "autograd. A loop that rolls (roll_loops, the default: a loop in a module's forward or a function "
+                 "it calls; adjoint_compile.polyfills.loops.rolled() says why one does not) adds up such a sum after "
+                 "the loop; else append the terms to a list and sum them after the loop")
+
+
+def _a_sum(r: Region) -> bool:
+    """Whether ``r`` is ``c = c + e`` with e reading another carried value (a loss summed in the loop)."""
+    d = getattr(r, "details", None) or {}
+    return getattr(r, "source", None) == "unrolled_loop" and str(d.get("a")) in ("1", "1.0") and \
+        "b depends on the carry" in str(d.get("gated_because", ""))
 
 
 def _rolled_loop(r: Region) -> bool:
