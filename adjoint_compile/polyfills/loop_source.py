@@ -22,7 +22,6 @@ def _following(path: list[tuple[list[ast.stmt], int, ast.AST]]) -> list[ast.stmt
     return out
 
 
-
 def _live(name: str, after: list[ast.stmt]) -> bool:
     """Whether ``name`` may be read after the loop before being assigned again (conservative)."""
     for s in after:
@@ -34,7 +33,6 @@ def _live(name: str, after: list[ast.stmt]) -> bool:
         if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
             return False
     return False
-
 
 
 def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list[ast.Call] | None:
@@ -54,7 +52,6 @@ def _stack_uses(name: str, after: list[ast.stmt], torch_names: set[str]) -> list
         if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in s.targets):
             break
     return calls
-
 
 
 def _accumulated(s: ast.stmt, body: list[ast.stmt] | None = None,
@@ -97,7 +94,6 @@ def _assigned(s: ast.stmt, name: str) -> ast.expr | None:
     if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
         return next((v for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Name) and t.id == name), None)
     return None
-
 
 
 def _made_empty(s: ast.stmt, name: str) -> bool:
