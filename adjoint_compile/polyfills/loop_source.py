@@ -98,14 +98,6 @@ def _assigned(s: ast.stmt, name: str) -> ast.expr | None:
 
 def _made_empty(s: ast.stmt, name: str) -> bool:
     """``name = []`` / ``list()``, or one of ``a, name = [], []``."""
-    if not (isinstance(s, ast.Assign) and len(s.targets) == 1):
-        return False
-    target, value = s.targets[0], s.value
-    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
-        pairs = list(zip(target.elts, value.elts))
-    else:
-        pairs = [(target, value)]
-    return any(isinstance(t, ast.Name) and t.id == name and (
-        isinstance(v, ast.List) and not v.elts
-        or isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "list" and not v.args)
-        for t, v in pairs)
+    v = _assigned(s, name)
+    return isinstance(v, ast.List) and not v.elts or \
+        isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "list" and not v.args

@@ -9,7 +9,7 @@ source of the function that holds it, ahead of dynamo. Before and after::
     hs = []                                   hs = []
     for t in range(x.shape[1]):               _r = range(x.shape[1])
         h = a[:, t] * h + b[:, t]             if loop_runtime.ok(_r, (a, b), (1, 1), (a, b)):
-        hs.append(h)                              def _step(_c, _x):
+        hs.append(h)                              def _step(_c, _x, _i):
     y = torch.stack(hs, 1)                            (h,) = _c
                                                       (_x0, _x1) = _x
                                                       h = _x0 * h + _x1
@@ -195,16 +195,6 @@ def _stmt_stores(s: ast.stmt) -> set[str]:
             if isinstance(n, ast.Name):
                 out.add(n.id)
     return out
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclasses.dataclass
