@@ -11,7 +11,7 @@ the loop roller turns into the same) reduces over the step's own rows only. Batc
     reduction "mean":  that sum / (Σ weight[y] or the count, over targets not ignore_index)   # [T]
 
 and for one row per step (x [C], y []), the loss of each step's row. The mean is eager's own (a step whose targets
-are all ignored is nan in both). Not batched (:class:`.batching.Unproven`): probability targets, per-step class
+are all ignored is nan in both). Not batched (:class:`NotBatched`, unproven to the batching): probability targets, per-step class
 weights, a target the same at every step, and the legacy ``size_average``/``reduce``.
 """
 from __future__ import annotations
@@ -42,26 +42,25 @@ def _per_step(x: Any) -> bool:
 def batch_loss(b: Any, v: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """The per-step loss ``v`` for all steps, step axis first: its node. ``b``: the :class:`.batching.Batcher`;
     the arguments are its values (a node and whether it has the step axis first)."""
-    Unproven = NotBatched
     try:
         bound = inspect.signature(LOSSES[name]).bind(*args, **kwargs)
     except TypeError as e:
-        raise Unproven(f"{name} {v.name}: {e}") from e
+        raise NotBatched(f"{name} {v.name}: {e}") from e
     bound.apply_defaults()
     a = dict(bound.arguments)
     x, y, reduction = a.pop("input"), a.pop("target"), a.pop("reduction")
     if a.pop("size_average") is not None or a.pop("reduce") is not None:
-        raise Unproven(f"{name} {v.name} uses the legacy size_average/reduce arguments")
+        raise NotBatched(f"{name} {v.name} uses the legacy size_average/reduce arguments")
     if not (_per_step(x) and _per_step(y)):
-        raise Unproven(f"{name} {v.name}: its input and its target are not both per-step values")
+        raise NotBatched(f"{name} {v.name}: its input and its target are not both per-step values")
     weight, ignore = a.get("weight"), a.get("ignore_index")
     target = example_value(y.node)
     if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.is_complex():
-        raise Unproven(f"{name} {v.name} has probability targets")
+        raise NotBatched(f"{name} {v.name} has probability targets")
     if _per_step(weight):
-        raise Unproven(f"{name} {v.name} has per-step class weights")
+        raise NotBatched(f"{name} {v.name} has per-step class weights")
     if reduction not in ("none", "sum", "mean") or not isinstance(ignore, int):
-        raise Unproven(f"{name} {v.name} has reduction={reduction!r}, ignore_index={ignore!r}")
+        raise NotBatched(f"{name} {v.name} has reduction={reduction!r}, ignore_index={ignore!r}")
     em, r = b.em, x.rank()
     rest = {k: getattr(w, "node", w) for k, w in a.items()}
     if r == 1:  # NB: one row per step: x [T, C] and y [T] are T rows

@@ -75,13 +75,14 @@ def buffer_write(u: fx.Node, buf: fx.Node) -> tuple[fx.Node, Any, Any] | None:
     only use); else None."""
     if u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf:
         return (u, u.args[1], u.args[2]) if len(u.args) == 3 and not u.kwargs else (u, None, None)
-    view = u.op == "call_function" and u.target is operator.getitem
-    if _select(u) is not None:
-        d, t = _select(u)
-        view, u_idx = True, (slice(None),) * d + (t,)
+    sel = _select(u)
+    if sel is not None:
+        u_idx = (slice(None),) * sel[0] + (sel[1],)
+    elif u.op == "call_function" and u.target is operator.getitem:
+        u_idx = u.args[1]
     else:
-        u_idx = u.args[1] if view else None
-    if view and len(u.users) == 1:
+        return None
+    if u.args[0] is buf and len(u.users) == 1:
         c = next(iter(u.users))
         if c.op == "call_method" and c.target == "copy_" and c.args[0] is u:
             return (c, u_idx, c.args[1]) if len(c.args) == 2 and not c.kwargs else (c, None, None)

@@ -128,11 +128,10 @@ def _constant_fills(gm: fx.GraphModule) -> int:
                 not all(isinstance(d, int) for d in ev.shape):
             continue
         fill = ()
-        if make is torch.full:
-            value = n.args[-1] if len(n.args) >= 2 else n.kwargs.get("fill_value")
-            if not isinstance(value, (int, float, bool)) or len(n.args) < 2:
+        if make is torch.full:  # NB: full_like(x, v) and x.new_full(size, v): the value is the last argument
+            if len(n.args) < 2 or not isinstance(n.args[-1], (int, float, bool)):
                 continue
-            fill = (value,)
+            fill = (n.args[-1],)
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(make, (tuple(ev.shape), *fill), {"dtype": ev.dtype, "device": ev.device})
         new.meta.update(n.meta)
