@@ -199,12 +199,11 @@ def _run(name: str, t: int, shard: int, whole_step_ignored: bool = False):
 def test_a_loop_that_sums_each_step_is_sharded_exactly(name):
     f = _run(name, 13, 4)
     rep = ac.report(f)
-    # NB: SumOverCount's count is an integer per step, which torch's scan cannot differentiate past: that loop runs
-    # unrolled, and is re-rolled from the graph
-    source = "unrolled_loop" if name == "SumOverCount" else "scan"
-    assert [(r.source, r.rewrite) for r in rep.regions] == [(source, "adjoint")], str(rep)
-    if name in LOSSES - {"SumOverCount"}:
+    assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")], str(rep)
+    if name in LOSSES:
         assert rep.regions[0].details.get("sums_over_time"), str(rep)  # the head and the loss are in the region
+    if name == "SumOverCount":  # NB: the count of valid targets too: an integer per step, batched like the loss
+        assert len(rep.regions[0].details["sums_over_time"]) == 2, str(rep)
     (loop,) = loops.rolled()[f"{name}.{'run' if name == 'StaticLoop' else 'forward'}"]
     if name != "Collected":
         assert loop.rolled and "; sums " in loop.reason, loop
@@ -276,21 +275,48 @@ class CountsToo(nn.Module):
         return torch.stack(hs, 1).square().mean(), torch.stack(n)
 
 
-def test_a_loop_that_also_collects_integers_runs():
+class IntegersOfEveryWidth(nn.Module):
+    """Integers per step of each dtype: a bool, an int32 and int64 values far past 2**53 of both signs (an argmax
+    offset by +-2**62), which a float64 alone would round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, hs, big, low, flags, mids = torch.zeros_like(x[:, 0]), [], [], [], [], []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+            big.append(h.argmax(-1) + (2 ** 62 + 12345))
+            low.append(-(2 ** 62) - 3 * h.argmin(dim=1))
+            flags.append(h[:, 0] > h[:, 1])
+            mids.append((h > 0).int().sum(-1, dtype=torch.int32))
+        return torch.stack(hs, 1).square().mean(), torch.stack(big), torch.stack(low), torch.stack(flags), \
+            torch.stack(mids)
+
+
+@pytest.mark.parametrize("model", [CountsToo, IntegersOfEveryWidth])
+def test_a_loop_that_also_collects_integers_is_sharded_exactly(model):
     """An integer per step (a count, an argmax) made torch's scan fail to trace its autograd ("outs_to_grad length
-    != tangents length"): the compile raised. Such a loop runs unrolled, and its recurrence is re-rolled."""
+    != tangents length"). The rolled step now gives them to scan as float64 (an int64 as two halves), exactly: the
+    integers equal eager's bit for bit and the region is the rolled scan."""
     torch.manual_seed(0)
-    model = CountsToo().double()
+    model = model().double()
     ref = copy.deepcopy(model)
     x = torch.randn(B, 9, D, dtype=torch.float64)
     f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
-    (got, n), (want, m) = f(x), ref(x)
-    assert torch.equal(n, m) and abs(got - want) < 1e-12
+    (got, *ints), (want, *expected) = f(x), ref(x)
+    for n, m in zip(ints, expected):
+        assert n.dtype == m.dtype and torch.equal(n, m), (n, m)
+    assert abs(got - want) < 1e-12
     got.backward()
     want.backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max() < 1e-10
-    assert [r.rewrite for r in ac.report(f).regions] == ["adjoint"], str(ac.report(f))
+    rep = ac.report(f)
+    assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")], str(rep)
 
 
 class SumsOnly(_Base):

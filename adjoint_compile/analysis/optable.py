@@ -117,13 +117,14 @@ INPLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "relu
 BATCH_POINTWISE = _names("""add sub rsub mul div truediv true_divide floordiv neg pos clone contiguous sigmoid tanh exp
 exp2 expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min
 clamp_max elu leaky_relu logsigmoid mish softsign hardtanh where maximum minimum float double half bfloat16 to type_as
-sign erf lerp real imag complex polar conj conj_physical angle resolve_conj resolve_neg""")
+sign erf lerp real imag complex polar conj conj_physical angle resolve_conj resolve_neg eq ne lt le gt ge logical_and
+logical_or logical_not logical_xor long int bool mod remainder""")
 #: basic indexing (ints, slices, None, ``...``): a leading full slice keeps the step axis.
 BATCH_INDEX = _names("getitem")
 #: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.
 BATCH_DIM_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
     "softmax": ((1, "dim"),), "log_softmax": ((1, "dim"),), "sum": ((1, "dim"),), "mean": ((1, "dim"),),
-    "amax": ((1, "dim"),), "amin": ((1, "dim"),), "logsumexp": ((1, "dim"),), "cumsum": ((1, "dim"),),
+    "amax": ((1, "dim"),), "amin": ((1, "dim"),), "argmax": ((1, "dim"),), "argmin": ((1, "dim"),), "logsumexp": ((1, "dim"),), "cumsum": ((1, "dim"),),
     "unsqueeze": ((1, "dim"),), "squeeze": ((1, "dim"),), "transpose": ((1, "dim0"), (2, "dim1")),
 }
 BATCH_VIEWS = _names("view reshape")

@@ -59,9 +59,48 @@ def _tensors(*groups: tuple[Any, ...]) -> bool:
 
 
 def _floating(*groups: tuple[Any, ...]) -> bool:
-    # NB: scan's autograd fails on an integer carry or output (a count or an argmax per step: "outs_to_grad length
-    # != tangents length", torch 2.13); such a loop runs as written
+    # NB: scan's autograd fails on an integer carry ("outs_to_grad length != tangents length", torch 2.13); such a
+    # loop runs as written. Integer outputs reach scan as floats (:func:`_as_floats`)
     return all(v.is_floating_point() for g in groups for v in g)
+
+
+#: integer dtypes whose every value a float64 holds exactly; an int64 goes as two of them (:func:`_as_floats`)
+_EXACT_IN_F64 = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32)
+_HALF = 2 ** 32
+
+
+def _codes(ys: tuple[torch.Tensor, ...]) -> tuple[torch.dtype | None, ...] | None:
+    """Per output, the integer dtype it is carried through scan as floats, None for a floating one; None when an
+    output's dtype has no exact float form."""
+    codes = tuple(None if v.is_floating_point() else v.dtype for v in ys)
+    return codes if all(k is None or k in _EXACT_IN_F64 or k == torch.int64 for k in codes) else None
+
+
+def _as_floats(step: Callable[..., Any], codes: tuple[torch.dtype | None, ...]) -> Callable[..., Any]:
+    """The step with its integer outputs as float64, exactly: a count or an argmax per step (``n = n + (y_t !=
+    -100).sum()``). Scan's autograd fails on integer outputs (torch 2.13). An int64 ``v`` goes as ``v // 2**32``
+    and ``v % 2**32``, each exact in float64 whatever ``v`` is (:func:`_as_ints` joins them)."""
+    def body(c: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        c2, y = step(c, x)
+        out: list[torch.Tensor] = []
+        for v, k in zip(y, codes):
+            if k == torch.int64:
+                out += [(v // _HALF).to(torch.float64), (v % _HALF).to(torch.float64)]
+            else:
+                out.append(v if k is None else v.to(torch.float64))
+        return c2, tuple(out)
+    return body
+
+
+def _as_ints(ys: tuple[torch.Tensor, ...], codes: tuple[torch.dtype | None, ...]) -> tuple[torch.Tensor, ...]:
+    """Scan's stacked outputs in the step's own dtypes (:func:`_as_floats` undone)."""
+    out, it = [], iter(ys)
+    for k in codes:
+        v = next(it)
+        if k == torch.int64:
+            v = v.to(torch.int64) * _HALF + next(it).to(torch.int64)
+        out.append(v if k is None else v.to(k))
+    return tuple(out)
 
 
 def _same_meta(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -102,7 +141,8 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
     c1, y0 = step(carry, tuple(x[0] for x in seq))
     c2, y1 = step(c1, tuple(x[1] for x in seq))
     # NB: a loop without carries (it only sums or collects per-step values) runs as written: scan needs a carry
-    if not (carry and _tensors(c1, c2, y0, y1, seq) and _floating(c1, y0) and _same_meta(c1, c2)
+    codes = _codes(y0) if _tensors(y0) else None
+    if not (carry and _tensors(c1, c2, y0, y1, seq) and _floating(c1) and codes is not None and _same_meta(c1, c2)
             and _same_meta(y0, y1)):
         lists = tuple([a, b] for a, b in zip(y0, y1))
         c = c2
@@ -111,7 +151,7 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
             for acc, v in zip(lists, y):
                 acc.append(v)
         return c, lists
-    body = _fresh(step)
+    body = _fresh(_as_floats(step, codes))
     # NB: the carries go through the same clone as scan's own, so their strides are those scan compares
     c2 = _carried(c2)
     if _tensors(carry):
@@ -119,8 +159,10 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
         if _same_meta(c0, c2):
             # NB: the peeled steps only proved the metadata; scan all n steps, so the outputs are scan's own (the
             # peeled ones are dead code)
-            return scan(body, c0, seq)
+            c, ys = scan(body, c0, seq)
+            return c, _as_ints(ys, codes)
     c, ys = scan(body, c2, tuple(x[2:] for x in seq))
+    ys = _as_ints(ys, codes)
     return c, tuple(torch.cat([a.unsqueeze(0), b.unsqueeze(0), rest]) for a, b, rest in zip(y0, y1, ys))
 
 
