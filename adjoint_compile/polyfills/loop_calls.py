@@ -58,6 +58,13 @@ def _root(e: ast.expr) -> str | None:
     return e.id if isinstance(e, ast.Name) else None
 
 
+def _const_int(e: ast.expr) -> int | None:
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        i = _const_int(e.operand)
+        return None if i is None else -i
+    return e.value if isinstance(e, ast.Constant) and type(e.value) is int else None
+
+
 def _attr_path(e: ast.expr) -> tuple[str, ...] | None:
     parts: list[str] = []
     while isinstance(e, ast.Attribute):
@@ -82,7 +89,7 @@ class _Fn:
     fn: types.FunctionType
     params: set[str]
     locals_: set[str]            # every name the function assigns or binds
-    module_calls: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # self.attr(...) paths
+    module_calls: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)  # self.attr(...), self.l[0](...)
     self_name: str = "self"      # what a method calls its instance (``s`` in ``def forward(s, x)``)
 
 
@@ -95,6 +102,13 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
         if not isinstance(c, ast.Call):
             continue
         fn = c.func
+        if isinstance(fn, ast.Subscript):
+            # NB: a layer of the instance's ModuleList picked by a number (``self.cells[0](x)``), checked as a module
+            path, i = _attr_path(fn.value), _const_int(fn.slice)
+            if path is None or path[0] != f.self_name or len(path) < 2 or i is None:
+                raise _Reject("a call of a computed callable")
+            f.module_calls.add((*path[1:], i))
+            continue
         name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
         if name is None:
             raise _Reject("a call of a computed callable")
@@ -185,6 +199,10 @@ def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
     obj: Any = owner
     prev: Any = None
     for a in path:
+        if isinstance(a, int):  # NB: ``self.cells[0]``: an item of a ModuleList or Sequential
+            ok = isinstance(obj, (nn.ModuleList, nn.Sequential)) and -len(obj) <= a < len(obj)
+            prev, obj = obj, obj[a] if ok else None
+            continue
         prev, obj = obj, getattr(obj, a, None)
     if isinstance(prev, torch.Tensor):
         return True

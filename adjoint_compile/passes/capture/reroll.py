@@ -53,6 +53,7 @@ from ...analysis.affine import classify_update
 from ...analysis.fx import eliminate_dead_code, example_value, hinted_shape, is_copy
 from ...analysis.fx import reachable as forward_reach, stable_toposort as _toposort
 from ...regions import PROVENANCE, LoopRecipe, PerStepSlice, Recurrence, Region
+from ..match.find_recurrences import classify_carries
 from .batching import Batcher, Emitter, Value, batch_op, coefficients, emit_expr, emit_scan, full_steps, initial_state
 from .batching import Unproven as _Unproven
 from .batching import scan_op as _scan_op
@@ -330,40 +331,35 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
     items = _items(node)
     carries, news, ys = phs[:n_c], results[:n_c], results[n_c:]
     with Emitter(gm, prov, at=node) as em:  # NB: an unproven rewrite takes back every node it made
-        depends = forward_reach(list(carries)).__contains__
         leaves = {p: Value(x, True) for p, x in zip(phs[n_c:n_c + n_x], xs)}
         leaves.update({p: Value(a, False) for p, a in zip(phs[n_c + n_x:], add)})
         in_sub = {n for n in sub.graph.nodes if n.op in ("call_function", "call_method")}
         b = Batcher(em, T, leaves, in_sub.__contains__, lambda v: False)
-        Hs: list[fx.Node] = []
-        for i in range(n_c):
-            new = news[i]
-            if not isinstance(new, fx.Node):
-                raise _Unproven(f"new carry {i} is not a graph value")
-            form = classify_update(new, carries[i], depends)
+        Hs: dict[int, fx.Node] = {}
+        # NB: in the order the carries solve in (a stacked carry's a and b read the states of those before it)
+        for i, form in classify_carries(carries, news).items():
             if form.kind != "linear":
                 raise _Unproven(f"carry {i}: {form.reason or form.kind}")
             state = hinted_shape(init[i])
             if state is None:
                 raise _Unproven(f"carry {i} has no static shape")
             A_full, B_full = coefficients(b, form, state)
-            Hs.append(emit_scan(em, A_full, B_full, init[i], T, state, example_value(init[i]).dtype))
-        # the step's outputs, now with the states known for all steps: new state i -> H_i, carry i -> [h0, H_i[:-1]]
-        b.memo.update({news[i]: Value(Hs[i], True) for i in range(n_c)})
-        # NB: and the value a new state copies (the loop roller returns clones of one h as the carry and as the
-        # appended output): read from H_i too, not recomputed from [h0, H_i[:-1]] as one more step outside the
-        # scan, which under the truncated adjoint would widen every window by that step
-        for i in range(n_c):
+            Hs[i] = emit_scan(em, A_full, B_full, init[i], T, state, example_value(init[i]).dtype)
+            # the states known for all steps: new state i -> H_i, carry i -> [h0, H_i[:-1]] (dead code if unread)
+            b.memo[news[i]] = Value(Hs[i], True)
+            # NB: and the value a new state copies (the loop roller returns clones of one h as the carry and as the
+            # appended output): read from H_i too, not recomputed from [h0, H_i[:-1]] as one more step outside the
+            # scan, which under the truncated adjoint would widen every window by that step
             src = news[i]
             while is_copy(src) and isinstance(src.args[0], fx.Node) and src.args[0] not in b.memo:
                 src = src.args[0]
                 b.memo[src] = Value(Hs[i], True)
-        for i in range(n_c):
-            if carries[i] not in b.memo and any(k - n_c >= 0 for k in items):
-                prev = em(torch.cat, ([em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0)),
-                                       em(torch.narrow, (Hs[i], 0, 0, T - 1))], 0)) if T > 1 else \
-                    em(torch.unsqueeze, (initial_state(em, init[i], hinted_shape(init[i])), 0))
-                b.memo[carries[i]] = Value(prev, True)
+            if carries[i] not in b.memo:
+                h0 = em(torch.unsqueeze, (initial_state(em, init[i], state), 0))
+                b.memo[carries[i]] = Value(em(torch.cat, ([h0, em(torch.narrow, (Hs[i], 0, 0, T - 1))], 0))
+                                           if T > 1 else h0, True)
+        if len(Hs) < n_c:
+            raise _Unproven(f"new carry {min(set(range(n_c)) - set(Hs))} is not a graph value")
         repl: dict[fx.Node, fx.Node] = {}
         for k, users in items.items():
             if k < n_c:
@@ -379,7 +375,7 @@ def _reroll_scan(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence], prov
             repl.update({u: v.node for u in users})
     for u, n in repl.items():
         u.replace_all_uses_with(n)
-    return Hs
+    return [Hs[i] for i in range(n_c)]
 
 
 def _reroll_assoc(gm: fx.GraphModule, node: fx.Node, recs: list[Recurrence],

@@ -37,7 +37,7 @@ from .find_scan_forms import ScanForm, find_scan_forms
 log = logging.getLogger(__name__)
 
 __all__ = ["is_linear_scan", "is_scan_hop", "is_associative_scan_hop", "match_linear_scan", "match_scan",
-           "match_associative_scan", "find_recurrences"]
+           "match_associative_scan", "classify_carries", "find_recurrences"]
 
 #: capture forms that the reroll pass (or the scan_forms pass) turns into a linear_scan (in the node's provenance).
 _REROLLED = ("scan", "associative_scan", "unrolled_loop", "log_space_scan", "cumprod_scan")
@@ -154,8 +154,7 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
     carries = phs[:n_c]
     news = results[:n_c]
     ys = results[n_c:]
-    reach = forward_reach(list(carries))
-    depends = reach.__contains__
+    forms = classify_carries(carries, news)
     length = None
     if xs and hinted_shape(xs[0]):
         length = hinted_shape(xs[0])[0]
@@ -170,7 +169,7 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
         if not isinstance(new, fx.Node):
             rejections.append(Rejection("recurrence", label, f"new carry {i} is not a graph value"))
             continue
-        form = classify_update(new, carry, depends)
+        form = forms[i]
         if form.kind == "general":
             rejections.append(Rejection("recurrence", label, form.reason))
             continue
@@ -188,6 +187,27 @@ def match_scan(node: fx.Node, gm: fx.GraphModule) -> tuple[list[Recurrence], lis
             r.details["captured_by"] = origin
         regions.append(r)
     return regions, rejections
+
+
+def classify_carries(carries: list[fx.Node], news: list[Any]) -> dict[int, UpdateForm]:
+    """Each carry's update form (by carry index), the linear ones first in an order they can be solved in: a carry
+    is linear when its a and b are free of the carries not solved before it (their old and new values). A stack of
+    recurrences stepped together, ``h1 = a1(x_t) * h1 + b1(x_t); h2 = a2(h1) * h2 + b2(h1)``, is then two linear
+    recurrences, h2's a and b read from h1's states once h1 is solved. An LSTM's c and h read each other: neither is
+    solved, and each is classified against every carry (a gated or a general update)."""
+    left = [i for i, n in enumerate(news) if isinstance(n, fx.Node)]
+    forms: dict[int, UpdateForm] = {}
+    while left:
+        depends = forward_reach([carries[i] for i in left]).__contains__
+        solved = [(i, classify_update(news[i], carries[i], depends)) for i in left]
+        i, form = next(((i, f) for i, f in solved if f.kind == "linear"), (None, None))
+        if form is None:
+            break
+        forms[i] = form
+        left.remove(i)
+    depends = forward_reach(list(carries)).__contains__
+    forms.update({i: classify_update(news[i], carries[i], depends) for i in left})
+    return forms
 
 
 def _record(form: UpdateForm, source: str, length: int | None, node: fx.Node, label: str, carry: fx.Node | None,
