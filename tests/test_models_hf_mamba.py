@@ -1,6 +1,7 @@
 """transformers' MambaForCausalLM under backend="adjoint": its selective scan (per-step loop, or associative_scan
 under torch.compile) is captured as one linear_scan by the polyfill (adjoint_compile/polyfills/hf_mamba.py),
-sharded, and its gradients equal eager autograd's; the same for Mamba2ForCausalLM's chunked SSD path
+sharded, and its gradients equal eager autograd's (FalconMambaForCausalLM's copy of it too); the same for
+Mamba2ForCausalLM's chunked SSD path
 (polyfills/hf_mamba2.py). Tiny configs, no weights downloaded."""
 from __future__ import annotations
 
@@ -76,6 +77,31 @@ def test_exact_gradients(inner, shard, T, assoc):
     lin = [r for r in rep.regions if r.kind == "linear_recurrence"]
     assert len(lin) == 2 and all(r.rewrite == "adjoint" and CAPTURED in r.reason for r in lin), str(rep)
     assert all(r.details["shard_size"] == shard for r in lin)
+    assert _rel(got_out, want_out) <= 1e-5
+    assert want.keys() == got.keys() and len(want) == len(list(model.parameters()))
+    errs = {n: _rel(got[n], want[n]) for n in want}
+    assert max(errs.values()) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("shard,T,assoc", [(5, 29, False), (1, 16, True)])
+def test_falcon_mamba_shares_the_polyfill(shard, T, assoc):
+    """FalconMambaForCausalLM carries its own copy of ``mamba_selective_scan``: it is registered and checked on its
+    own, and its scans are sharded with eager's gradients (before, nothing in it was recognized)."""
+    from transformers.models.falcon_mamba import modeling_falcon_mamba
+    assert polyfills.install()[modeling_falcon_mamba.__name__].startswith("registered")
+    torch.manual_seed(0)
+    model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(
+        vocab_size=32, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+        use_associative_scan=assoc))
+    ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(T))
+    want_out, want = _grads(model, lambda i: model(i).logits, ids)
+    torch._dynamo.reset()
+    f = torch.compile(lambda i: model(i).logits, backend="adjoint", options={"inner": "aot_eager", "shard_size": shard})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got_out, got = _grads(model, f, ids)
+    lin = [r for r in ac.report(f).regions if r.kind == "linear_recurrence"]
+    assert len(lin) == 2 and all(r.rewrite == "adjoint" and CAPTURED in r.reason for r in lin), str(ac.report(f))
     assert _rel(got_out, want_out) <= 1e-5
     assert want.keys() == got.keys() and len(want) == len(list(model.parameters()))
     errs = {n: _rel(got[n], want[n]) for n in want}
