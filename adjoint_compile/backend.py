@@ -39,6 +39,7 @@ from .passes import decide
 from .passes.capture import Captured, capture
 from .passes.capture.known_scans import has_known_scans
 from .passes.capture.buffer_writes import has_buffer_writes
+from .passes.match.find_generic_scan import has_generic_scans
 from .passes.lower import lower, lower_sequence_parallel, lowered_calls
 from .passes.lower.per_sample import PerSampleLowering, lower_per_sample
 from .passes.stitch import stitch, stitch_partitions
@@ -242,8 +243,9 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
     # per call signature like one with regions to shard
     # NB: and one calling a library's scan, which only a specialization's capture replaces (mambapy's PScan)
     # NB: and one writing a loop's steps into a buffer, which only a specialization's capture stacks
+    # NB: and a generic-mode associative_scan, whose tree only a specialization's sizes can be read in
     symbolic = captured.symbolic and (any(p.rewrite != "none" for p in plans) or opts.per_sample_clip is not None
-                                      or has_known_scans(gm) or has_buffer_writes(gm))
+                                      or has_known_scans(gm) or has_buffer_writes(gm) or has_generic_scans(gm))
     if symbolic:  # NB: sharded per call signature once specialized; this graph only says so
         plans = decide.plan(regions, opts, symbolic=True)
     outcomes = (timed("lower", lower, captured, regions, plans, opts) if regions and not captured.symbolic

@@ -771,3 +771,40 @@ def test_a_later_lengths_memory_figures_are_explains_at_that_length(wide):
                    .regions if r.rewrite != "none"]
         assert got[T] == want, (T, got[T], want)
         assert want["autograd"] >= _saved_bytes(model, x, loss), (T, want)
+
+
+def _generic_scan_loss(a, b):
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def combine(x, y):
+        return x[0] * y[0], y[0] * x[1] + y[1]
+
+    _, h = associative_scan(combine, (a, b), dim=0, combine_mode="generic")
+    return h.square().sum()
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_a_generic_associative_scan_is_rewritten_at_every_length(dynamic):
+    """torch's ``associative_scan`` in generic mode (the CPU path) is dynamo's unrolled tree of vmapped combines,
+    read by running its data movement on the call's length. With symbolic sizes the graph is now specialized to each
+    call's length and read there. Before, only the first length was rewritten: the symbolic graph's matcher raised
+    (a slice end that is a graph node), the specialization dropped the vmaps' enter and exit nodes as dead code, and
+    the memory saving was gone from the second length on."""
+    torch._dynamo.reset()
+    step = torch.compile(_generic_scan_loss, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"},
+                         dynamic=dynamic)
+    for T in (23, 31, 17):
+        g = torch.Generator().manual_seed(T)
+        a = torch.rand(T, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(T, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AdjointCompileWarning)
+            got = torch.autograd.grad(step(a, b), (a, b))
+        want = torch.autograd.grad(_generic_scan_loss(a, b), (a, b))
+        for x, y in zip(got, want):
+            assert (x - y).abs().max() < 1e-10
+        assert torch._C._functorch.maybe_current_level() is None  # NB: no vmap left entered by a failed pass
+    rep = ac.report(step)
+    assert [(r.source, r.rewrite, r.length) for r in rep.regions] == [
+        ("associative_scan", "adjoint", T) for T in (23, 31, 17)], str(rep)
+    assert not rep.rejections and not rep.fallbacks, str(rep)

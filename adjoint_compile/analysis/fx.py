@@ -76,7 +76,7 @@ def is_inplace(n: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_") and getattr(t, "__module__", None) not in ("operator", "_operator")
 
 
-def eliminate_dead_code(graph: fx.Graph) -> bool:
+def eliminate_dead_code(graph: fx.Graph, keep: Callable[[fx.Node], bool] = lambda n: False) -> bool:
     """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`is_inplace`), on this graph only.
 
     NB: FX's own rule keeps only impure *functions*; on dynamo's torch-level graph a ``buf[j].copy_(h)`` is a
@@ -89,10 +89,30 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
     changed = False
     for n in reversed(graph.nodes):
         if not n.users and n.op not in ("placeholder", "output") and not (n.is_impure() or is_inplace(n) or
-                                                                          registers_hook(n)):
+                                                                          registers_hook(n) or _nesting(n)
+                                                                          or keep(n)):
             graph.erase_node(n)
             changed = True
     return changed
+
+
+def _nesting(n: fx.Node, names: tuple[str, ...] = ("_vmap_increment_nesting", "_vmap_decrement_nesting")) -> bool:
+    """A vmap's enter or exit (generic associative_scan's combines): FX does not count them impure, but a specialized
+    graph folds the level they return into its users, and without them the vmap would not be entered."""
+    return n.op == "call_function" and getattr(n.target, "__name__", "") in names and \
+        "functorch" in getattr(n.target, "__module__", "")
+
+
+def in_vmaps(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes between a vmap's enter and its exit, as dynamo lays them out (in graph order)."""
+    inside: set[fx.Node] = set()
+    depth = 0
+    for n in graph.nodes:
+        depth -= _nesting(n, ("_vmap_decrement_nesting",))
+        if depth > 0:
+            inside.add(n)
+        depth += _nesting(n, ("_vmap_increment_nesting",))
+    return inside
 
 
 #: ops whose result may share storage with their first argument (a write into it reaches the argument)

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ...analysis.fx import eliminate_dead_code
+from ...analysis.fx import eliminate_dead_code, in_vmaps
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ class _Propagate(FakeTensorProp):
             # no_grad block pass reads it: a buffer written under no_grad kept the step's graph)
             flags = [getattr(x, "requires_grad", False) for x in pytree.tree_leaves(result)]
             vals = pytree.tree_leaves(n.meta.get("val"))
-            if any(flags) and len(vals) == len(flags):
+            # NB: not inside a vmap (a generic associative_scan's combines): functorch refuses requires_grad_ there
+            if any(flags) and len(vals) == len(flags) and torch._C._functorch.maybe_current_level() is None:
                 for v, f in zip(vals, flags):
                     if f and isinstance(v, torch.Tensor) and v.is_leaf and not v.requires_grad:
                         v.requires_grad_(True)
@@ -219,7 +220,13 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = 
             new.graph.erase_node(item)
     reads = _sizes_read(new)
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
+    level = torch._C._functorch.maybe_current_level()
+    try:
+        _Propagate(new, mode).propagate_dont_convert_inputs(*fakes)
+    finally:
+        # NB: a failure between a vmap's increment and decrement nodes would leave the process inside that vmap
+        while (torch._C._functorch.maybe_current_level() or 0) > (level or 0):
+            torch._C._functorch._vmap_decrement_nesting()
     for n, a in zip([n for n in new.graph.nodes if n.op == "placeholder"], args):
         v = n.meta.get("val")
         if isinstance(a, torch.nn.Parameter) and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
@@ -239,7 +246,8 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], values: Sequence[int] = 
                 user.meta["sizes_read"] = user.meta.get("sizes_read", frozenset()) | reads[n]
         folded += 1
     items = _scalar_items_as_tensors(new.graph)
-    eliminate_dead_code(new.graph)
+    # NB: a vmap's body stays whole, dead outputs too: generic associative_scan's tree is read by its vmapped blocks
+    eliminate_dead_code(new.graph, in_vmaps(new.graph).__contains__)
     new.graph.lint()
     new.recompile()
     sizes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]

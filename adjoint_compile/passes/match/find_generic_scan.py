@@ -33,7 +33,7 @@ from ...analysis.optable import fn_name, op_name
 from ...regions import Rejection
 from .find_scan_forms import ScanForm
 
-__all__ = ["find_generic_scans"]
+__all__ = ["find_generic_scans", "has_generic_scans"]
 
 _P = torch._functorch.predispatch
 _INC, _DEC = _P._vmap_increment_nesting, _P._vmap_decrement_nesting
@@ -113,6 +113,10 @@ def _run(n: fx.Node, env: dict, lead: dict) -> torch.Tensor:
     name, args = _name(n), n.args
     val = lambda v: env[v] if isinstance(v, fx.Node) else v  # noqa: E731
     kw = {k: val(v) for k, v in n.kwargs.items()}
+    if name in ("slice", "pad", "flatten") and any(isinstance(v, fx.Node) for v in (*_flat(args[1:]),
+                                                                                    *n.kwargs.values())):
+        # NB: a size dynamo holds symbolic (a graph for every length): the codes cannot be moved by it
+        raise _Miss(f"{n.name} ({name}) moves data by a size known only at run time")
     if name == "slice" and isinstance(n.target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
         if args[1] >= lead[args[0]]:
             raise _Miss(f"{n.name} slices a feature dim")
@@ -147,6 +151,10 @@ def _run(n: fx.Node, env: dict, lead: dict) -> torch.Tensor:
         lead[n] = lead[args[0]] - (e - s)
         return torch.flatten(env[args[0]], s, e)
     raise _Miss(f"{n.name} ({name}) is not a data-movement op of the scan tree")
+
+
+def _flat(args: Any) -> list[Any]:
+    return [x for a in args for x in (_flat(a) if isinstance(a, (list, tuple)) else [a])]
 
 
 def _leaves(gm: fx.GraphModule, blocks: list[_Block]) -> list[fx.Node]:
@@ -221,17 +229,29 @@ def _output(n: fx.Node, code: torch.Tensor, t: torch.Tensor, M: int, leaves: lis
     return n, leaf
 
 
-def find_generic_scans(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejection]]:
-    """The generic-mode associative scans of ``gm`` with the linear combine, as closed forms, and rejections."""
+def _tree_blocks(gm: fx.GraphModule) -> list[_Block]:
     try:
         blocks = _blocks(gm)
     except _Miss:
-        return [], []  # NB: nested vmaps are the user's, not generic_associative_scan's
+        return []  # NB: nested vmaps are the user's, not generic_associative_scan's
     # NB: a block of the tree maps the combine over every other step: it reads step-2 slices along dim 0
-    blocks = [b for b in blocks if b.ins and len(b.ins) % 2 == 0 and len(b.outs) == len(b.ins) // 2 and b.dec
-              and any(_name(u.args[0]) == "slice" and tuple(u.args[0].args[1:2]) == (0,)
-                      and u.args[0].args[-1] == 2 for u in b.ins)]
-    if not blocks:
+    return [b for b in blocks if b.ins and len(b.ins) % 2 == 0 and len(b.outs) == len(b.ins) // 2 and b.dec
+            and any(_name(u.args[0]) == "slice" and tuple(u.args[0].args[1:2]) == (0,)
+                    and u.args[0].args[-1] == 2 for u in b.ins)]
+
+
+def has_generic_scans(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` holds the vmapped combines of a generic-mode associative scan: one whose sizes are symbolic is
+    read only once specialized to a call's sizes (its data movement is run on codes of the call's length)."""
+    return bool(_tree_blocks(gm))
+
+
+def find_generic_scans(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejection]]:
+    """The generic-mode associative scans of ``gm`` with the linear combine, as closed forms, and rejections."""
+    blocks = _tree_blocks(gm)
+    if not blocks or any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
+                         if n.op == "placeholder"):
+        # NB: sizes known only at run time: the backend matches the graph specialized to each call's sizes
         return [], []
     anchor = blocks[0].outs[0].name
     try:

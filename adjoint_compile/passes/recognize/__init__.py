@@ -77,7 +77,9 @@ def recognize(gm: fx.GraphModule, options: Options | None = None, *,
                 found, rejected = run_or_skip(wanted, what, fn, gm)
         except Exception as e:  # noqa: BLE001 - recognition never raises (DESIGN.md §4)
             log.debug("recognize: the %s matcher failed", what, exc_info=True)
-            rejections.append(Rejection("graph", "<graph>", f"the {what} matcher raised {type(e).__name__}: {e}"))
+            # NB: the first line only: an op's schema error prints its whole arguments (index tensors included)
+            said = (str(e).splitlines() or [""])[0][:300]
+            rejections.append(Rejection("graph", "<graph>", f"the {what} matcher raised {type(e).__name__}: {said}"))
             continue
         out.extend(found)
         rejections.extend(rejected)
