@@ -193,10 +193,13 @@ class LengthDispatch:
         if said:
             log.info("adjoint-compile: the rewritten regions cannot serve every sequence length (%s)", why)
         elif self.opts.per_sample_clip is None and self.opts.sequence_parallel is None and self.opts.mode != "highway":
+            # NB: a float attribute that changed between calls (a dropout's p) makes the graph symbolic too
+            also = " (and every value of a float attribute the graph reads, such as a dropout's p)" if self.values \
+                else ""
             warnings.warn(AdjointCompileWarning(
-                f"adjoint-compile: the rewritten regions cannot serve every sequence length ({why}): each new length "
-                f"is specialized, lowered and compiled again (the memory saving stays); pad batches to a few lengths "
-                f"to bound the compile time"), stacklevel=4)
+                f"adjoint-compile: the rewritten regions cannot serve every sequence length{also} ({why}): each new "
+                f"length is specialized, lowered and compiled again (the memory saving stays); pad batches to a few "
+                f"lengths to bound the compile time"), stacklevel=4)
 
     def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
         """The one graph for every length (module docstring), or (None, why not): ``"short"`` when nothing was lowered

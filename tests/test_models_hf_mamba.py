@@ -83,6 +83,16 @@ def test_exact_gradients(inner, shard, T, assoc):
     assert max(errs.values()) <= 1e-5, errs
 
 
+@pytest.mark.parametrize("module", sorted(m for m in polyfills.KNOWN if m.startswith("transformers.")))
+def test_every_copy_of_the_library_functions_is_registered(module):
+    """transformers' hybrid models (Jamba, Zamba, Bamba, FalconH1, GraniteMoeHybrid, NemotronH, Zamba2...) carry
+    copies of the two functions: each module's own copy is checked against the polyfill and registered."""
+    import importlib
+    pytest.importorskip(module, reason="not in this transformers version")
+    importlib.import_module(module)
+    assert polyfills.install()[module].startswith("registered"), polyfills.installed()[module]
+
+
 @pytest.mark.parametrize("shard,T,assoc", [(5, 29, False), (1, 16, True)])
 def test_falcon_mamba_shares_the_polyfill(shard, T, assoc):
     """FalconMambaForCausalLM carries its own copy of ``mamba_selective_scan``: it is registered and checked on its
@@ -102,6 +112,29 @@ def test_falcon_mamba_shares_the_polyfill(shard, T, assoc):
         got_out, got = _grads(model, f, ids)
     lin = [r for r in ac.report(f).regions if r.kind == "linear_recurrence"]
     assert len(lin) == 2 and all(r.rewrite == "adjoint" and CAPTURED in r.reason for r in lin), str(ac.report(f))
+    assert _rel(got_out, want_out) <= 1e-5
+    assert want.keys() == got.keys() and len(want) == len(list(model.parameters()))
+    errs = {n: _rel(got[n], want[n]) for n in want}
+    assert max(errs.values()) <= 1e-5, errs
+
+
+def test_bamba_shares_the_mamba2_polyfill():
+    """BambaForCausalLM, one of the hybrids carrying a copy of ``mamba2_chunk_scan``: its scan is sharded with eager's
+    gradients (before, no recurrence was found in it)."""
+    torch.manual_seed(0)
+    model = transformers.BambaForCausalLM(transformers.BambaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_indices=[], mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, use_cache=False))
+    ids = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(13))
+    want_out, want = _grads(model, lambda i: model(i).logits, ids)
+    torch._dynamo.reset()
+    f = torch.compile(lambda i: model(i).logits, backend="adjoint", options={"inner": "aot_eager", "shard_size": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got_out, got = _grads(model, f, ids)
+    lin = [r for r in ac.report(f).regions if r.kind == "linear_recurrence"]
+    assert len(lin) == 1 and lin[0].rewrite == "adjoint" and "mamba2_chunk_scan" in lin[0].reason, str(ac.report(f))
     assert _rel(got_out, want_out) <= 1e-5
     assert want.keys() == got.keys() and len(want) == len(list(model.parameters()))
     errs = {n: _rel(got[n], want[n]) for n in want}

@@ -13,10 +13,10 @@ dynamo starts compiling a frame, and by :func:`install`. NB: not only in a dynam
 ``torch._dynamo.reset()`` clears those. The scans a polyfill makes carry its name in
 their stack trace; :func:`polyfill_origin` reads it back, and ``explain()`` says "captured by ...".
 
-Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's and
-FalconMambaForCausalLM's torch path: its per-step loop, or ``associative_scan``, which dynamo inlines level by level
-on CPU) and ``mamba2_chunk_scan``
-(Mamba2ForCausalLM's chunked SSD torch path), mambapy's ``MambaBlock.selective_scan_seq`` (its ``pscan=False``
+Known functions (:data:`KNOWN`): transformers' ``mamba_selective_scan`` (MambaForCausalLM's torch path: its
+per-step loop, or ``associative_scan``, which dynamo inlines level by level on CPU; FalconMamba, Jamba and Zamba copy
+it) and ``mamba2_chunk_scan`` (Mamba2ForCausalLM's chunked SSD torch path; Bamba, FalconH1, GraniteMoeHybrid,
+NemotronH and Zamba2 copy it), mambapy's ``MambaBlock.selective_scan_seq`` (its ``pscan=False``
 loop), and torch's own ``nn.GRU`` / ``nn.LSTM`` in highway mode (:mod:`.torch_rnn`: dynamo leaves them out of its
 graph otherwise). A module is tried once per process; :func:`installed` says what
 happened. NB: the registration is process-wide, but the polyfill only takes over while :func:`active` is true.
@@ -42,10 +42,13 @@ __all__ = ["KNOWN", "install", "installed", "polyfill_origin", "enabled", "activ
            "options_for", "rolling"]
 
 #: library module -> the submodule of this package that knows how to polyfill it.
-KNOWN: dict[str, str] = {"transformers.models.mamba.modeling_mamba": "hf_mamba",
-                         "transformers.models.falcon_mamba.modeling_falcon_mamba": "hf_mamba",
-                         "transformers.models.mamba2.modeling_mamba2": "hf_mamba2",
-                         "mambapy.mamba": "mambapy_seq", "torch.nn.modules.rnn": "torch_rnn"}
+#: NB: transformers' hybrid models carry copies of the Mamba and Mamba2 functions (``# Copied from``): each module is
+#: registered, and checked against its own copy, on its own
+KNOWN: dict[str, str] = {
+    **{f"transformers.models.{m}.modeling_{m}": "hf_mamba" for m in ("mamba", "falcon_mamba", "jamba", "zamba")},
+    **{f"transformers.models.{m}.modeling_{m}": "hf_mamba2"
+       for m in ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2")},
+    "mambapy.mamba": "mambapy_seq", "torch.nn.modules.rnn": "torch_rnn"}
 
 _LOCK = threading.Lock()
 #: library module -> description of what was registered (or why not), once tried.

@@ -23,7 +23,8 @@ from . import active
 from .common import checked, output_error
 
 NAME = "mamba_selective_scan"
-ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba_selective_scan (MambaForCausalLM, FalconMamba)"}
+ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' "
+                     "mamba_selective_scan (MambaForCausalLM and its copies)"}
 TOL = 1e-5
 
 

@@ -24,7 +24,8 @@ from . import active
 from .common import checked, flag_cases, output_error
 
 NAME = "mamba2_chunk_scan"
-ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' mamba2_chunk_scan (Mamba2ForCausalLM)"}
+ORIGINS = {__file__: "adjoint-compile's polyfill for transformers' "
+                     "mamba2_chunk_scan (Mamba2ForCausalLM and its copies)"}
 TOL = 1e-5
 
 

@@ -447,8 +447,10 @@ def replace_known_scans(gm: fx.GraphModule) -> list[str]:
     for node in todo:
         entry, name = _match(gm, node)
         if entry is None:
-            _refuse(node, name, f"custom autograd.Function {name} is not a known scan implementation; it keeps "
-                               f"ordinary autograd (adjoint_compile.register_scan adds one)")
+            # NB: most custom Functions are not scans (a clamped sqrt's gradient): the reason does not say it is one
+            _refuse(node, name, f"custom autograd.Function {name} runs its own forward and backward, not read inside "
+                               f"(ordinary autograd); if it computes a linear scan, adjoint_compile.register_scan "
+                               f"lets it be sharded")
             continue
         try:
             made.append(_replace(gm, node, entry).name)
