@@ -118,7 +118,7 @@ BATCH_POINTWISE = _names("""add sub rsub mul div truediv true_divide floordiv ne
 exp2 expm1 log log1p log2 relu gelu silu softplus abs sqrt rsqrt sin cos square pow reciprocal clamp clamp_min
 clamp_max elu leaky_relu logsigmoid mish softsign hardtanh where maximum minimum float double half bfloat16 to type_as
 sign erf lerp real imag complex polar conj conj_physical angle resolve_conj resolve_neg eq ne lt le gt ge logical_and
-logical_or logical_not logical_xor long int bool mod remainder""")
+logical_or logical_not logical_xor long int bool mod remainder type""")
 #: basic indexing (ints, slices, None, ``...``): a leading full slice keeps the step axis.
 BATCH_INDEX = _names("getitem")
 #: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.

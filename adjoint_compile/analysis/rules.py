@@ -178,9 +178,10 @@ class Ctx:
 # rules: each returns (output step dim or None, mixing reason or None)
 
 
-def broadcast(node: fx.Node, ctx: Ctx, operands: list[Any] | None = None) -> tuple[int | None, str | None]:
+def broadcast(node: fx.Node, ctx: Ctx, operands: list[Any] | None = None,
+              out: tuple[int, ...] | None = None) -> tuple[int | None, str | None]:
     """Elementwise op with numpy broadcasting: operands align on their trailing dims."""
-    out = ctx.out_shape
+    out = out if out is not None else ctx.out_shape
     if out is None:
         return None, f"no shape for {node.name}"
     ops = operands if operands is not None else nodes_in((node.args, node.kwargs))
@@ -226,6 +227,36 @@ def _ambiguous_broadcast(a: fx.Node, T: int | None, depth: int = 4) -> fx.Node |
 
 def pointwise(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     return broadcast(node, ctx)
+
+
+def custom_function(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
+    """A custom ``autograd.Function`` (dynamo's ``autograd_function_apply``) whose forward and backward are both
+    elementwise (RecurrentGemma's ``SqrtBoundDerivative``: a sqrt with a clamped gradient): every output is the
+    operands' broadcast shape, element for element, so a shard computes and differentiates its own steps. Its own
+    backward is kept: the shard's VJP runs it."""
+    from . import optable as ops
+    gm = node.graph.owning_module
+    bodies = [getattr(gm, str(a.target), None) if isinstance(a, fx.Node) and a.op == "get_attr" else None
+              for a in node.args[:2]]
+    if gm is None or not all(isinstance(b, fx.GraphModule) for b in bodies):
+        return None, "custom autograd.Function whose forward and backward are not readable"
+    elementwise = ops.POINTWISE | ops.SAME_SHAPE
+    for body in bodies:
+        for n in body.graph.nodes:
+            if n.op in ("placeholder", "output") or (n.op == "call_function" and n.target is torch._C._set_grad_enabled):
+                continue
+            if n.op not in ("call_function", "call_method") or ops.raw_name(n) not in elementwise:
+                return None, (f"custom autograd.Function with {op_label(n)} in its "
+                              f"{'forward' if body is bodies[0] else 'backward'} (only elementwise ones join a region)")
+    outs = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in _values(node)]
+    if not outs or any(o is None or o != outs[0] for o in outs):
+        return None, "custom autograd.Function whose outputs differ in shape"
+    return broadcast(node, ctx, [a for a in node.args[2:] if isinstance(a, fx.Node)], tuple(outs[0]))
+
+
+def _values(node: fx.Node) -> list[Any]:
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return list(v) if isinstance(v, (tuple, list)) else [v]
 
 
 def same_shape(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:

@@ -111,6 +111,8 @@ def rule_for(node: fx.Node) -> Rule | None:
     if node.op == "call_function":
         if is_linear_scan(node):
             return r.scan
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() == "autograd_function_apply":
+            return r.custom_function
         if node.target is getattr and len(node.args) == 2 and node.args[1] in ops.COMPLEX_PARTS:
             return r.same_shape  # x.real, x.imag: elementwise views of the same shape
         name = ops.spelling(node.target)

@@ -53,13 +53,16 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, l
     """
     members = set(nodes)
     inputs: list[fx.Node] = []
+    # NB: a sub-graph a member calls (a custom autograd.Function's forward and backward) is read, not passed in
+    bodies = [a for n in nodes for a in n.all_input_nodes if a not in members and a.op == "get_attr"
+              and isinstance(gm.get_submodule(str(a.target)) if _is_module(gm, a) else None, fx.GraphModule)]
     for n in nodes:
         for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
+            if a not in members and a not in inputs and a not in bodies:
                 inputs.append(a)
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {a: g.node_copy(a) for a in dict.fromkeys(bodies)}
     for a in inputs:
         p = g.placeholder(a.name)
         p.meta = dict(a.meta)
@@ -68,6 +71,14 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, l
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(gm, g), inputs, outputs
+
+
+def _is_module(gm: fx.GraphModule, a: fx.Node) -> bool:
+    try:
+        gm.get_submodule(str(a.target))
+    except AttributeError:
+        return False
+    return True
 
 
 def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, options: Any) -> fx.Node | None:
