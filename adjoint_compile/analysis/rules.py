@@ -243,20 +243,16 @@ def custom_function(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     elementwise = ops.POINTWISE | ops.SAME_SHAPE
     for body in bodies:
         for n in body.graph.nodes:
-            if n.op in ("placeholder", "output") or (n.op == "call_function" and n.target is torch._C._set_grad_enabled):
+            if n.op in ("placeholder", "output") or n.target is torch._C._set_grad_enabled:
                 continue
             if n.op not in ("call_function", "call_method") or ops.raw_name(n) not in elementwise:
                 return None, (f"custom autograd.Function with {op_label(n)} in its "
                               f"{'forward' if body is bodies[0] else 'backward'} (only elementwise ones join a region)")
-    outs = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in _values(node)]
+    v = node.meta.get("example_value", node.meta.get("val"))
+    outs = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in (v if isinstance(v, tuple) else [v])]
     if not outs or any(o is None or o != outs[0] for o in outs):
         return None, "custom autograd.Function whose outputs differ in shape"
     return broadcast(node, ctx, [a for a in node.args[2:] if isinstance(a, fx.Node)], tuple(outs[0]))
-
-
-def _values(node: fx.Node) -> list[Any]:
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return list(v) if isinstance(v, (tuple, list)) else [v]
 
 
 def same_shape(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
