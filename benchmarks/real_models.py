@@ -75,10 +75,22 @@ def _hf(kind: str) -> Callable[[int], tuple[nn.Module, tuple]]:
             cfg = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=2,
                                            expand=2, conv_kernel=4)
             base = transformers.MambaModel(cfg)
-        else:
+        elif kind == "mamba2":
             cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2,
                                             num_heads=4, head_dim=16, expand=2, n_groups=1, chunk_size=16)
             base = transformers.Mamba2Model(cfg)
+        elif kind == "bamba":  # NB: a hybrid carrying its own copy of Mamba2's chunked scan; Mamba layers only
+            cfg = transformers.BambaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, attn_layer_indices=[],
+                                           mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                                           mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, use_cache=False)
+            base = transformers.BambaModel(cfg)
+        else:  # NB: Griffin's RG-LRU blocks only (its local attention would end the region)
+            cfg = transformers.RecurrentGemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                    head_dim=16, lru_width=32, attention_window_size=16,
+                                                    conv1d_width=4, block_types=("recurrent",), use_cache=False)
+            base = transformers.RecurrentGemmaModel(cfg)
 
         class Hidden(nn.Module):  # NB: last hidden state as a tensor, so every method gets the same loss
             def __init__(self) -> None:
@@ -98,6 +110,8 @@ TARGETS: dict[str, tuple[str, str, Callable[[int], tuple[nn.Module, tuple]]]] = 
     "mingru": ("mingru-pytorch", "minGRU stack (log-space scan)", _mingru),
     "hf-mamba": ("transformers", "MambaModel (tiny config)", _hf("mamba")),
     "hf-mamba2": ("transformers", "Mamba2Model (tiny config)", _hf("mamba2")),
+    "hf-bamba": ("transformers", "BambaModel, Mamba layers (tiny config)", _hf("bamba")),
+    "hf-recurrent-gemma": ("transformers", "RecurrentGemmaModel, RG-LRU blocks (tiny config)", _hf("recurrent_gemma")),
 }
 
 
