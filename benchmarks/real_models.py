@@ -154,6 +154,8 @@ def _child(target: str, what: str, T: int, method: str, loss_inside: bool = True
     model, inputs = TARGETS[target][2](T)
     if what == "recognize":
         f = torch.compile(model, backend="adjoint", options={"inner": "eager", "shard_size": 7})
+        # NB: copied before a forward: a model may keep non-leaf tensors of its last call (RecurrentGemma's states)
+        m64 = copy.deepcopy(model).double()
         x_grads = []
         for run in (f, model):
             for p in model.parameters():
@@ -162,7 +164,6 @@ def _child(target: str, what: str, T: int, method: str, loss_inside: bool = True
             x_grads.append([p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
         err = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(*x_grads))
         # the floor: how far eager fp32 itself is from eager fp64 on the same loss
-        m64 = copy.deepcopy(model).double()
         _loss(m64(*(x.double() if x.is_floating_point() else x for x in inputs))).backward()
         g64 = [p.grad for p in m64.parameters() if p.grad is not None]
         floor = max(((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(x_grads[1], g64))
