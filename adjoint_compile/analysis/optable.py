@@ -124,7 +124,8 @@ BATCH_INDEX = _names("getitem")
 #: ops with dim arguments (position, keyword) that index a per-step tensor: shifted by one when batched.
 BATCH_DIM_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
     "softmax": ((1, "dim"),), "log_softmax": ((1, "dim"),), "sum": ((1, "dim"),), "mean": ((1, "dim"),),
-    "amax": ((1, "dim"),), "amin": ((1, "dim"),), "argmax": ((1, "dim"),), "argmin": ((1, "dim"),), "logsumexp": ((1, "dim"),), "cumsum": ((1, "dim"),),
+    "amax": ((1, "dim"),), "amin": ((1, "dim"),), "argmax": ((1, "dim"),), "argmin": ((1, "dim"),),
+    "logsumexp": ((1, "dim"),), "cumsum": ((1, "dim"),),
     "unsqueeze": ((1, "dim"),), "squeeze": ((1, "dim"),), "transpose": ((1, "dim0"), (2, "dim1")),
 }
 BATCH_VIEWS = _names("view reshape")

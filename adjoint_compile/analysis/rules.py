@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .fx import nodes_in, scan_args, shape
+from .optable import POINTWISE, SAME_SHAPE, raw_name
 
 @dataclasses.dataclass
 class TimeLocalInfo:
@@ -234,18 +235,17 @@ def custom_function(node: fx.Node, ctx: Ctx) -> tuple[int | None, str | None]:
     elementwise (RecurrentGemma's ``SqrtBoundDerivative``: a sqrt with a clamped gradient): every output is the
     operands' broadcast shape, element for element, so a shard computes and differentiates its own steps. Its own
     backward is kept: the shard's VJP runs it."""
-    from . import optable as ops
     gm = node.graph.owning_module
     bodies = [getattr(gm, str(a.target), None) if isinstance(a, fx.Node) and a.op == "get_attr" else None
               for a in node.args[:2]]
     if gm is None or not all(isinstance(b, fx.GraphModule) for b in bodies):
         return None, "custom autograd.Function whose forward and backward are not readable"
-    elementwise = ops.POINTWISE | ops.SAME_SHAPE
+    elementwise = POINTWISE | SAME_SHAPE
     for body in bodies:
         for n in body.graph.nodes:
             if n.op in ("placeholder", "output") or n.target is torch._C._set_grad_enabled:
                 continue
-            if n.op not in ("call_function", "call_method") or ops.raw_name(n) not in elementwise:
+            if n.op not in ("call_function", "call_method") or raw_name(n) not in elementwise:
                 return None, (f"custom autograd.Function with {op_label(n)} in its "
                               f"{'forward' if body is bodies[0] else 'backward'} (only elementwise ones join a region)")
     v = node.meta.get("example_value", node.meta.get("val"))

@@ -54,8 +54,7 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, l
     members = set(nodes)
     inputs: list[fx.Node] = []
     # NB: a sub-graph a member calls (a custom autograd.Function's forward and backward) is read, not passed in
-    bodies = [a for n in nodes for a in n.all_input_nodes if a not in members and a.op == "get_attr"
-              and isinstance(gm.get_submodule(str(a.target)) if _is_module(gm, a) else None, fx.GraphModule)]
+    bodies = [a for n in nodes for a in n.all_input_nodes if a not in members and _sub_graph(gm, a)]
     for n in nodes:
         for a in n.all_input_nodes:
             if a not in members and a not in inputs and a not in bodies:
@@ -73,12 +72,11 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, l
     return fx.GraphModule(gm, g), inputs, outputs
 
 
-def _is_module(gm: fx.GraphModule, a: fx.Node) -> bool:
+def _sub_graph(gm: fx.GraphModule, a: fx.Node) -> bool:
     try:
-        gm.get_submodule(str(a.target))
+        return a.op == "get_attr" and isinstance(gm.get_submodule(str(a.target)), fx.GraphModule)
     except AttributeError:
         return False
-    return True
 
 
 def lower_region(gm: fx.GraphModule, nodes: list[fx.Node], info: TimeLocalInfo, options: Any) -> fx.Node | None:
