@@ -170,3 +170,29 @@ def test_a_loop_under_autocast_inside_the_compiled_code_keeps_its_dtype(roll):
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
     rep = ac.report(f)
     assert not rep.fallbacks and all("autocast" in r.reason for r in rep.regions), str(rep)
+
+
+class _HalfGatesFp32State(nn.Module):
+    """Under autocast the gates come out bf16 while a first state made from the fp32 input stays fp32."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = torch.sigmoid(self.a(x)), self.b(x)
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + b[:, t]
+            hs.append(h)
+        return torch.stack(hs, 1).float().square().mean()
+
+
+def test_a_state_of_another_dtype_than_its_gates_names_the_remedy():
+    torch.manual_seed(0)
+    model = _HalfGatesFp32State()
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        f(torch.randn(2, 9, 6)).backward()
+    reasons = [r.reason for r in ac.report(f).regions if r.kind == "linear_recurrence"]
+    assert reasons and any("make the first state in the dtype of the steps'" in r for r in reasons), reasons

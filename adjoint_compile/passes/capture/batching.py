@@ -409,7 +409,10 @@ def _check_scan_inputs(A: fx.Node, B: fx.Node, h0: Any, T: int, state: tuple[int
         if tuple(ev.shape) != (T, *state):
             raise Unproven(f"{what} for all steps has shape {list(ev.shape)}, expected {[T, *state]}")
         if ev.dtype != dtype:
-            raise Unproven(f"{what} has dtype {ev.dtype}, the state {dtype}")
+            # NB: under autocast a first state made from the input (zeros_like(x[:, 0])) stays fp32 while a and b
+            # come out half: the state's dtype then changes at the first step
+            raise Unproven(f"{what} has dtype {ev.dtype}, the state {dtype}: make the first state in the dtype of the "
+                           f"steps' {what} (e.g. from b, torch.zeros_like(b[:, 0])), or cast {what} to the state's")
 
 
 def initial_state(em: Emitter, h0: Any, state: tuple[int, ...]) -> Any:
