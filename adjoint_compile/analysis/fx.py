@@ -20,7 +20,7 @@ __all__ = [
     "reachable", "reentry", "is_convex", "bfs_inputs", "stable_toposort", "callables_named", "fresh_name",
     "is_inplace", "eliminate_dead_code", "written_inputs", "reread_inputs", "registers_hook",
     "shares_memory", "allocated_bytes", "source_line", "source_at", "is_copy", "batch_size_arg",
-    "refresh_example_values",
+    "refresh_example_values", "has_symbolic_sizes", "in_vmaps", "SYM_TYPES",
 ]
 
 #: linear_scan's arguments in schema order, and the defaults of the optional ones.
@@ -94,6 +94,26 @@ def eliminate_dead_code(graph: fx.Graph, keep: Callable[[fx.Node], bool] = lambd
             graph.erase_node(n)
             changed = True
     return changed
+
+
+#: the types of dynamo's symbolic numbers
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, SYM_TYPES):
+        return True
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in v.shape)
+    if isinstance(v, (tuple, list)):
+        return any(_symbolic(x) for x in v)
+    return False
+
+
+def has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether any placeholder of dynamo's graph has a symbolic value or shape."""
+    return any(_symbolic(n.meta.get("example_value", n.meta.get("val")))
+               for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def _nesting(n: fx.Node, names: tuple[str, ...] = ("_vmap_increment_nesting", "_vmap_decrement_nesting")) -> bool:

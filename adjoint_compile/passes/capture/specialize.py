@@ -39,29 +39,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ...analysis.fx import eliminate_dead_code, in_vmaps
+from ...analysis.fx import SYM_TYPES, eliminate_dead_code, has_symbolic_sizes, in_vmaps
 
 log = logging.getLogger(__name__)
 
 __all__ = ["has_symbolic_sizes", "no_guards", "specialize", "attribute_floats"]
-
-_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def _symbolic(v: Any) -> bool:
-    if isinstance(v, _SYM):
-        return True
-    if isinstance(v, torch.Tensor):
-        return any(isinstance(s, torch.SymInt) for s in v.shape)
-    if isinstance(v, (tuple, list)):
-        return any(_symbolic(x) for x in v)
-    return False
-
-
-def has_symbolic_sizes(gm: fx.GraphModule) -> bool:
-    """Whether any placeholder of dynamo's graph has a symbolic value or shape."""
-    return any(_symbolic(n.meta.get("example_value", n.meta.get("val")))
-               for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def no_guards(gm: fx.GraphModule) -> Any:
@@ -191,7 +173,7 @@ def _sizes_read(gm: fx.GraphModule) -> dict[fx.Node, frozenset[tuple[int, int]]]
     out = {}
     for n in gm.graph.nodes:
         v = n.meta.get("example_value", n.meta.get("val"))
-        if isinstance(v, _SYM):
+        if isinstance(v, SYM_TYPES):
             out[n] = frozenset(pd for s in v.node.expr.free_symbols for pd in places.get(s, ()))
     return out
 

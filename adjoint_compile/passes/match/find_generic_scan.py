@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ...analysis.affine import linear_combine
-from ...analysis.fx import hinted_shape
+from ...analysis.fx import has_symbolic_sizes, hinted_shape
 from ...analysis.optable import fn_name, op_name
 from ...regions import Rejection
 from .find_scan_forms import ScanForm
@@ -113,10 +113,6 @@ def _run(n: fx.Node, env: dict, lead: dict) -> torch.Tensor:
     name, args = _name(n), n.args
     val = lambda v: env[v] if isinstance(v, fx.Node) else v  # noqa: E731
     kw = {k: val(v) for k, v in n.kwargs.items()}
-    if name in ("slice", "pad", "flatten") and any(isinstance(v, fx.Node) for v in (*_flat(args[1:]),
-                                                                                    *n.kwargs.values())):
-        # NB: a size dynamo holds symbolic (a graph for every length): the codes cannot be moved by it
-        raise _Miss(f"{n.name} ({name}) moves data by a size known only at run time")
     if name == "slice" and isinstance(n.target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
         if args[1] >= lead[args[0]]:
             raise _Miss(f"{n.name} slices a feature dim")
@@ -151,10 +147,6 @@ def _run(n: fx.Node, env: dict, lead: dict) -> torch.Tensor:
         lead[n] = lead[args[0]] - (e - s)
         return torch.flatten(env[args[0]], s, e)
     raise _Miss(f"{n.name} ({name}) is not a data-movement op of the scan tree")
-
-
-def _flat(args: Any) -> list[Any]:
-    return [x for a in args for x in (_flat(a) if isinstance(a, (list, tuple)) else [a])]
 
 
 def _leaves(gm: fx.GraphModule, blocks: list[_Block]) -> list[fx.Node]:
@@ -249,8 +241,7 @@ def has_generic_scans(gm: fx.GraphModule) -> bool:
 def find_generic_scans(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejection]]:
     """The generic-mode associative scans of ``gm`` with the linear combine, as closed forms, and rejections."""
     blocks = _tree_blocks(gm)
-    if not blocks or any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
-                         if n.op == "placeholder"):
+    if not blocks or has_symbolic_sizes(gm):
         # NB: sizes known only at run time: the backend matches the graph specialized to each call's sizes
         return [], []
     anchor = blocks[0].outs[0].name
