@@ -279,6 +279,9 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
     backend run with one eager run (the same cotangents).
     """
     opts = validate(options)
+    # NB: what torch.compile returned is explained as the model it wraps: traced again, as this backend would
+    for wrapped in ("_orig_mod", "_torchdynamo_orig_callable"):
+        model_or_fn = getattr(model_or_fn, wrapped, model_or_fn)
     polyfills.install()
     rnn_notes()  # NB: only this trace's
     # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would (which also compiles a frame around

@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 
 _SAFE_MODULES = {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math}
-_SAFE_BUILTINS = {"len", "abs", "isinstance", "getattr", "hasattr"}
+_SAFE_BUILTINS = {"len", "abs", "isinstance", "getattr", "hasattr", "range", "enumerate", "zip", "reversed"}
+#: an item of a ModuleList, Sequential or ParameterList, whichever: ``self.cells[l](x)``, ``for cell in self.cells``
+EVERY = "*"
 #: calls that leave the graph, depend on data for their shape, or draw random numbers (different streams per step)
 _DENY = {"item", "tolist", "numpy", "backward", "register_hook", "retain_grad", "data_ptr", "nonzero", "argwhere",
          "masked_select", "unique", "unique_consecutive", "bincount", "histc", "manual_seed", "save", "load", "print",
@@ -103,8 +105,11 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
             continue
         fn = c.func
         if isinstance(fn, ast.Subscript):
-            # NB: a layer of the instance's ModuleList picked by a number (``self.cells[0](x)``), checked as a module
+            # NB: a layer of the instance's ModuleList picked by a number (``self.cells[0](x)``) or by a loop's
+            # variable (``self.cells[l](x)``: every layer is checked), as a module
             path, i = _attr_path(fn.value), _const_int(fn.slice)
+            if isinstance(fn.slice, ast.Name) and fn.slice.id in f.locals_:
+                i = EVERY
             if path is None or path[0] != f.self_name or len(path) < 2 or i is None:
                 raise _Reject("a call of a computed callable")
             f.module_calls.add((*path[1:], i))
@@ -198,7 +203,11 @@ def _callee_ok(owner: Any, path: tuple[str, ...], depth: int = 0) -> bool:
     :func:`_helper_ok`."""
     obj: Any = owner
     prev: Any = None
-    for a in path:
+    for k, a in enumerate(path):
+        if a == EVERY:
+            rest = path[k + 1:]
+            return isinstance(obj, (nn.ModuleList, nn.Sequential, nn.ParameterList)) and all(
+                isinstance(v, torch.Tensor) and not rest or _callee_ok(v, rest, depth) for v in obj)
         if isinstance(a, int):  # NB: ``self.cells[0]``: an item of a ModuleList or Sequential
             ok = isinstance(obj, (nn.ModuleList, nn.Sequential)) and -len(obj) <= a < len(obj)
             prev, obj = obj, obj[a] if ok else None

@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from . import _FORCE, options_for, rolls, traced_options
-from .loop_calls import _callee_ok
+from .loop_calls import EVERY, _callee_ok
 from .loops import analyse, refused
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,20 @@ def _reachable(code: types.CodeType, glob: dict[str, Any], loc: dict[str, Any], 
     return mods, fns
 
 
-def _at(obj: Any, path: tuple[str, ...]) -> Any:
+def _at(obj: Any, path: tuple[Any, ...]) -> Any:
+    """What ``path`` (a ``module_calls`` entry) reaches from ``obj``; the container at an :data:`EVERY` item."""
     for a in path:
-        obj = getattr(obj, a, None)
+        if a == EVERY:
+            break
+        indexed = isinstance(a, int) and isinstance(obj, (nn.ModuleList, nn.Sequential))
+        obj = obj[a] if indexed else getattr(obj, a, None)
     return obj
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    """``cells[0].gate``, ``cells[...]``: a ``module_calls`` entry as the source reads."""
+    return "".join(f"[{'...' if a == EVERY else a}]" if a == EVERY or isinstance(a, int) else f".{a}"
+                   for a in path).lstrip(".")
 
 
 def _has(cell: Any) -> bool:
@@ -157,8 +167,8 @@ def _install(fn: Any, instances: list[Any]) -> str:
         if mine is new:
             del fn._torchdynamo_inline  # NB: an instance whose submodule may not trace inside scan
         log.info("adjoint-compile: loops of %s not rolled: %s.%s may not trace inside torch's scan",
-                 fn.__qualname__, type(bad[0]).__name__, ".".join(bad[1]))
-        refused(fn, f"the step calls self.{'.'.join(bad[1])} ({type(_at(bad[0], bad[1])).__name__}), which may "
+                 fn.__qualname__, type(bad[0]).__name__, _dotted(bad[1]))
+        refused(fn, f"the step calls self.{_dotted(bad[1])} ({type(_at(bad[0], bad[1])).__name__}), which may "
                     "not trace inside torch's scan")
         return "instance refused"
     if mine is None:

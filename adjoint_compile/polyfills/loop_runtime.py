@@ -35,17 +35,19 @@ ORIGINS = {__file__: "adjoint-compile's loop roller (a Python loop over range tr
 MIN_STEPS = 3
 
 
-def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any, ...] = ()) -> bool:
+def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any, ...] = (),
+       items: tuple[Any, ...] = ()) -> bool:
     """Whether the rolled form computes what the loop over ``r`` does: tracing for the adjoint backend, a plain
-    range of at least :data:`MIN_STEPS` steps, every indexed sequence a tensor with those steps along its dim, and
-    neither a float nor a module among the values the step reads from its function (``invariants``, self aside).
+    range of at least :data:`MIN_STEPS` steps, every indexed sequence a tensor with those steps along its dim,
+    neither a float nor a module among the values the step reads from its function (``invariants``, self aside),
+    and a list each carry the step writes an item of (``items``; into a tensor that write is in place).
 
     NB: dynamo holds a float that changed between calls symbolic, and scan refuses a symbolic float input (it
     raises); a traced float looks the same whether symbolic or not, so any float keeps the loop as written. A module
     passed in (``m.cell(h)``) was not checked for calls that scan refuses, as ``self``'s submodules are."""
     if not rolling() or not isinstance(r, range) or r.step != 1 or r.start < 0 or len(r) < MIN_STEPS:
         return False
-    if any(isinstance(v, (float, torch.nn.Module)) for v in invariants):
+    if any(isinstance(v, (float, torch.nn.Module)) for v in invariants) or any(type(v) is not list for v in items):
         return False
     for x, d in zip(xs, dims):
         if not isinstance(x, torch.Tensor) or not -x.dim() <= d < x.dim() or x.shape[d] < r.stop:
@@ -126,10 +128,16 @@ def _carried(c: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor, ...], dims: tuple[int, ...],
-        r: range, invariants: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        r: range, invariants: tuple[Any, ...] = (), items: tuple[int, ...] = ()
+        ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """The loop's final carries and its per-step outputs, each a tensor ``[n, ...]`` (time first) when rolled or a
     list of n tensors when the steps ran as a Python loop. ``step(carry, x_t, invariants) -> (carry, ys_t)``, where
-    ``invariants`` are the values of the function the step reads and does not assign."""
+    ``invariants`` are the values of the function the step reads and does not assign, and the carries at
+    ``items`` are lists the step writes items of (a state per layer), each carried as its items."""
+    if items:
+        sizes = tuple(len(v) if k in items else None for k, v in enumerate(carry))
+        c, ys = run(_gathered(step, sizes), _spread(carry, sizes), xs, dims, r, invariants)
+        return _gather(c, sizes), ys
     # NB: scan refuses inputs that alias each other; views among the values the step reads (``decay, gain =
     # p.unbind(0)``, ``x.real`` and ``x.imag``) would be two of them: each view is read through a copy
     inv = tuple(v.clone() if isinstance(v, torch.Tensor) and v._base is not None else v for v in invariants)
@@ -164,6 +172,26 @@ def run(step: Callable[..., Any], carry: tuple[Any, ...], xs: tuple[torch.Tensor
     c, ys = scan(body, c2, tuple(x[2:] for x in seq))
     ys = _as_ints(ys, codes)
     return c, tuple(torch.cat([a.unsqueeze(0), b.unsqueeze(0), rest]) for a, b, rest in zip(y0, y1, ys))
+
+
+def _spread(c: tuple[Any, ...], sizes: tuple[int | None, ...]) -> tuple[Any, ...]:
+    """The carries with each list (its size given) replaced by its items."""
+    return tuple(w for v, n in zip(c, sizes) for w in ((v,) if n is None else v))
+
+
+def _gather(c: tuple[Any, ...], sizes: tuple[int | None, ...]) -> tuple[Any, ...]:
+    """:func:`_spread` undone, each list a new one (the caller's is not written into)."""
+    out, it = [], iter(c)
+    for n in sizes:
+        out.append(next(it) if n is None else [next(it) for _ in range(n)])
+    return tuple(out)
+
+
+def _gathered(step: Callable[..., Any], sizes: tuple[int | None, ...]) -> Callable[..., Any]:
+    def body(c: tuple[Any, ...], x: tuple[Any, ...], inv: tuple[Any, ...]) -> Any:
+        c2, y = step(_gather(c, sizes), x, inv)
+        return _spread(c2, sizes), y
+    return body
 
 
 def _with(step: Callable[..., Any], inv: tuple[Any, ...]) -> Callable[..., Any]:

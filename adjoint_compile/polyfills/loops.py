@@ -62,7 +62,7 @@ import torch
 
 from ..errors import AdjointCompileWarning
 from . import _ORIGINS, loop_runtime
-from .loop_calls import _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root, self_param
+from .loop_calls import EVERY, _const_int, _Fn, _Reject, _attr_path, _check_calls, _names, _parse, _root, self_param
 from .loop_source import _accumulated, _following, _live, _made_empty, _stack_uses
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,9 @@ def _append_target(s: ast.stmt) -> str | None:
     return None
 
 
-def _stmt_stores(s: ast.stmt) -> set[str]:
+def _stmt_stores(s: ast.stmt, var: str) -> tuple[set[str], set[str]]:
+    """The names ``s`` assigns, and the lists it writes an item of (``hs[l] = h``: a list of per-layer states, by a
+    name or a number; a tensor there is refused at trace time, :func:`.loop_runtime.ok`)."""
     if isinstance(s, ast.Assign):
         targets = s.targets
     elif isinstance(s, ast.AugAssign):
@@ -188,13 +190,36 @@ def _stmt_stores(s: ast.stmt) -> set[str]:
     else:
         raise _Reject(f"a {type(s).__name__} statement in the step")
     out: set[str] = set()
+    items: set[str] = set()
     for t in targets:
+        if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id != var
+                and (isinstance(t.slice, ast.Name) and t.slice.id != var or _const_int(t.slice) is not None)):
+            items.add(t.value.id)
+            continue
         for n in ast.walk(t):
             if isinstance(n, (ast.Subscript, ast.Attribute, ast.Starred)):
                 raise _Reject("a write into a tensor, attribute or starred target")
             if isinstance(n, ast.Name):
                 out.add(n.id)
-    return out
+    return out, items
+
+
+def _inner_head(s: ast.For, var: str, f: _Fn) -> set[str]:
+    """Checks a loop inside the step (over the layers: ``for l, cell in enumerate(self.cells)``), which dynamo
+    unrolls in the traced step; the names it binds. The instance's containers it goes over are checked item by
+    item, as ``self.cells[l](...)`` is."""
+    if s.orelse or var in _names(s.iter, ast.Load):
+        raise _Reject("a loop in the step goes over the steps, or has an else")
+    if any(isinstance(n, ast.For) for b in s.body for n in ast.walk(b)):
+        raise _Reject("loops nested two deep in the step")
+    _check_calls(s.iter, f)
+    heads = s.iter.args if isinstance(s.iter, ast.Call) and getattr(s.iter.func, "id", None) in (
+        "enumerate", "zip", "reversed") else [s.iter]
+    for h in heads:
+        path = _attr_path(h)
+        if path is not None and path[0] == f.self_name and len(path) >= 2:
+            f.module_calls.add((*path[1:], EVERY))
+    return _names(s.target, ast.Store)
 
 
 @dataclasses.dataclass
@@ -210,6 +235,8 @@ class _Plan:
     invariants: list[str]
     #: sums over the steps (``loss = loss + e``): a per-step output e, added up after the loop
     sums: list[str]
+    #: carries that are lists the step writes items of (``hs[l] = ...``): lists at trace time, carried as their items
+    items: list[str]
 
 
 def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn, tree: ast.FunctionDef) -> _Plan:
@@ -220,27 +247,40 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     assigned: set[str] = set()
     read_first: list[str] = []
     accs: dict[str, ast.stmt] = {}
-    for s in loop.body:
-        if isinstance(s, ast.Pass):
-            continue
-        lst = _append_target(s)
-        if (acc := _accumulated(s, loop.body, block[:idx])) is not None:
-            accs[acc[0]] = s
-            loads, stores = _names(acc[1], ast.Load), set()
-            _check_calls(acc[1], f)
-        elif lst is not None:
-            if lst in lists:
-                raise _Reject(f"{lst} is appended to twice a step")
-            lists.append(lst)
-            loads = _names(s.value.args[0], ast.Load)
-            stores: set[str] = set()
-            _check_calls(s.value.args[0], f)
-        else:
-            stores = _stmt_stores(s)
-            loads = _names(s, ast.Load)
-            _check_calls(s, f)
-        read_first += [n for n in sorted(loads) if n not in assigned and n not in read_first]
+    items: set[str] = set()
+
+    def note(loads: set[str], stores: set[str]) -> None:
+        nonlocal assigned
+        read_first.extend(n for n in sorted(loads) if n not in assigned and n not in read_first)
         assigned |= stores
+
+    def visit(stmts: list[ast.stmt], inner: bool) -> None:
+        for s in stmts:
+            if isinstance(s, ast.Pass):
+                continue
+            if isinstance(s, ast.For) and not inner:
+                note(_names(s.iter, ast.Load), _inner_head(s, var, f))
+                visit(s.body, True)
+                continue
+            lst = _append_target(s)
+            if inner and lst is not None:
+                raise _Reject(f"{lst} is appended to in a loop inside the step")
+            if not inner and (acc := _accumulated(s, loop.body, block[:idx])) is not None:
+                accs[acc[0]] = s
+                _check_calls(acc[1], f)
+                note(_names(acc[1], ast.Load), set())
+            elif lst is not None:
+                if lst in lists:
+                    raise _Reject(f"{lst} is appended to twice a step")
+                lists.append(lst)
+                _check_calls(s.value.args[0], f)
+                note(_names(s.value.args[0], ast.Load), set())
+            else:
+                stores, written = _stmt_stores(s, var)
+                _check_calls(s, f)
+                items.update(written)
+                note(_names(s, ast.Load), stores | written)
+    visit(loop.body, False)
     if not lists and not assigned and not accs:
         raise _Reject("the step assigns nothing")
     for lst in lists:
@@ -252,6 +292,9 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     if var in assigned:
         raise _Reject("the step assigns the loop variable")
     carries = [n for n in read_first if n in assigned]
+    if both := next((n for n in items if any(n in _stmt_stores(s, var)[0] for s in ast.walk(loop)
+                                               if isinstance(s, (ast.Assign, ast.AnnAssign)))), None):
+        raise _Reject(f"the step writes items of {both} and assigns it")
     before = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
               and n.lineno < loop.lineno}
     for c in carries + list(accs):
@@ -274,7 +317,8 @@ def _plan(loop: ast.For, path: list[tuple[list[ast.stmt], int, ast.AST]], f: _Fn
     own = before | f.params | set(f.fn.__code__.co_freevars)
     # NB: self's submodule calls are checked per instance (loop_install); any other module the step reads is not
     invariants = [n for n in read_first if n not in assigned and n != var and n in own and n != f.self_name]
-    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants, list(accs))
+    return _Plan(loop, path, carries, lists, stacks, indexer.xs, body, invariants, list(accs),
+                 [c for c in carries if c in items])
 
 
 def _tup(names: list[str], ctx: type) -> ast.Tuple:
@@ -307,7 +351,8 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     fdef = _def(step, [f"{P}c", f"{P}x", f"{P}i"], inner)
     call = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "run", ast.Load()),
                     [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load()),
-                     _tup(p.invariants, ast.Load)], [])
+                     _tup(p.invariants, ast.Load),
+                     ast.Tuple([ast.Constant(p.carries.index(c)) for c in p.items], ast.Load())], [])
     rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(p.carries, ast.Store), ast.Name(ys, ast.Store())],
                                                           ast.Store())], call)]
     for i, lst in enumerate(p.lists):
@@ -327,7 +372,7 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
     loop.iter = ast.Name(r, ast.Load())
     guard = ast.Call(ast.Attribute(ast.Name(rt, ast.Load()), "ok", ast.Load()),
                      [ast.Name(r, ast.Load()), ast.Tuple([copy.deepcopy(x) for x, _ in p.xs], ast.Load()), dims,
-                      _tup(p.invariants, ast.Load)], [])
+                      _tup(p.invariants, ast.Load), _tup(p.items, ast.Load)], [])
     out = [ast.Assign([ast.Name(r, ast.Store())], ast.Call(ast.Name("range", ast.Load()), args, [])),
            ast.If(guard, rolled, [loop])]
     for s in out:
@@ -410,6 +455,8 @@ def _analyse(fn: types.FunctionType) -> tuple[types.CodeType | None, tuple[LoopR
     plans, reports = [], []
     for loop, path in _loops(tree):
         where = f"{fn.__code__.co_filename}:{loop.lineno}"
+        if any(owner is p.loop for p in plans for _, _, owner in path):
+            continue  # NB: a loop over the layers in a rolled step: dynamo unrolls it in the traced step
         try:
             plan = _plan(loop, path, f, tree)
         except _Reject as e:
