@@ -11,11 +11,12 @@ they show are exactly the ones that were lowered.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ from .backend import CompiledGraph, run_pipeline
 from .options import Options, validate
 from .records import compiled_graphs, declared_options, root_frames
 from .regions import Fallback, Region, Rejection, group_rejections, rejection_lines
-from .runtime.verify import compare_grads, copy_graph_module, grads_of, parameters_of
+from .analysis.optable import draws_random
+from .runtime.verify import DRAWS_RANDOM, compare_grads, copy_graph_module, grads_of, modules_of, parameters_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class Report:
     #: ``grad_rel_err`` = ‖g − g_exact‖ / ‖g_exact‖ over all of them, ``grad_cosine``, ``worst`` and its
     #: ``worst_rel_err``). ``explain``: the whole model (every parameter and float input) against eager;
     #: ``report``: the graph's first call against its captured graph, when exactly one graph has these figures
-    #: (else see ``compiled[i].fidelity``).
+    #: (else see ``compiled[i].fidelity``). ``{"skipped": why}`` where the graph draws random numbers (dropout).
     fidelity: dict[str, Any] | None = None
     #: when no graph is listed and it is known why (the model was compiled with another backend, or dynamo's caches
     #: were reset since its calls): that, in words.
@@ -199,7 +201,8 @@ class Report:
                       for i, f in enumerate(self.fallbacks)]
         if self.fidelity is not None:
             f = self.fidelity
-            lines.append(f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
+            lines.append(f"fidelity: not compared: {f['skipped']}" if "skipped" in f else
+                         f"fidelity (all gradients against plain autograd): relative error {f['grad_rel_err']:.3g}, "
                          f"cosine {f['grad_cosine']:.6g}; worst {f['worst']} ({f['worst_rel_err']:.3g})"
                          if f.get("tensors", 1) else f"fidelity: nothing compared: {NOTHING_COMPARED}")
         if (spent := timing.summary([c.timing for c in self.compiled])) is not None:
@@ -284,16 +287,35 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
         model_or_fn = getattr(model_or_fn, wrapped, model_or_fn)
     polyfills.install()
     rnn_notes()  # NB: only this trace's
-    # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would (which also compiles a frame around
-    # a callable whose own loops roll, polyfills/loop_install.py)
-    with polyfills.enabled(opts.mode, opts.roll_loops), collect_skips() as skipped:
-        out = torch._dynamo.explain(model_or_fn)(*example_inputs)
-    compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
-    breaks = _with_skips(_graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()], skipped)
-    rep = Report.of(compiled, opts, breaks, list(out.graphs))
-    if opts.verify:
-        _verify(rep, model_or_fn, example_inputs, options)
+    with _state_kept(model_or_fn):
+        # NB: dynamo's explain backend is not ours; trace as backend="adjoint" would (which also compiles a frame
+        # around a callable whose own loops roll, polyfills/loop_install.py)
+        with polyfills.enabled(opts.mode, opts.roll_loops), collect_skips() as skipped:
+            out = torch._dynamo.explain(model_or_fn)(*example_inputs)
+        compiled = [run_pipeline(copy_graph_module(gm), [], opts, compile=False) for gm in out.graphs]
+        breaks = _with_skips(_graph_breaks(out) + [GraphBreak(reason=why) for why in rnn_notes()], skipped)
+        rep = Report.of(compiled, opts, breaks, list(out.graphs))
+        if opts.verify:
+            _verify(rep, model_or_fn, example_inputs, options)
     return rep
+
+
+@contextlib.contextmanager
+def _state_kept(model_or_fn: Any) -> Iterator[None]:
+    """The model's buffers (BatchNorm's running statistics and count, a counter) and the random number generators
+    as they were before: explaining runs the model (verify: three times more), and is not a training step."""
+    bufs = [(b, b.detach().clone()) for m in modules_of(model_or_fn).values() for b in m.buffers()]
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cpu = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, was in bufs:
+                b.copy_(was)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 #: verify=True found no gradient to compare
@@ -315,6 +337,11 @@ def _verify(rep: Report, model_or_fn: Any, example_inputs: tuple, options: Any) 
         if (rep.graph_index[i], r.name) in figures:
             r.details["fidelity"] = dict(figures[rep.graph_index[i], r.name])
     torch._dynamo.reset()
+    if any(draws_random(n) for gm in rep.graphs for n in gm.graph.nodes):
+        rep.fidelity = {"skipped": DRAWS_RANDOM}
+        log.warning("adjoint-compile verify: the model's gradients not compared with eager autograd's: %s",
+                    DRAWS_RANDOM)
+        return
     rep.fidelity = compare_grads(got, _all_grads(model_or_fn, params, example_inputs))
     if not rep.fidelity["tensors"]:
         log.warning("adjoint-compile verify: nothing compared: %s", NOTHING_COMPARED)

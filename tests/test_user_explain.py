@@ -124,3 +124,56 @@ def test_verify_of_a_function_over_tokens_compares_the_models_gradients(caplog):
     assert rep.fidelity["tensors"] == 0 and "fidelity: nothing compared: no input is a floating-point" in str(rep)
     assert "relative error 0, cosine 1" not in str(rep)
     assert any("nothing compared" in r.getMessage() for r in caplog.records)
+
+
+class _NormedScan(nn.Module):
+    """A BatchNorm (its running statistics and count are buffers written in the forward) and a counter buffer
+    before a scan; dropout after it when ``p``."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.bn, self.a, self.b, self.drop = nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Dropout(p)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        u = self.bn(x.transpose(1, 2)).transpose(1, 2)
+        return self.drop(ac.ops.linear_scan(torch.sigmoid(self.a(u)), self.b(u))).square().sum()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_explain_leaves_the_models_buffers_and_the_random_generator_as_they_were(verify):
+    """explain() runs the model (verify: three more times), which advanced BatchNorm's statistics and the counter,
+    and drew from the generator: a run that explained first trained differently from one that did not."""
+    torch.manual_seed(0)
+    m, x = _NormedScan(0.2).double(), torch.randn(2, 16, 4, dtype=torch.float64)
+    before = {n: b.clone() for n, b in m.named_buffers()}
+    torch.manual_seed(1)
+    ac.explain(m, x, options={"shard_size": 4, "inner": "eager", "verify": verify})
+    drawn = torch.rand(3)
+    for n, b in m.named_buffers():
+        torch.testing.assert_close(b, before[n], rtol=0, atol=0, msg=n)
+    torch.manual_seed(1)
+    torch.testing.assert_close(drawn, torch.rand(3), rtol=0, atol=0)
+    m(x)  # NB: the model still trains: its buffers move on
+    assert int(m.calls) == 1 and int(m.bn.num_batches_tracked) == 1
+
+
+def test_verify_does_not_compare_a_graph_that_draws_random_numbers(recwarn):
+    """Dropout's masks differ between the rewrite and plain autograd: the whole-graph comparison reported a large
+    "gradient relative error" for a correct rewrite. It is now skipped and says why; the region's own check, which
+    replays its masks, still runs."""
+    torch.manual_seed(0)
+    m, x = _NormedScan(0.3).double(), torch.randn(2, 16, 4, dtype=torch.float64)
+    f = torch.compile(m, backend="adjoint", options={"verify": True, "shard_size": 4, "inner": "aot_eager"})
+    f(x).backward()
+    said = [str(w.message) for w in recwarn if isinstance(w.message, ac.AdjointVerifyReport)]
+    assert any("whole graph not compared with plain autograd: it draws random numbers" in s for s in said), said
+    assert not any("whole graph (" in s for s in said), said
+    region = [s for s in said if "adjoint_region_0" in s]
+    assert region and "max relative error" in region[0], said
+    assert float(region[0].split("max relative error ")[1].split()[0]) < 1e-10, region
+    rep = ac.report(f)
+    assert "skipped" in rep.fidelity and "fidelity: not compared: it draws random numbers" in str(rep)
+    rep = ac.explain(m, x, options={"verify": True, "shard_size": 4, "inner": "aot_eager"})
+    assert "skipped" in rep.fidelity and "fidelity: not compared" in str(rep)

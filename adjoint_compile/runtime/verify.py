@@ -285,11 +285,26 @@ class ForwardCheck:
         return self.fn(*args)
 
 
+#: why verify=True leaves a graph's (or a model's) gradients uncompared with plain autograd's
+DRAWS_RANDOM = ("it draws random numbers (dropout), which the rewrite draws differently from plain autograd; each "
+                "rewritten region's own check compares its gradients with the same numbers")
+
+
 def parameters_of(fn: Any) -> dict[str, torch.Tensor]:
-    """The parameters of ``fn`` (a module), or of the modules a function reaches by name: its bound ``self``, a
-    ``functools.partial``'s arguments, its closure and the globals its code (and the code nested in it) reads."""
+    """The parameters of ``fn`` (a module), or of the modules a function reaches by name (:func:`modules_of`)."""
     if isinstance(fn, torch.nn.Module):
         return dict(fn.named_parameters())
+    params: dict[str, torch.Tensor] = {}
+    for name, m in modules_of(fn).items():
+        params.update({f"{name}.{n}": p for n, p in m.named_parameters() if all(p is not q for q in params.values())})
+    return params
+
+
+def modules_of(fn: Any) -> dict[str, torch.nn.Module]:
+    """``fn`` itself when a module, else the modules it reaches by name: its bound ``self``, a
+    ``functools.partial``'s arguments, its closure and the globals its code (and the code nested in it) reads."""
+    if isinstance(fn, torch.nn.Module):
+        return {"": fn}
     found: dict[str, Any] = {}
     if isinstance(fn, functools.partial):
         found.update({f"partial arg {i}": a for i, a in enumerate(fn.args)})
@@ -306,12 +321,7 @@ def parameters_of(fn: Any) -> dict[str, torch.Tensor]:
             c = todo.pop()
             found.update({n: globs[n] for n in c.co_names if n in globs and n not in found})
             todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    params: dict[str, torch.Tensor] = {}
-    for name, m in found.items():
-        if isinstance(m, torch.nn.Module):
-            params.update({f"{name}.{n}": p for n, p in m.named_parameters()
-                           if all(p is not q for q in params.values())})
-    return params
+    return {name: m for name, m in found.items() if isinstance(m, torch.nn.Module)}
 
 
 def _filled(cell: Any) -> bool:
