@@ -491,3 +491,27 @@ def test_a_second_length_in_one_graph_says_so_and_stays_exact():
     assert rows[13].rewrite == "adjoint", rows[13].reason
     assert rows[14].rewrite == "none" and "has 14 steps where the graph's other scans have 13" in rows[14].reason, \
         rows[14].reason
+
+
+class _StandardizedOverTime(nn.Module):
+    """The scan's states standardized over time (``std`` reads them whole), then projected and returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = ac_ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        h = (h - h.mean(1, keepdim=True)) / (h.std(1, keepdim=True) + 1e-5)
+        return x + self.o(h)
+
+
+def test_an_output_computed_from_a_region_output_is_not_called_that_output():
+    """The report said the states were kept whole as "an output of the model besides the loss": they are kept for
+    the ``std`` over time that reads them; what the model returns is computed from them."""
+    torch.manual_seed(0)
+    m, x = _StandardizedOverTime().double(), torch.randn(3, 24, 4, dtype=torch.float64)
+    rep = ac.explain(m, x, options={"shard_size": 4})
+    (r,) = [r for r in rep.regions if r.rewrite == "adjoint"]
+    assert "sum(s) over time" in r.reason and "an output of the model" not in r.reason, r.reason
+    assert not r.details.get("returned_whole"), r.details

@@ -26,6 +26,7 @@ from ...analysis.fx import allocated_bytes, fresh_name, is_convex, is_linear_sca
 from ...analysis.fx import eliminate_dead_code
 from ...analysis.fx import source_line, stable_toposort as _toposort
 from ...analysis.modes import moved_across_modes, written_after_read
+from ...analysis.optable import SAME_SHAPE, op_name
 from ...analysis.grow import infer_seeds, region_around
 from ...analysis.losses import loss_args
 from ...analysis.resets import find_resets
@@ -301,9 +302,16 @@ def _feeds_loss(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
     return False
 
 
+#: ops outside a region through which the graph returns a region output itself (a view, a cast, a copy)
+_SAME_VALUES = SAME_SHAPE | frozenset({"view", "reshape", "flatten", "unflatten", "transpose", "permute", "squeeze",
+                                       "unsqueeze", "getitem", "view_as", "reshape_as", "t"})
+
+
 def _returned(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
     """True when the graph returns region output ``o`` whole: it reaches the graph's output directly or through
-    ops outside the region that keep its step axis (a view, a cast)."""
+    ops outside the region that keep its values and its step axis (a view, a cast). NB: not through other ops: an
+    output computed from ``o`` (a standardization over time, then a projection) is not ``o``, which is kept whole
+    for the op that reads it, not because it is returned."""
     if info.step_dim.get(o) is None:
         return False
     todo, seen = [o], {o}
@@ -311,7 +319,7 @@ def _returned(o: fx.Node, members: set[fx.Node], info: TimeLocalInfo) -> bool:
         for u in todo.pop().users:
             if u.op == "output":
                 return True
-            if u not in members and u not in seen and info.step_dim.get(u) is not None:
+            if u not in members and u not in seen and info.step_dim.get(u) is not None and op_name(u) in _SAME_VALUES:
                 seen.add(u)
                 todo.append(u)
     return False
