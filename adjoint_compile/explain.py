@@ -135,8 +135,8 @@ class Report:
         return self.text()
 
     def grouped_rejections(self) -> list[tuple[str, str, list[str]]]:
-        """Rejections grouped by candidate and reason (node names masked as ``<node>``): (candidate, reason,
-        nodes), largest group first (regions.group_rejections)."""
+        """Rejections grouped by candidate and reason (reasons that differ only in the nodes they name are one
+        group, shown by its first): (candidate, reason, nodes), largest group first (regions.group_rejections)."""
         return group_rejections(self.rejections, (n.name for g in self.graphs for n in g.graph.nodes))
 
     def text(self, verbose: bool = False) -> str:

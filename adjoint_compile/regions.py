@@ -284,37 +284,31 @@ class Fallback:
 _WORD = re.compile(r"([A-Za-z_]\w*)")
 
 
+#: what stands for a node name in a rejection reason while grouping
+NODE = "<node>"
+#: after a group's reason that is its first member's: the others name their own nodes
+FIRST_OF_GROUP = " (at the first; the others alike, each at its own nodes)"
+
+
 def group_rejections(rejections: Sequence[Rejection], node_names: Iterable[str]) -> list[tuple[str, str, list[str]]]:
     """Rejections grouped by candidate and reason, where reasons that differ only in words that are node names of
     the graph are one group (one cause met at many layers): (candidate, reason, anchor nodes), largest group first.
 
-    A group's reason is its members' as written wherever they agree, and ``<node>`` only at the words where they
-    name different nodes: a word that merely is a node name too ("a", "skip", an op's name) stays; a group of one
-    keeps its reason as written."""
+    A group's reason is its members' where they agree word for word; where they name different nodes, it is the
+    first member's, as written, marked as such (a word that merely is a node name too, "a", "skip", an op's name,
+    does not split a group's words)."""
     names = set(node_names)
     groups: dict[tuple[str, str], list[Rejection]] = {}
     for j in rejections:
-        why = _WORD.sub(lambda m: "<node>" if m.group(0) in names else m.group(0), j.reason)
+        why = _WORD.sub(lambda m: NODE if m.group(0) in names else m.group(0), j.reason)
         groups.setdefault((j.candidate, why), []).append(j)
-    out = [(c, _common_reason([j.reason for j in js], why), [j.node for j in js]) for (c, why), js in groups.items()]
+    out = [(c, _shown([j.reason for j in js]), [j.node for j in js]) for (c, why), js in groups.items()]
     return sorted(out, key=lambda g: -len(g[2]))
 
 
-def _common_reason(reasons: list[str], masked: str) -> str:
-    """The reasons of one group word by word: a word where they all agree as written, ``<node>`` where they differ
-    (node names, by the grouping); ``masked`` (every node name masked) if they do not split into the same words."""
-    parts = [_WORD.split(r) for r in reasons]
-    if any(len(p) != len(parts[0]) for p in parts):
-        return masked
-    out = []
-    for i, word in enumerate(parts[0]):
-        if all(p[i] == word for p in parts):
-            out.append(word)
-        elif i % 2:
-            out.append("<node>")
-        else:  # NB: not a word (text between words) that differs: cannot be
-            return masked
-    return "".join(out)
+def _shown(reasons: list[str]) -> str:
+    """The reasons of one group: as written where they all agree, else the first one, marked as the first."""
+    return reasons[0] if all(r == reasons[0] for r in reasons) else reasons[0] + FIRST_OF_GROUP
 
 
 def rejection_lines(groups: Sequence[tuple[str, str, list[str]]], where: int = 3) -> list[str]:

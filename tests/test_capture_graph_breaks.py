@@ -16,7 +16,7 @@ import torch.fx as fx
 import adjoint_compile as ac
 from adjoint_compile.explain import Report
 from adjoint_compile.options import validate
-from adjoint_compile.regions import Rejection, group_rejections, rejection_lines
+from adjoint_compile.regions import FIRST_OF_GROUP, Rejection, group_rejections, rejection_lines
 
 LOGGER = "adjoint_compile.backend"
 
@@ -151,8 +151,8 @@ def test_words_that_are_also_node_names_are_not_masked():
     assert {"a", "skip", "the"} <= {n.name for n in gm.graph.nodes}
     groups = group_rejections(_skip_rejections(), (n.name for n in gm.graph.nodes))
     assert groups[0] == ("residual_chain",
-                         "block node <node> of the residual layer at <node> is also used by <node> outside the layer "
-                         "(a skip across layers)", ["add", "add_1"])
+                         "block node mul of the residual layer at add is also used by a outside the layer "
+                         "(a skip across layers)" + FIRST_OF_GROUP, ["add", "add_1"])
     # a group of one: its reason as written, node names included
     assert groups[1] == ("recurrence", "the carry the passes through a skip: not linear", ["the"])
     lines = rejection_lines(groups)
@@ -165,15 +165,19 @@ def test_a_node_every_member_names_is_shown_by_name():
     rej = [Rejection("residual_chain", f"add_{i}", f"layer at add_{i} also feeds skip outside the layer")
            for i in (1, 2, 3)]
     ((_, why, nodes),) = group_rejections(rej, ["skip", "add_1", "add_2", "add_3"])
-    assert why == "layer at <node> also feeds skip outside the layer" and nodes == ["add_1", "add_2", "add_3"]
+    assert why == "layer at add_1 also feeds skip outside the layer" + FIRST_OF_GROUP
+    assert nodes == ["add_1", "add_2", "add_3"]
+    # one reason met at several nodes, word for word: as written, not marked as the first
+    rej = [Rejection("recurrence", f"h_{i}", "not linear in the carry") for i in (1, 2)]
+    assert group_rejections(rej, ["h_1", "h_2"]) == [("recurrence", "not linear in the carry", ["h_1", "h_2"])]
 
 
 def test_the_report_text_keeps_the_words():
     gm = _words_as_names()
     rep = Report([], _skip_rejections(), [gm], [], validate(None))
     text = str(rep)
-    assert "(a skip across layers)" in text and "(<node> skip" not in text
-    assert "of the residual layer at <node>" in text
+    assert "(a skip across layers)" in text and "<node>" not in text
+    assert "of the residual layer at add is also used by a outside" in text and FIRST_OF_GROUP in text
     assert "recurrence at the: the carry the passes through a skip: not linear" in text
 
 

@@ -328,8 +328,8 @@ def test_explain_groups_residual_chain_rejections():
     rep = ac.explain(residual_loop, torch.randn(2, 4), torch.randn(4, 4))
     assert len(rep.rejections) == 5
     text = str(rep)
-    assert "residual_chain x5 (at x_1, x_2, x_3, ... (2 more)): layer input <node> of the residual layer at <node> " \
-           "also feeds <node> outside the layer" in text
+    assert "residual_chain x5 (at x_1, x_2, x_3, ... (2 more)): layer input x of the residual layer at x_1 " \
+           "also feeds sum_1 outside the layer (at the first; the others alike, each at its own nodes)" in text
     assert len(text.splitlines()) < 8
     verbose = rep.text(verbose=True)
     assert "residual_chain at x_5: layer input x_4 of the residual layer at x_5 also feeds sum_5" in verbose
