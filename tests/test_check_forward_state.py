@@ -97,3 +97,43 @@ def test_verify_runs_on_copies_of_every_input():
     _train(eager, x, steps=1, compiled=False)
     for (name, b), want in zip(model.named_buffers(), eager.buffers()):
         torch.testing.assert_close(b, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+class _TrackedScan(nn.Module):
+    """A linear scan whose mean state is tracked in a buffer under ``no_grad``, written the ways people write it."""
+
+    def __init__(self, form: str, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b, self.form = nn.Linear(d, d), nn.Linear(d, d), form
+        self.register_buffer("ema", torch.zeros(d, dtype=torch.float64))
+
+    def forward(self, x):
+        h = ac.ops.linear_scan(torch.sigmoid(self.a(x)), self.b(x))
+        with torch.no_grad():
+            m = h.mean((0, 1))
+            if self.form == "chained":
+                self.ema.mul_(0.9).add_(0.1 * m)
+            elif self.form == "chained_alpha":
+                self.ema.mul_(0.9).add_(m, alpha=0.1)
+            elif self.form == "two_statements":
+                self.ema.mul_(0.9)
+                self.ema.add_(0.1 * m)
+            else:
+                self.ema.lerp_(m, 0.1)
+        return x + h
+
+
+@pytest.mark.parametrize("form", ["chained", "chained_alpha", "two_statements", "lerp"])
+def test_a_tracked_statistic_updated_in_place_keeps_the_rewrite(form):
+    """``ema.mul_(0.9).add_(0.1 * m)`` wrote into the result of a write into the buffer: taken for a write into a
+    tensor the graph made, it left the whole graph with ordinary autograd. The buffer is written once per call, as
+    eagerly."""
+    torch.manual_seed(0)
+    model = _TrackedScan(form).double()
+    eager, x = copy.deepcopy(model), torch.randn(3, 13, 6, dtype=torch.float64)
+    f = _train(model, x)
+    _train(eager, x, compiled=False)
+    assert [r.rewrite for r in ac.report(f).regions] == ["adjoint"], ac.report(f)
+    torch.testing.assert_close(model.ema, eager.ema, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")

@@ -156,16 +156,22 @@ def is_view_op(n: fx.Node) -> bool:
 def written_inputs(graph: fx.Graph) -> tuple[list[fx.Node], list[fx.Node]]:
     """The in-place writes of ``graph`` (:func:`is_inplace`), split by what they write into: ``(into_inputs,
     into_intermediates)``. A write reaches an input when its target is a placeholder or a chain of views of one
-    (a module buffer updated in place); every other write is into a tensor the graph made, conservatively."""
+    (a module buffer updated in place), or the result of a write into one (``ema.mul_(0.9).add_(0.1 * m)``); every
+    other write is into a tensor the graph made, conservatively."""
     into_inputs, into_made = [], []
     for n in graph.nodes:
         if not is_inplace(n):
             continue
-        t = n.args[0] if n.args else None
-        while isinstance(t, fx.Node) and t.args and is_view_op(t):
-            t = t.args[0]
+        t = _written(n)
+        while isinstance(t, fx.Node) and t.args and (is_view_op(t) or is_inplace(t)):
+            t = _written(t) if is_inplace(t) else t.args[0]
         (into_inputs if isinstance(t, fx.Node) and t.op == "placeholder" else into_made).append(n)
     return into_inputs, into_made
+
+
+def _written(n: fx.Node) -> Any:
+    """What in-place op ``n`` writes into: its ``out=``, else its first argument."""
+    return n.kwargs["out"] if n.kwargs.get("out") is not None else n.args[0] if n.args else None
 
 
 def shares_memory(n: fx.Node, x: fx.Node) -> bool:
@@ -212,9 +218,9 @@ def reread_inputs(graph: fx.Graph, into_inputs: list[fx.Node]) -> list[fx.Node]:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     out = []
     for w in into_inputs:
-        root = w.args[0]
+        root = _written(w)
         while root.op != "placeholder":
-            root = root.args[0]
+            root = _written(root) if is_inplace(root) else root.args[0]
         seen, todo = {root}, [root]
         while todo:  # NB: the input and the values sharing its memory, not through a write (its users are ordered)
             for u in todo.pop().users:
