@@ -56,6 +56,10 @@ class GraphBreak:
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
 
+    def remedy(self) -> str:
+        """How to remove this break (analysis/breaks.py's ``Break.remedy``)."""
+        return Break(self.reason, self.location, self.code).remedy()
+
 
 @dataclasses.dataclass
 class Report:
@@ -228,8 +232,8 @@ class Report:
                  if i < len(self.compiled) and not self.compiled[i].regions and len(g.graph.nodes) <= SMALL_GRAPH_NODES]
         if len(small) > 1:
             lines.append(f"  {len(small)} graphs of <= {max(small)} nodes with nothing recognized, split by these "
-                         f"breaks: a recurrence split by a break cannot be rewritten; remove the break (a data-dependent "
-                         f"`if`: torch.where or torch.cond)")
+                         f"breaks: a recurrence split by a break cannot be rewritten; remove the break "
+                         f"({self.graph_breaks[0].remedy() if self.graph_breaks else 'TORCH_LOGS=graph_breaks'})")
         return lines
 
 

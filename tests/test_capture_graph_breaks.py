@@ -269,3 +269,31 @@ def test_a_skipped_frame_of_another_backend_is_not_warned_about():
         warnings.simplefilter("always")
         torch.compile(_BranchInLoop(), backend="eager")(torch.randn(2, 5, 8))
     assert not [w for w in said if issubclass(w.category, ac.AdjointCompileWarning)]
+
+
+class _CumulativeNorm(torch.nn.Module):
+    """A BatchNorm with ``momentum=None`` (a cumulative average): it reads its batch count with ``float()``."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.norm, self.a = torch.nn.BatchNorm1d(d, momentum=None), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        u = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return ac.ops.linear_scan(torch.sigmoid(self.a(u)), u).square().sum()
+
+
+def test_a_cumulative_batch_norm_break_names_its_own_remedy(caplog):
+    """The break in BatchNorm(momentum=None) was answered with ``capture_scalar_outputs = True``, which only moves
+    the break (dynamo then cannot guard the division), and the report's summary with "a data-dependent `if`"."""
+    torch.manual_seed(0)
+    m, x = _CumulativeNorm().double(), torch.randn(2, 9, 4, dtype=torch.float64)
+    rep = ac.explain(m, x, options={"inner": "eager"})
+    assert rep.graph_breaks and "num_batches_tracked" in rep.graph_breaks[0].code, rep.graph_breaks
+    remedy = rep.graph_breaks[0].remedy()
+    assert "momentum=None" in remedy and "give it a momentum" in remedy and "capture_scalar" not in remedy, remedy
+    assert "data-dependent" not in str(rep), str(rep)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        torch.compile(m, backend="adjoint", options={"inner": "eager"})(x)
+    said = " ".join(_warnings(caplog))
+    assert "give it a momentum" in said and "capture_scalar" not in said, said

@@ -74,6 +74,12 @@ class Break:
         return self.reason.lower().startswith("data-dependent")
 
     def remedy(self) -> str:
+        if "num_batches_tracked" in self.code and "batchnorm" in self.location:
+            # NB: momentum=None makes BatchNorm's factor 1 / float(count); capture_scalar_outputs then breaks on
+            # guarding the division instead
+            return ("a BatchNorm with momentum=None (a cumulative average) reads its batch count as a number: give "
+                    "it a momentum (nn.BatchNorm1d(d, momentum=0.1)); TORCH_LOGS=graph_breaks shows every break and "
+                    "why")
         how = ("compute both branches and choose with torch.where, or use torch.cond; " if self.data_dependent
                else "keep the number a tensor (`h / h.abs().amax()`, not `h / float(h.abs().max())`), or set "
                     "torch._dynamo.config.capture_scalar_outputs = True; " if self.reason.startswith("a tensor read")
