@@ -241,7 +241,8 @@ def _run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
     # NB: normalization rewrites gm in place; the graph as captured goes to the inner compiler when nothing is
     # rewritten, and is the reference of the first-call check otherwise
     pristine = timed("copy", copy_graph_module, gm) if compile else None
-    captured = timed("capture", capture, gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES)
+    captured = timed("capture", capture, gm, example_inputs, seed_dropout=opts.mode in decide.RECOMPUTING_MODES,
+                     seed_chains=opts.mode == "highway")
     regions, rejections = timed("recognize", recognize, captured, opts)
     plans = timed("decide", decide.plan, regions, opts)
     # NB: per_sample_clip lowers with concrete sizes: a symbolic graph (a batch size that changed) is specialized

@@ -258,3 +258,41 @@ def test_new_lengths_reuse_one_lowering_with_dropout(monkeypatch):
     assert not [str(m.message) for m in said if issubclass(m.category, ac.AdjointCompileWarning)]
     (region,) = generic_regions(f)
     assert region.lengths == {23, 41}, region.lengths
+
+
+class DropBlocks(nn.Module):
+    """A pre-norm residual stack with dropout in every block (``nn.Dropout``) and on the residual branch
+    (``F.dropout``), as transformers and MLP stacks write it."""
+
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.2),
+                                                  nn.Linear(2 * d, d)) for _ in range(n))
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = x + F.dropout(blk(x), 0.1, self.training)
+        return x
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_dropout_in_a_residual_chain_gets_highway_bp_with_the_forwards_masks(monkeypatch, inner):
+    """Highway-BP recomputes each block in the backward: a dropout there drew another mask, so the chain was
+    refused ("layer 1 draws random numbers"). Its dropouts are now seeded as a sharded region's are; with k = the
+    chain's length the gradients are autograd's for the same masks."""
+    torch.manual_seed(0)
+    model = DropBlocks().double()
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(123)
+    seed = new_seed()
+    with monkeypatch.context() as mp:
+        mp.setattr(F, "dropout", _streams(seed))
+        ref_out, ref_g = _step(model, model, x, w)
+    f = torch.compile(model, backend="adjoint", options={"inner": inner, "mode": "highway", "iterations": 3})
+    out, g = _step(f, model, x, w)
+    assert [r.rewrite for r in ac.report(f).regions] == ["highway"], ac.report(f)
+    assert _rel(out, ref_out) <= 1e-12
+    for a, b in zip(g, ref_g):
+        assert _rel(a, b) <= 1e-10
+    model.eval()  # NB: no dropout in eval: the same as eager
+    torch.testing.assert_close(f(x), model(x), rtol=1e-12, atol=1e-12)

@@ -90,7 +90,8 @@ class _DropoutChain(nn.Module):
 @pytest.mark.parametrize("training", [False, True])
 def test_a_residual_chain_with_dropout_in_eval_mode_is_rewritten(training):
     """In eval mode a dropout is the identity and draws nothing (it was refused as drawing random numbers); in
-    training mode it still is."""
+    training mode its masks are seeded, so that the recomputed blocks draw the forward's (their gradients against
+    autograd's with the same masks: tests/test_capture_dropout.py)."""
     torch.manual_seed(3)
     m = _DropoutChain().double().train(training)
     x = torch.randn(3, 5, dtype=torch.float64)
@@ -100,10 +101,9 @@ def test_a_residual_chain_with_dropout_in_eval_mode_is_rewritten(training):
     torch.manual_seed(0)
     got = _grads(c, m, x, torch.ones(3, 5, dtype=torch.float64))
     rows = ac.report(c).regions
-    if training:
-        assert not any(r.rewrite == "highway" for r in rows) and any("random" in r.reason for r in rows), rows
-        return
     assert [r.rewrite for r in rows] == ["highway"], ac.report(c)
+    if training:
+        return
     want = _grads(ref, ref, x, torch.ones(3, 5, dtype=torch.float64))
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-10, msg=lambda s: f"{n}: {s}")

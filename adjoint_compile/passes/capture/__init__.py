@@ -119,11 +119,12 @@ def match_recurrences(gm: fx.GraphModule, cands: Candidates | None = None) -> tu
 
 
 def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: bool = True,
-            seed_dropout: bool = True) -> Captured:
+            seed_dropout: bool = True, seed_chains: bool = False) -> Captured:
     """Wrap dynamo's graph and normalize it in place (see the module docstring).
 
     ``normalize=False`` leaves the graph as dynamo gave it; ``seed_dropout=False`` leaves dropouts alone (modes
-    that recompute nothing need no reproducible masks).
+    that recompute nothing need no reproducible masks); ``seed_chains`` seeds them in a graph without scans or
+    loops too (highway mode recomputes a residual chain's blocks).
     """
     if normalize:  # NB: before the symbolic check: a symbolic graph is lowered from this one too
         drop_unused_float_args(gm)
@@ -159,7 +160,10 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], *, normalize: boo
     shifts = timed("shifts", canonicalize_shifts, gm)
     has_scans = any(is_linear_scan(n) for n in gm.graph.nodes)
     token_shifts = timed("token_shifts", canonicalize_token_shifts, gm) if has_scans else 0
-    dropouts = timed("dropouts", seed_dropouts, gm) if seed_dropout and has_scans else 0
+    # NB: not where a loop was matched: its steps' seeded dropouts differ by stream, and the loop would no longer be
+    # read as one step repeated (highway mode refuses a step that draws random numbers, with that reason)
+    chains = seed_chains and not matched[0]
+    dropouts = timed("dropouts", seed_dropouts, gm) if seed_dropout and (has_scans or chains) else 0
     captured.normalized = {"rerolled": made, "shifts": shifts, "token_shifts": token_shifts, "dropouts": dropouts, "known_scans": known}
     if forms:
         captured.normalized["scan_forms"] = forms

@@ -29,6 +29,7 @@ from ...analysis.fx import example_value as _ev
 from ...analysis.fx import reachable
 from ...analysis.fx import stable_toposort as _toposort
 from ...analysis.optable import draws_random, fn_name, op_name
+from ...kernels.random import hashed_dropout
 from ...options import Options
 from ...regions import PROVENANCE, Lowered, ResidualChain
 
@@ -100,7 +101,7 @@ def lower_chain(gm: fx.GraphModule, r: ResidualChain, opts: Options, name: str) 
             if n.op not in ("call_function", "call_method", "call_module"):
                 raise ChainRefused(f"node {n.name} ({n.op}) cannot be outlined")
             what = op_name(n) or fn_name(n)
-            if draws_random(n):
+            if draws_random(n) and n.target is not hashed_dropout:  # NB: a seeded mask is the same when recomputed
                 raise ChainRefused(f"layer {i + 1} draws random numbers ({what} at node {n.name}); Highway-BP "
                                    f"recomputes the blocks in the backward")
             if n is not layer.out and any(u not in nodes for u in n.users):
