@@ -17,6 +17,7 @@ the cumprod form divides by a product that underflows to 0 (nan or inf in eager)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -120,9 +121,13 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
     made: list[str] = []
     failed: list[Rejection] = []
     _note_tree_rejections(gm, rejected)
+    #: a form's output -> the linear_scan now in its place: a later form may read it (a second scan of the first
+    #: one's output), and would otherwise keep the first form alive
+    done: dict[fx.Node, fx.Node] = {}
     for f in forms:
         if not f.anchor.users:
             continue
+        f = dataclasses.replace(f, **{k: done[v] for k in ("a", "b", "h0") if (v := getattr(f, k)) in done})
         prov = {"pass": "scan_forms", "source": f.source, "region": f.anchor.name}
         em = Emitter(gm, prov)
         try:
@@ -140,6 +145,7 @@ def rewrite_scan_forms(gm: fx.GraphModule) -> tuple[list[str], list[Rejection]]:
             log.info("scan_forms: %s %s keeps its form: %s", f.source, f.anchor.name, e)
             continue
         made.append(H.name)
+        done[f.anchor] = H
         log.info("scan_forms: %s %s -> linear_scan %s", f.source, f.anchor.name, H.name)
     if made:
         _toposort(gm.graph)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -149,9 +150,11 @@ def _run(n: fx.Node, env: dict, lead: dict) -> torch.Tensor:
     raise _Miss(f"{n.name} ({name}) is not a data-movement op of the scan tree")
 
 
-def _leaves(gm: fx.GraphModule, blocks: list[_Block]) -> list[fx.Node]:
-    """The ``movedim(x, d, 0)`` nodes upstream of the blocks through data movement, in graph order."""
+def _upstream(blocks: list[_Block]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The ``movedim(x, d, 0)`` leaves and the vmap outputs (``_remove_batch_dim``) the blocks read through data
+    movement."""
     leaves: list[fx.Node] = []
+    removed: list[fx.Node] = []
     seen, stack = set(), [u.args[0] for b in blocks for u in b.ins]
     while stack:
         v = stack.pop()
@@ -162,13 +165,36 @@ def _leaves(gm: fx.GraphModule, blocks: list[_Block]) -> list[fx.Node]:
         if md is not None and md[1] == 0:
             leaves.append(v)
         elif v.target is _REMOVE:
-            continue
+            removed.append(v)
         elif _name(v) in ("slice", "cat", "pad", "stack", "flatten"):
             stack.extend(v.all_input_nodes)
         else:
             raise _Miss(f"{v.name} ({_name(v)}) feeds the combine and is neither a leaf nor data movement")
+    return leaves, removed
+
+
+def _leaves(gm: fx.GraphModule, blocks: list[_Block]) -> list[fx.Node]:
+    """The ``movedim(x, d, 0)`` nodes upstream of the blocks through data movement, in graph order."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(leaves, key=order.__getitem__)
+    return sorted(_upstream(blocks)[0], key=order.__getitem__)
+
+
+def _trees(blocks: list[_Block]) -> list[list[_Block]]:
+    """The blocks grouped into scans (one ``associative_scan`` call each), in graph order: blocks reading the same
+    leaves, or one another's outputs, through data movement. A block whose inputs are not data movement is a scan
+    of its own (its rejection says why)."""
+    g = nx.Graph()
+    made = {o: i for i, b in enumerate(blocks) for o in b.outs}
+    for i, b in enumerate(blocks):
+        g.add_node(("block", i))
+        try:
+            leaves, removed = _upstream([b])
+        except _Miss:
+            continue
+        g.add_edges_from((("block", i), ("leaf", v)) for v in leaves)
+        g.add_edges_from((("block", i), ("block", made[v])) for v in removed if v in made)
+    groups = [sorted(k for kind, k in c if kind == "block") for c in nx.connected_components(g)]
+    return [[blocks[k] for k in ks] for ks in sorted(groups)]
 
 
 def _tree(gm: fx.GraphModule, blocks: list[_Block], leaves: list[fx.Node]) -> list[tuple[fx.Node, int]]:
@@ -244,6 +270,17 @@ def find_generic_scans(gm: fx.GraphModule) -> tuple[list[ScanForm], list[Rejecti
     if not blocks or has_symbolic_sizes(gm):
         # NB: sizes known only at run time: the backend matches the graph specialized to each call's sizes
         return [], []
+    forms: list[ScanForm] = []
+    rejections: list[Rejection] = []
+    for tree in _trees(blocks):
+        f, r = _scan_of(gm, tree)
+        forms += f
+        rejections += r
+    return forms, rejections
+
+
+def _scan_of(gm: fx.GraphModule, blocks: list[_Block]) -> tuple[list[ScanForm], list[Rejection]]:
+    """One scan's blocks (:func:`_trees`) read as a closed form, or its rejection."""
     anchor = blocks[0].outs[0].name
     try:
         combines = []
