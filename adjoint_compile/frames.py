@@ -98,6 +98,12 @@ def first_notice(code: Any, what: str) -> bool:
     return True
 
 
+def _rolled(gm: Any) -> bool:
+    """Whether the graph holds a loop the roller traced as torch's ``scan`` (its length is a guard, as the loop's)."""
+    return any(n.op == "call_function" and "scan" in str(n.target) and "loop_runtime.py" in
+               (n.meta.get("stack_trace") or "") for n in gm.graph.nodes)
+
+
 def count_loop_compiles(result: Any) -> None:
     """Warn, and list in report(), when a frame whose graphs held rewritten regions has been compiled as often as
     dynamo's recompile limit allows: past the limit dynamo runs the frame uncompiled (ordinary autograd, no memory
@@ -117,9 +123,12 @@ def count_loop_compiles(result: Any) -> None:
         _LOOP_CODES.discard(code)
         _REWRITTEN_CODES.discard(code)
         _GENERIC_CODES.discard(code)
-    if result.captured.normalized.get("rerolled"):
+    # NB: a graph with symbolic sizes (dynamic=True, or a second length) is not normalized at compile time: its
+    # loop is a region read from the unrolled steps, and its regions are lowered per call signature when it runs
+    if result.captured.normalized.get("rerolled") or any(r.source == "unrolled_loop" for r in result.regions) or \
+            result.captured.symbolic and _rolled(result.captured.gm):
         _LOOP_CODES.add(code)
-    if result.lowered:
+    if result.lowered or result.captured.symbolic and result.regions:
         _REWRITTEN_CODES.add(code)
     if code not in _LOOP_CODES and code not in _REWRITTEN_CODES or \
             n != getattr(torch._dynamo.config, "recompile_limit", 8):

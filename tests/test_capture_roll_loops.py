@@ -605,13 +605,15 @@ def test_a_loop_that_is_not_re_rolled_says_so():
                for r in reasons), reasons
 
 
-@pytest.mark.slow
-def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled():
+@pytest.mark.parametrize("dynamic", [pytest.param(None, marks=pytest.mark.slow), True])
+def test_a_loop_at_dynamos_recompile_limit_says_the_next_length_runs_uncompiled(dynamic):
     """A loop over range(T) recompiles at every new length; past dynamo's recompile_limit the model ran uncompiled
-    (ordinary autograd, no memory saved) with dynamo's own log line only and nothing in the report."""
+    (ordinary autograd, no memory saved) with dynamo's own log line only and nothing in the report. With
+    ``dynamic=True`` (every graph symbolic, its loop rolled but its length still a guard) it still was."""
     from helpers import StepLoop
     torch._dynamo.reset()
-    f = torch.compile(StepLoop(4), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    f = torch.compile(StepLoop(4), backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"},
+                      dynamic=dynamic)
     with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         for T in (9, 10, 11):
