@@ -138,6 +138,8 @@ def _watch_backward(record: dict[str, float], out: Any) -> None:
         pass
 
     def enter(grad_outputs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None  # NB: a backward traced by dynamo (``loss.backward()`` inside the compiled function)
         ident = threading.get_ident()
         if _backward.get(ident) is record:
             return None

@@ -39,6 +39,10 @@ _SCRIPT = textwrap.dedent("""
         opt.zero_grad()
         return loss
 
+    import warnings
+    said = warnings.catch_warnings(record=True)
+    caught = said.__enter__()
+    warnings.simplefilter("always")
     for i in range(2):
         x = torch.randn(2, 13, 6)
         got = step(x)
@@ -47,6 +51,12 @@ _SCRIPT = textwrap.dedent("""
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    said.__exit__(None, None, None)
+    # NB: dynamo traced the package's backward pre-hook ("does not know how to trace the builtin
+    # _thread.get_ident"), and the small graph after loss.backward() was warned as "nothing recognized"
+    noise = [str(w.message)[:200] for w in caught if "get_ident" in str(w.message) or "nothing recognized" in
+             str(w.message) or "adjoint_compile" in str(w.filename) and "timing" in str(w.filename)]
+    assert not noise, noise
     if backend == "adjoint":
         rep = ac.report(step)
         assert any(r.rewrite == "adjoint" for r in rep.regions), rep
@@ -56,8 +66,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["adjoint", "aot_eager"])
-@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["adjoint", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_a_compiled_train_step_runs_and_matches_eager(backend, tmp_path):
     script = tmp_path / "step.py"
     script.write_text(_SCRIPT)

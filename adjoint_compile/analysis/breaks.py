@@ -301,6 +301,12 @@ def collapse(result: Any, message: str | None, opts: Any) -> str | None:
             or (ended is None and resumed is None and not notes.breaks)):
         return message
     notes.split.append(nodes)
+    if any(getattr(g, "lowered", None) for g in notes.graphs.values() if g is not result):
+        # NB: a graph of this compile was rewritten (the model's loss before a ``loss.backward()`` that breaks):
+        # "nothing recognized" would read as the whole model's verdict; report() lists this graph
+        log.info("adjoint-compile: a graph of %d nodes with nothing recognized beside a graph break, next to "
+                 "rewritten ones (not warned)", nodes)
+        return None
     if len(notes.split) > 1:
         log.info("adjoint-compile: one more graph of %d nodes with nothing recognized between graph breaks (%d so "
                  "far; warned once)", nodes, len(notes.split))
