@@ -13,6 +13,11 @@ import torch.nn as nn
 import adjoint_compile as ac
 from helpers import compiled_matches_eager
 
+try:  # NB: installed with the test extra (mingru-pytorch needs it)
+    from einops import einsum
+except ImportError:  # pragma: no cover
+    einsum = None
+
 B, H, K = 2, 2, 3
 
 
@@ -42,3 +47,41 @@ def test_einsum_steps_are_batched_and_sharded(T, roll):
     rep = ac.report(f)
     assert [(r.source, r.rewrite) for r in rep.regions] == [("scan" if roll else "unrolled_loop", "adjoint")], str(rep)
     assert "einsum" not in str(rep.regions[0].details.get("readouts", "")), rep.regions[0].details
+
+
+class SelectiveScan(nn.Module):
+    """mamba-minimal's selective scan: the decay and input by ``einops.einsum`` before the loop, the readout by
+    ``einops.einsum`` in the step."""
+
+    def __init__(self, d: int = 4, n: int = 3) -> None:
+        super().__init__()
+        self.A = nn.Parameter(-torch.rand(d, n) - 0.5)
+        self.proj = nn.Linear(d, 1 + 2 * n)
+        self.n = n
+
+    def forward(self, u):
+        delta, Bm, C = self.proj(u).split([1, self.n, self.n], dim=-1)
+        delta = torch.nn.functional.softplus(delta).expand_as(u)
+        deltaA = torch.exp(einsum(delta, self.A, "b l d, d n -> b l d n"))
+        deltaB_u = einsum(delta, Bm, u, "b l d, b l n, b l d -> b l d n")
+        x = torch.zeros(u.shape[0], u.shape[2], self.n, dtype=u.dtype)
+        ys = []
+        for i in range(u.shape[1]):
+            x = deltaA[:, i] * x + deltaB_u[:, i]
+            ys.append(einsum(x, C[:, i, :], "b d n, b n -> b d"))
+        return torch.stack(ys, dim=1).square().mean()
+
+
+def test_an_einops_step_is_rolled_and_sharded():
+    """A step calling ``einops.einsum`` was not rolled ("calls einsum, which may not trace inside torch's scan"):
+    dynamo unrolled the loop, and its compile time grew with T. einops' functions are pure tensor code."""
+    if einsum is None:
+        pytest.skip("einops is not installed")
+    from adjoint_compile.polyfills import loops
+    torch.manual_seed(0)
+    f = compiled_matches_eager(SelectiveScan().double(), torch.randn(B, 13, 4, dtype=torch.float64),
+                               options={"shard_size": 4, "inner": "aot_eager"})
+    rep = ac.report(f)
+    assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")], str(rep)
+    (r,) = loops.rolled()["SelectiveScan.forward"]
+    assert r.rolled, r

@@ -22,6 +22,8 @@ import torch.nn as nn
 
 _SAFE_MODULES = {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math}
 _SAFE_BUILTINS = {"len", "abs", "isinstance", "getattr", "hasattr", "range", "enumerate", "zip", "reversed"}
+#: libraries of pure tensor functions that dynamo traces through (einops' rearrange, repeat, reduce, einsum, pack)
+_SAFE_LIBRARIES = ("einops",)
 #: an item of a ModuleList, Sequential or ParameterList, whichever: ``self.cells[l](x)``, ``for cell in self.cells``
 EVERY = "*"
 #: calls that leave the graph, depend on data for their shape, or draw random numbers (different streams per step)
@@ -126,11 +128,13 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
         path = _attr_path(fn)
         if path is not None and path[0] not in f.locals_ and path[0] not in f.params:
             obj = _resolve(path[:-1], f.fn.__globals__) if len(path) > 1 else None
-            if len(path) > 1 and obj in _SAFE_MODULES:
+            if len(path) > 1 and (obj in _SAFE_MODULES or _library(obj)):
                 continue
             if len(path) == 1 and path[0] in _SAFE_BUILTINS:
                 continue
             target = _resolve(path, f.fn.__globals__)
+            if _library(target):
+                continue
             if isinstance(target, types.BuiltinFunctionType) and getattr(target, "__module__", "") in (
                     "torch", "torch._C._nn", "torch._C._special", "torch._C._linalg", "math"):
                 continue
@@ -140,6 +144,12 @@ def _check_calls(node: ast.AST, f: _Fn) -> None:
         if path is not None and path[0] == f.self_name and len(path) >= 2:
             f.module_calls.add(path[1:])  # self.mod(...) or self.method(...) or self.param.method(...)
         # else: a method of a local tensor, allowed unless denied above
+
+
+def _library(obj: Any) -> bool:
+    """Whether ``obj`` is a module or function of one of :data:`_SAFE_LIBRARIES`."""
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    return isinstance(name, str) and name.split(".")[0] in _SAFE_LIBRARIES
 
 
 @functools.lru_cache(maxsize=1024)
