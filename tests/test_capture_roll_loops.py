@@ -701,3 +701,39 @@ def test_a_carry_of_strided_inputs_rolls_exact(shard_size):
     want = torch.autograd.grad(model(x, gate).square().sum(), [gate, *model.parameters()])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert [r.source for r in ac.report(f).regions] == ["scan"], ac.report(f)
+
+
+class _TanhLoop(nn.Module):
+    """A tanh RNN: elementwise, ``tanh(a * h + x_t)``."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.w, self.a = nn.Linear(d, d), nn.Parameter(torch.rand(d))
+
+    def forward(self, x):
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.a * h + x[:, t])
+            hs.append(h)
+        return torch.stack(hs, 1)
+
+
+class _ElmanLoop(_TanhLoop):
+    """Elman's: ``tanh(W h + x_t)``."""
+
+    def forward(self, x):
+        h, hs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.w(h) + x[:, t])
+            hs.append(h)
+        return torch.stack(hs, 1)
+
+
+@pytest.mark.parametrize("model", [_TanhLoop, _ElmanLoop])
+def test_a_rolled_nonlinear_loop_names_its_nonlinearity(model):
+    """The rolled step copies its carries (scan refuses aliased outputs): the reason named that copy ("passes
+    through clone"), not the tanh."""
+    rep = ac.explain(model(), torch.randn(2, 9, 4), options={"shard_size": 4})
+    why = [j.reason for j in rep.rejections]
+    assert any(w.startswith("not linear in the carry: it passes through tanh") for w in why), why
+    assert not any("clone" in w for w in why), why

@@ -441,6 +441,8 @@ def classify_update(new: fx.Node, carry: fx.Node, depends: Callable[[fx.Node], b
         if not depends(new):
             return UpdateForm("general", reason="the new state does not depend on the carry", where=new.name)
         culprit = next((a for a in (aff.offset.nodes() if aff.offset else []) if depends(a)), new)
+        while op_name(culprit) in ("clone", "contiguous") and culprit.args and isinstance(culprit.args[0], fx.Node):
+            culprit = culprit.args[0]  # NB: a rolled loop's carries are copied (loop_runtime): name what is copied
         what = op_name(culprit) or culprit.op
         mm = _matrix_product(culprit, carry, depends)
         if mm is not None:
