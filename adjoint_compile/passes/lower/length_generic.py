@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...analysis.fx import eliminate_dead_code
+from ...analysis.fx import eliminate_dead_code, source_at
 from ...analysis.fx import example_value as _ev
 from ...analysis.fx import stable_toposort
 from ...analysis.step_literals import SHAPE_ARG_METHODS
@@ -41,6 +41,12 @@ from ...runtime.sharded import ShardedRegion
 log = logging.getLogger(__name__)
 
 __all__ = ["generalize"]
+
+
+def _at(n: fx.Node) -> str:
+    """``name at file:line: code`` for messages (the node's own name when no source line was recorded)."""
+    where = source_at(n)
+    return where if where.startswith("node ") else f"{n.name} at {where}"
 
 
 def _is_size(n: fx.Node) -> bool:
@@ -264,8 +270,9 @@ def generalize(sym: fx.GraphModule, lowered: fx.GraphModule, calls: list[str], s
                     continue  # NB: a library scan's call, which capture replaced by the scan: its sizes are its own
                 elif (why := _size_read(m, a, steps, pinned)):
                     return [], f"{c}: {why}"
-            if any(u not in mset for u in m.users) and m not in outputs:
-                return [], f"{c}: member {m.name} is read outside the region"
+            if (reader := next((u for u in m.users if u not in mset), None)) is not None and m not in outputs:
+                return [], (f"{c}: a value it computes ({_at(m)}) is also read outside it ({_at(reader)}), and would "
+                            "have to be kept at every length")
         plans.append((call.target, mod, mset, inputs, outputs, stops, remade, names))
     order = {n: i for i, n in enumerate(sym.graph.nodes)}
     made = []
