@@ -463,8 +463,15 @@ def _warn_unsaved(result: CompiledGraph, opts: Options) -> None:
     nothing; never repeated per call; small graphs split off by graph breaks: one per compile (analysis/breaks.py)."""
     from .analysis.breaks import collapse  # NB: which also notes the graph for report()
     msg = collapse(result, unsaved_message(result, opts), opts)
-    if msg is not None:
-        log.warning("%s", msg)
+    if msg is None:
+        return
+    inputs = [n.meta.get("example_value", n.meta.get("val")) for n in result.captured.gm.graph.nodes
+              if n.op == "placeholder"]
+    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        # NB: no backward runs through this graph (validation under no_grad, generation): nothing to save
+        log.info("%s (no gradient flows through this graph: nothing to save)", msg)
+        return
+    log.warning("%s", msg)
 
 
 def _register() -> None:

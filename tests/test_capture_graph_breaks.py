@@ -297,3 +297,21 @@ def test_a_cumulative_batch_norm_break_names_its_own_remedy(caplog):
         torch.compile(m, backend="adjoint", options={"inner": "eager"})(x)
     said = " ".join(_warnings(caplog))
     assert "give it a momentum" in said and "capture_scalar" not in said, said
+
+
+def test_a_graph_no_gradient_flows_through_is_not_warned_about(caplog):
+    """Validation under ``no_grad`` (and generation) compiles graphs of its own; "saves no memory, write the
+    recurrence with linear_scan" is noise there: no backward runs. The training graph still warns."""
+    from helpers import StepLoop
+    torch._dynamo.reset()
+    m = StepLoop(4)
+    f = torch.compile(m, backend="adjoint", options={"inner": "eager"})
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        m.eval()
+        with torch.no_grad():
+            f(torch.randn(2, 9, 4))
+    assert not _warnings(caplog), _warnings(caplog)
+    m.train()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        f(torch.randn(2, 9, 4)).sum().backward()
+    assert any("kept ordinary autograd" in w for w in _warnings(caplog)), _warnings(caplog)
