@@ -465,10 +465,9 @@ def _warn_unsaved(result: CompiledGraph, opts: Options) -> None:
     msg = collapse(result, unsaved_message(result, opts), opts)
     if msg is None:
         return
-    inputs = [n.meta.get("example_value", n.meta.get("val")) for n in result.captured.gm.graph.nodes
-              if n.op == "placeholder"]
-    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
-        # NB: no backward runs through this graph (validation under no_grad, generation): nothing to save
+    if not torch.is_grad_enabled():
+        # NB: no backward runs through this graph (validation under no_grad, generation): nothing to save. A graph
+        # whose inputs need no gradient may be a piece of a model split by a break, which the warning is about
         log.info("%s (no gradient flows through this graph: nothing to save)", msg)
         return
     log.warning("%s", msg)

@@ -296,3 +296,40 @@ def test_dropout_in_a_residual_chain_gets_highway_bp_with_the_forwards_masks(mon
         assert _rel(a, b) <= 1e-10
     model.eval()  # NB: no dropout in eval: the same as eager
     torch.testing.assert_close(f(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class _TorchDropoutScan(nn.Module):
+    """``torch.dropout(x, p, train)`` (whose flag is ``train``, with no default) on a scan's input."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return ac.ops.linear_scan(torch.sigmoid(self.a(x)), torch.dropout(self.b(x), 0.3, self.training))
+
+
+class _TorchDropoutChain(nn.Module):
+    def __init__(self, d: int = 6, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = x + torch.dropout(blk(x), 0.3, self.training)
+        return x
+
+
+@pytest.mark.parametrize("model, options", [(_TorchDropoutScan, {"shard_size": 4}),
+                                            (_TorchDropoutChain, {"mode": "highway", "iterations": 3})])
+def test_torch_dropout_in_eval_mode_draws_nothing(model, options):
+    """The seeding read torch.dropout's ``train=False`` as F.dropout's default ``training=True``: in eval mode the
+    rewritten model kept dropping (silently: the first-call check skips graphs with dropout). Eval mode is the
+    identity, as eagerly, and the chain is still rewritten there."""
+    torch.manual_seed(0)
+    m = model().double().eval()
+    x = torch.randn(2, 16, 6, dtype=torch.float64)
+    f = torch.compile(m, backend="adjoint", options={"inner": "aot_eager", **options})
+    torch.testing.assert_close(f(x), m(x), rtol=1e-12, atol=1e-12)
+    assert [r.rewrite for r in ac.report(f).regions] == ["adjoint" if "shard_size" in options else "highway"], \
+        ac.report(f)

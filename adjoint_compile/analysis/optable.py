@@ -218,13 +218,14 @@ def draws_random(n: fx.Node) -> bool:
     for w in _NOT_RANDOM:
         name = name.replace(w, "")
     if "dropout" in name and n.op == "call_function" and n.target in _DROPOUTS and \
-            (n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)) is False:
+            (n.args[2] if len(n.args) > 2 else n.kwargs.get("training", n.kwargs.get("train", True))) is False:
         return False  # NB: in eval mode (``training=False``) a dropout is the identity and draws nothing
     return any(w in name for w in RANDOM_WORDS)
 
 
 #: torch's dropouts of signature (input, p, training, ...)
-_DROPOUTS = frozenset({F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d})
+_DROPOUTS = frozenset({F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                       torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout})
 
 
 def target_key(n: fx.Node) -> str:

@@ -36,12 +36,13 @@ def _spec(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(input, p) of an active, out-of-place ``F.dropout`` / ``torch.dropout`` call, or None."""
     if node.op != "call_function" or node.target not in (F.dropout, torch.dropout):
         return None
+    # NB: torch.dropout's flag is ``train``, with no default; F.dropout's is ``training``, True by default
+    flag = "train" if node.target is torch.dropout else "training"
     names = ("input", "p", "training", "inplace") if node.target is not torch.dropout else ("input", "p", "train")
-    defaults = {"p": 0.5, "training": True, "inplace": False}
-    vals = dict(defaults)
+    vals: dict = {"p": 0.5, "training": True, "inplace": False} if flag == "training" else {}
     vals.update(zip(names, node.args))
     vals.update(node.kwargs)
-    training = vals.get("training", vals.get("train"))
+    training = vals.get(flag)
     x, p = vals.get("input"), vals.get("p")
     if not isinstance(x, fx.Node) or not isinstance(p, (int, float)) or training is not True or vals.get("inplace"):
         return None
