@@ -220,3 +220,73 @@ def test_explain_of_the_compiled_model_traces_as_the_backend():
     for target in (torch.compile(m, backend="adjoint"), torch.compile(lambda v: m(v), backend="adjoint")):
         rep = ac.explain(target, *x, options={"shard_size": 4})
         assert [(r.source, r.rewrite) for r in rep.regions] == [("scan", "adjoint")] * 2, str(rep)
+
+
+class Aliased(_Stack):
+    """The state list under a second name (``saved = hs``), read after the loop: the loop's writes show there."""
+
+    def forward(self, x):
+        hs = [x.new_zeros(x.shape[0], D) for _ in range(self.n)]
+        saved = hs
+        outs = []
+        for t in range(x.shape[1]):
+            inp = x[:, t]
+            for l in range(self.n):
+                hs[l] = self.cells[l](inp, hs[l])
+                inp = hs[l]
+            outs.append(inp)
+        return torch.stack(outs, 1).square().mean() + saved[0].sum()
+
+
+class ReadThroughAlias(_Stack):
+    """The step reads the list through its other name: it must see this step's writes. Not rolled."""
+
+    def forward(self, x):
+        hs = [x.new_zeros(x.shape[0], D) for _ in range(self.n)]
+        saved = hs
+        outs = []
+        for t in range(x.shape[1]):
+            inp = x[:, t]
+            for l in range(self.n):
+                hs[l] = self.cells[l](inp, hs[l])
+                inp = hs[l] + saved[0]
+            outs.append(inp)
+        return torch.stack(outs, 1).square().mean()
+
+
+class Given(_Stack):
+    """The states come from the caller, whose list holds the final states afterwards, as eagerly."""
+
+    def forward(self, x, hs):
+        outs = []
+        for t in range(x.shape[1]):
+            inp = x[:, t]
+            for l in range(self.n):
+                hs[l] = self.cells[l](inp, hs[l])
+                inp = hs[l]
+            outs.append(inp)
+        return torch.stack(outs, 1).square().mean()
+
+
+@pytest.mark.parametrize("model, rolls", [(Aliased, True), (ReadThroughAlias, False)])
+def test_a_state_list_under_another_name_sees_the_loops_writes(model, rolls):
+    """The rolled loop rebound ``hs`` to a new list: ``saved = hs`` still held the first states after the loop
+    (a wrong loss and gradients, silently). The final states are now written back into the list."""
+    torch.manual_seed(0)
+    m = model().double()
+    f = compiled_matches_eager(m, *_inputs(m, 11), options={"shard_size": 4, "inner": "aot_eager"})
+    assert any(r.source == "scan" for r in ac.report(f).regions) == rolls, str(ac.report(f))
+
+
+def test_the_callers_state_list_holds_the_final_states():
+    torch.manual_seed(0)
+    m = Given().double()
+    (x,) = _inputs(m, 11)
+    h0 = [torch.randn(B, D, dtype=torch.float64) for _ in range(m.n)]
+    mine, theirs = list(h0), list(h0)
+    f = torch.compile(m, backend="adjoint", options={"shard_size": 4, "inner": "aot_eager"})
+    torch.testing.assert_close(f(x, mine), m(x, theirs), rtol=1e-12, atol=1e-12)
+    for a, b, first in zip(mine, theirs, h0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(a, first)
+    assert loops.rolled()["Given.forward"][0].rolled

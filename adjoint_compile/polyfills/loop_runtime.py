@@ -40,7 +40,8 @@ def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any
     """Whether the rolled form computes what the loop over ``r`` does: tracing for the adjoint backend, a plain
     range of at least :data:`MIN_STEPS` steps, every indexed sequence a tensor with those steps along its dim,
     neither a float nor a module among the values the step reads from its function (``invariants``, self aside),
-    and a list each carry the step writes an item of (``items``; into a tensor that write is in place).
+    and a list each carry the step writes an item of (``items``; into a tensor that write is in place) that the
+    step does not also read through another name.
 
     NB: dynamo holds a float that changed between calls symbolic, and scan refuses a symbolic float input (it
     raises); a traced float looks the same whether symbolic or not, so any float keeps the loop as written. A module
@@ -48,6 +49,11 @@ def ok(r: Any, xs: tuple[Any, ...], dims: tuple[int, ...], invariants: tuple[Any
     if not rolling() or not isinstance(r, range) or r.step != 1 or r.start < 0 or len(r) < MIN_STEPS:
         return False
     if any(isinstance(v, (float, torch.nn.Module)) for v in invariants) or any(type(v) is not list for v in items):
+        return False
+    # NB: the step would read such a list through another name as it was before the loop, not as the loop writes it
+    held = [w for v in invariants for w in ((v, *v) if isinstance(v, (list, tuple)) else (v, *v.values())
+                                               if isinstance(v, dict) else (v,))]
+    if any(w is v for v in items for w in held):
         return False
     for x, d in zip(xs, dims):
         if not isinstance(x, torch.Tensor) or not -x.dim() <= d < x.dim() or x.shape[d] < r.stop:

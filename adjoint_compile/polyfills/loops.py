@@ -353,8 +353,13 @@ def _rewrite(p: _Plan, k: int) -> list[ast.stmt]:
                     [ast.Name(step, ast.Load()), _tup(p.carries, ast.Load), xs, dims, ast.Name(r, ast.Load()),
                      _tup(p.invariants, ast.Load),
                      ast.Tuple([ast.Constant(p.carries.index(c)) for c in p.items], ast.Load())], [])
-    rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(p.carries, ast.Store), ast.Name(ys, ast.Store())],
+    # NB: a list the step writes items of gets its final items written back into it (``hs[:] = ...``), as the
+    # loop's writes would have: another name for the list (``saved = hs``, the caller's) sees them
+    got = [f"{P}items{k}_{c}" if c in p.items else c for c in p.carries]
+    rolled: list[ast.stmt] = [fdef, ast.Assign([ast.Tuple([_tup(got, ast.Store), ast.Name(ys, ast.Store())],
                                                           ast.Store())], call)]
+    rolled += [ast.Assign([ast.Subscript(ast.Name(c, ast.Load()), ast.Slice(), ast.Store())], ast.Name(g, ast.Load()))
+               for c, g in zip(p.carries, got) if c != g]
     for i, lst in enumerate(p.lists):
         rolled.append(ast.Assign([ast.Name(lst, ast.Store())], ast.Call(
             ast.Attribute(ast.Name(rt, ast.Load()), "stacked", ast.Load()),
