@@ -40,6 +40,7 @@ from ..capture.specialize import no_guards
 from ..match.find_recurrences import find_recurrences, is_associative_scan_hop, is_linear_scan, is_scan_hop
 from ..match.find_residuals import find_residuals
 from ..match.find_cells import find_cells
+from ..match.find_generic_scan import has_generic_scans
 from ..match.prefilter import candidates, run_or_skip
 from ..match.unrolled import find_unrolled
 
@@ -257,7 +258,17 @@ def recognize_captured(captured: Captured, opts: Options) -> tuple[list[Region],
                               f"values: it keeps ordinary autograd; {_write_remedy(w)}")]
     try:
         with no_guards(captured.gm) if captured.symbolic else contextlib.nullcontext():
-            return recognize(captured.gm, opts, matched=captured.matched)
+            regions, rejections = recognize(captured.gm, opts, matched=captured.matched)
+        if regions and not captured.symbolic and has_generic_scans(captured.gm):
+            # NB: a generic-mode associative_scan left as written is a run of vmapped blocks whose levels are
+            # order-bound: lowering a region moves nodes among them (a vmap level then leaks: "escaped from inside
+            # a function being vmapped"), so the graph is left whole
+            return [], rejections + [Rejection(
+                "graph", "<graph>", "the graph keeps a generic-mode associative_scan that is not rewritten (its "
+                "reason is listed beside this one): its vmapped steps must stay in place, so nothing in this graph "
+                "is rewritten and it keeps ordinary autograd; write that scan with adjoint_compile.ops.linear_scan "
+                "or with combine_mode='pointwise'")]
+        return regions, rejections
     except Exception as e:  # noqa: BLE001 - recognition must fail soft (DESIGN.md §4)
         log.warning("adjoint-compile: recognition failed, the graph keeps ordinary autograd: %s", e, exc_info=True)
         return [], [Rejection("graph", "<graph>", f"recognition raised {type(e).__name__}: {e}")]
