@@ -137,3 +137,19 @@ def test_a_tracked_statistic_updated_in_place_keeps_the_rewrite(form):
     torch.testing.assert_close(model.ema, eager.ema, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_verify_compares_a_region_with_an_output_made_under_no_grad():
+    """The tracked statistic is a region output without a gradient: ``verify=True`` raised ("element 1 of tensors
+    does not require grad") comparing the region's gradients."""
+    torch.manual_seed(0)
+    model = _TrackedScan("chained").double()
+    eager, x = copy.deepcopy(model), torch.randn(3, 13, 6, dtype=torch.float64)
+    f = torch.compile(model, backend="adjoint", options={"shard_size": 4, "verify": True})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    region = [str(w.message) for w in said if "adjoint_region_0" in str(w.message)]
+    assert region and float(region[0].split("max relative error ")[1].split()[0]) < 1e-10, region
+    torch.testing.assert_close(model.ema, eager.ema, rtol=1e-12, atol=1e-12)

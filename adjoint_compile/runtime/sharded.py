@@ -439,12 +439,15 @@ def region_fidelity(region_gm: fx.GraphModule, in_step_dims: Sequence[int | None
         gen = torch.Generator(device="cpu").manual_seed(seed)
         grad_outputs = [torch.randn(r.shape, generator=gen, dtype=r.dtype).to(r.device) for r in ref]
     wrt = [x for x in ref_in if x.requires_grad]
-    ref_g = torch.autograd.grad(ref, wrt, grad_outputs, allow_unused=True)
+    # NB: an output made under no_grad (a statistic for a buffer, ``ema.mul_(0.9).add_(h.mean(0))``) has no gradient
+    diff = [i for i, r in enumerate(ref) if r.requires_grad]
+    ref_g = torch.autograd.grad([ref[i] for i in diff], wrt, [grad_outputs[i] for i in diff], allow_unused=True)
     sh_in = leaves()
     region = ShardedRegion(region_gm, in_step_dims, out_step_dims, shard_size, window=window)
     out = region(*sh_in)
     out = [out] if isinstance(out, torch.Tensor) else list(out)
-    sh_g = torch.autograd.grad(out, [x for x in sh_in if x.requires_grad], grad_outputs, allow_unused=True)
+    sh_g = torch.autograd.grad([out[i] for i in diff], [x for x in sh_in if x.requires_grad],
+                               [grad_outputs[i] for i in diff], allow_unused=True)
     out_err = max((_rel_err(o, r) for o, r in zip(out, ref)), default=0.0)
     err, got, want = out_err, [], []
     for a, b in zip(sh_g, ref_g):
