@@ -308,15 +308,19 @@ def explain(model_or_fn: torch.nn.Module | Callable[..., Any], *example_inputs: 
 def _state_kept(model_or_fn: Any) -> Iterator[None]:
     """The model's buffers (BatchNorm's running statistics and count, a counter) and the random number generators
     as they were before: explaining runs the model (verify: three times more), and is not a training step."""
-    bufs = [(b, b.detach().clone()) for m in modules_of(model_or_fn).values() for b in m.buffers()]
+    # NB: by owner and name: a buffer replaced rather than written (``self.steps = self.steps + 1``) is put back
+    bufs = [(sub, name, b, b.detach().clone()) for m in modules_of(model_or_fn).values() for sub in m.modules()
+            for name, b in sub.named_buffers(recurse=False) if b is not None]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     cpu = torch.get_rng_state()
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, was in bufs:
+            for sub, name, b, was in bufs:
                 b.copy_(was)
+                if getattr(sub, name, None) is not b:
+                    setattr(sub, name, b)
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)

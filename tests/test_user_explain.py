@@ -134,9 +134,11 @@ class _NormedScan(nn.Module):
         super().__init__()
         self.bn, self.a, self.b, self.drop = nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Dropout(p)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         self.calls += 1
+        self.steps = self.steps + 1  # NB: replaced, not written into
         u = self.bn(x.transpose(1, 2)).transpose(1, 2)
         return self.drop(ac.ops.linear_scan(torch.sigmoid(self.a(u)), self.b(u))).square().sum()
 
@@ -156,7 +158,7 @@ def test_explain_leaves_the_models_buffers_and_the_random_generator_as_they_were
     torch.manual_seed(1)
     torch.testing.assert_close(drawn, torch.rand(3), rtol=0, atol=0)
     m(x)  # NB: the model still trains: its buffers move on
-    assert int(m.calls) == 1 and int(m.bn.num_batches_tracked) == 1
+    assert int(m.calls) == 1 and int(m.steps) == 1 and int(m.bn.num_batches_tracked) == 1
 
 
 def test_verify_does_not_compare_a_graph_that_draws_random_numbers(recwarn):
