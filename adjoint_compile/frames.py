@@ -14,7 +14,7 @@ from .errors import AdjointCompileWarning, PerSampleError
 from .regions import Fallback
 
 __all__ = ["frame_modules", "calling_modules", "frame_self", "compiling_code", "rewritten", "count_loop_compiles",
-           "refuse_data_parallel"]
+           "loops_over_time", "refuse_data_parallel"]
 
 
 def frame_modules() -> list[tuple[str, torch.nn.Module]]:
@@ -96,6 +96,11 @@ def first_notice(code: Any, what: str) -> bool:
         return False
     said.add(what)
     return True
+
+
+def loops_over_time(code: Any) -> bool:
+    """Whether ``code``'s graphs held a Python loop over time (it recompiles at every new length)."""
+    return code is not None and code in _LOOP_CODES
 
 
 def _rolled(gm: Any) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from .analysis.optable import draws_random
 from .errors import AdjointCompileWarning
-from .frames import compiling_code, first_notice, rewritten
+from .frames import compiling_code, first_notice, loops_over_time, rewritten
 from .inner import COMPILE_LOCK
 from .passes import decide
 from .passes.lower.length_generic import generalize
@@ -196,9 +196,13 @@ class LengthDispatch:
             # NB: a float attribute that changed between calls (a dropout's p) makes the graph symbolic too
             also = " (and every value of a float attribute the graph reads, such as a dropout's p)" if self.values \
                 else ""
+            # NB: a loop's code recompiles per length anyway, up to dynamo's limit (frames.count_loop_compiles)
+            stays = ("the memory saving stays up to dynamo's recompile_limit, as the Python loop over time recompiles "
+                     "the code at each new length; a warning says when it is reached" if loops_over_time(self.code)
+                     else "the memory saving stays")
             warnings.warn(AdjointCompileWarning(
                 f"adjoint-compile: the rewritten regions cannot serve every sequence length{also} ({why}): each new "
-                f"length is specialized, lowered and compiled again (the memory saving stays); pad batches to a few "
+                f"length is specialized, lowered and compiled again ({stays}); pad batches to a few "
                 f"lengths to bound the compile time"), stacklevel=4)
 
     def _try_generic(self, args: tuple) -> tuple[Callable[..., Any] | None, str]:
