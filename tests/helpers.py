@@ -95,3 +95,14 @@ def compiled_matches_eager(model, *inputs, loss=None, options=None, tol=1e-10):
         if q.grad is not None:
             assert (p.grad - q.grad).abs().max() <= tol, (k, (p.grad - q.grad).abs().max())
     return f
+
+
+def stack_inputs(tokens: bool, t: int, b: int, d: int, v: int) -> tuple:
+    """A stacked-RNN test's inputs of length ``t``, seeded by it: ``(ids, targets)`` (some targets -100) when
+    ``tokens``, else ``(x,)`` of shape [b, t, d] in float64."""
+    g = torch.Generator().manual_seed(t)
+    if tokens:
+        y = torch.randint(0, v, (b, t), generator=g)
+        y[0, ::4] = -100
+        return torch.randint(0, v, (b, t), generator=g), y
+    return (torch.randn(b, t, d, generator=g, dtype=torch.float64),)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adjoint_compile as ac
-from helpers import compiled_matches_eager
+from helpers import compiled_matches_eager, stack_inputs
 
 D, V, B = 5, 7, 2
 
@@ -91,12 +91,7 @@ class Lstm(nn.Module):
 
 
 def _inputs(model: nn.Module, t: int):
-    g = torch.Generator().manual_seed(t)
-    if isinstance(model, WithLoss):
-        y = torch.randint(0, V, (B, t), generator=g)
-        y[0, ::4] = -100
-        return torch.randint(0, V, (B, t), generator=g), y
-    return (torch.randn(B, t, D, generator=g, dtype=torch.float64),)
+    return stack_inputs(isinstance(model, WithLoss), t, B, D, V)
 
 
 @pytest.mark.parametrize("shard", [1, 4, 5])
