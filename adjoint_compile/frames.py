@@ -133,9 +133,9 @@ def count_loop_compiles(result: Any) -> None:
     if result.captured.normalized.get("rerolled") or any(r.source == "unrolled_loop" for r in result.regions) or \
             result.captured.symbolic and _rolled(result.captured.gm):
         _LOOP_CODES.add(code)
-    if result.lowered or result.captured.symbolic and result.regions:
+    if result.lowered:
         _REWRITTEN_CODES.add(code)
-    if code not in _LOOP_CODES and code not in _REWRITTEN_CODES or \
+    if code not in _LOOP_CODES and not rewritten(code) or \
             n != getattr(torch._dynamo.config, "recompile_limit", 8):
         return
     if code in _LOOP_CODES:
