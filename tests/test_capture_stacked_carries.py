@@ -112,3 +112,33 @@ def test_carries_that_read_each_other_keep_autograd():
     rep = ac.report(f)
     assert {r.rewrite for r in rep.regions} == {"none"}, str(rep)
     assert any(r.kind == "gated_recurrence" for r in rep.regions), str(rep)
+
+
+class RealImag(nn.Module):
+    """A complex diagonal recurrence written as its real and imaginary parts (LRU, S5): the two carries are linear
+    in one another jointly, a 2x2 rotation per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr, self.li = nn.Parameter(torch.rand(D) * 0.9), nn.Parameter(torch.rand(D) * 0.3)
+        self.b = nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        br, bi = self.b(x).chunk(2, -1)
+        hr, hi = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(x.shape[1]):
+            hr, hi = self.lr * hr - self.li * hi + br[:, t], self.lr * hi + self.li * hr + bi[:, t]
+            outs.append(hr)
+        return torch.stack(outs, 1).square().mean()
+
+
+def test_real_and_imaginary_carries_say_they_are_coupled_and_how_to_write_them():
+    """They were reported as any gated recurrence ("a and b not free of the carried states"), which suggests nothing
+    that helps; the reason now names the coupling and the complex form, which is sharded."""
+    torch.manual_seed(0)
+    f = compiled_matches_eager(RealImag().double(), *_inputs(RealImag(), 11))
+    (r,) = [r for r in ac.report(f).regions if r.kind == "gated_recurrence"][:1]
+    assert r.rewrite == "none" and "linear in one another" in r.reason and "torch.complex" in r.reason, r.reason
+    lstm = compiled_matches_eager(Lstm().double(), *_inputs(Lstm(), 9))
+    assert not any("linear in one another" in r.reason for r in ac.report(lstm).regions), str(ac.report(lstm))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from ..match.find_recurrences import is_scan_hop
+from ..match.find_recurrences import COUPLED, is_scan_hop
 from ...options import Options
 from ...regions import MORE_THAN_ONE_STATE, Lowered, NotLowered, Region, Rewrite
 
@@ -143,6 +143,9 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 p = Plan("none", SYMBOLIC)
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and _a_sum(r):
             p = Plan("none", SUM_NOT_STATE.format(name=r.name))
+        elif r.kind == "gated_recurrence" and opts.mode != "highway" and \
+                (getattr(r, "details", None) or {}).get("gated_because") == COUPLED:
+            p = Plan("none", COUPLED_PLAN.format(mode=opts.mode))
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and (why := _highway_refusal(r)):
             p = Plan("none", p.reason.replace("mode='highway' rewrites it", f"mode='highway' would not either: {why}"))
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and _rolled_loop(r):
@@ -152,6 +155,12 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
                 "ac.explain(..., options={'mode': 'highway'}) tells"))
         plans.append(p)
     return plans
+
+
+#: carries linear in one another (match/find_recurrences.COUPLED)
+COUPLED_PLAN = (f"{COUPLED}: only an elementwise a*h + b is sharded, so it keeps ordinary autograd in "
+                "mode={mode!r}. Write such a state as one complex tensor (torch.complex(re, im), h = lam * h + b "
+                "with a complex lam): a complex linear recurrence is sharded")
 
 
 #: a "gated recurrence" that is a sum over the steps of a loop left unrolled

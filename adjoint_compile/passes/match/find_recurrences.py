@@ -18,6 +18,7 @@ Each matcher returns typed records and rejections; none mutates the graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...analysis.affine import UpdateForm, classify_update, linear_combine
+from ...analysis.affine import NotAffine, UpdateForm, affine, classify_update, linear_combine
 from ...analysis.fx import hinted_shape, is_linear_scan, scan_args
 from ...analysis.fx import reachable as forward_reach
 from ...analysis.optable import fn_name, op_name
@@ -207,7 +208,32 @@ def classify_carries(carries: list[fx.Node], news: list[Any]) -> dict[int, Updat
         left.remove(i)
     depends = forward_reach(list(carries)).__contains__
     forms.update({i: classify_update(news[i], carries[i], depends) for i in left})
+    if len(left) > 1 and all(forms[i].kind == "gated" for i in left) and \
+            _jointly_linear([carries[i] for i in left], [news[i] for i in left]):
+        forms.update({i: dataclasses.replace(forms[i], reason=COUPLED) for i in left})
     return forms
+
+
+#: the gated reason of carries that are linear in one another (h' = A h + b, A a matrix over the carries)
+COUPLED = ("its states are linear in one another, jointly (h' = A h + b with A a matrix over the states: a complex "
+           "state written as its real and imaginary parts, a 2x2 rotation), not each a*h + b")
+
+
+def _jointly_linear(carries: list[fx.Node], news: list[Any]) -> bool:
+    """Whether every new value is affine in each carry with a coefficient free of all the carries (and no other
+    dependence on that carry): a linear recurrence whose coefficient is a matrix over the carries."""
+    every = forward_reach(carries).__contains__
+    for new in news:
+        for c in carries:
+            on_c = forward_reach([c]).__contains__
+            try:
+                aff = affine(new, c, on_c)
+            except NotAffine:
+                return False
+            if aff.coef is not None and any(every(a) for a in aff.coef.nodes()) or \
+                    aff.offset is not None and any(on_c(a) for a in aff.offset.nodes()):
+                return False
+    return True
 
 
 def _record(form: UpdateForm, source: str, length: int | None, node: fx.Node, label: str, carry: fx.Node | None,
