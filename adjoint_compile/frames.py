@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .errors import AdjointCompileWarning, PerSampleError
+from .passes.decide import rolled_loop
 from .regions import Fallback
 
 __all__ = ["frame_modules", "calling_modules", "frame_self", "compiling_code", "rewritten", "count_loop_compiles",
@@ -103,12 +104,6 @@ def loops_over_time(code: Any) -> bool:
     return code is not None and code in _LOOP_CODES
 
 
-def _rolled(gm: Any) -> bool:
-    """Whether the graph holds a loop the roller traced as torch's ``scan`` (its length is a guard, as the loop's)."""
-    return any(n.op == "call_function" and "scan" in str(n.target) and "loop_runtime.py" in
-               (n.meta.get("stack_trace") or "") for n in gm.graph.nodes)
-
-
 def count_loop_compiles(result: Any) -> None:
     """Warn, and list in report(), when a frame whose graphs held rewritten regions has been compiled as often as
     dynamo's recompile limit allows: past the limit dynamo runs the frame uncompiled (ordinary autograd, no memory
@@ -131,7 +126,7 @@ def count_loop_compiles(result: Any) -> None:
     # NB: a graph with symbolic sizes (dynamic=True, or a second length) is not normalized at compile time: its
     # loop is a region read from the unrolled steps, and its regions are lowered per call signature when it runs
     if result.captured.normalized.get("rerolled") or any(r.source == "unrolled_loop" for r in result.regions) or \
-            result.captured.symbolic and _rolled(result.captured.gm):
+            result.captured.symbolic and any(rolled_loop(r) for r in result.regions):
         _LOOP_CODES.add(code)
     if result.lowered:
         _REWRITTEN_CODES.add(code)

@@ -148,7 +148,7 @@ def plan(regions: Sequence[Region], opts: Options, *, symbolic: bool = False) ->
             p = Plan("none", COUPLED_PLAN.format(mode=opts.mode))
         elif r.kind == "gated_recurrence" and opts.mode != "highway" and (why := _highway_refusal(r)):
             p = Plan("none", p.reason.replace("mode='highway' rewrites it", f"mode='highway' would not either: {why}"))
-        elif r.kind == "gated_recurrence" and opts.mode != "highway" and _rolled_loop(r):
+        elif r.kind == "gated_recurrence" and opts.mode != "highway" and rolled_loop(r):
             # NB: mode='highway' unrolls the loops it rolls here, and proves the unrolled steps: not provable from here
             p = Plan("none", p.reason.replace(
                 "mode='highway' rewrites it", "mode='highway' unrolls the loop and may rewrite it: "
@@ -178,7 +178,7 @@ def _a_sum(r: Region) -> bool:
         "b depends on the carry" in str(d.get("gated_because", ""))
 
 
-def _rolled_loop(r: Region) -> bool:
+def rolled_loop(r: Region) -> bool:
     """Whether ``r`` is a Python loop rolled into torch's scan before dynamo (polyfills/loop_runtime.py's call)."""
     return any(isinstance(n, fx.Node) and is_scan_hop(n) and "polyfills/loop_runtime.py" in
                str(n.meta.get("stack_trace") or "").replace("\\", "/") for n in r.nodes)
@@ -201,7 +201,7 @@ def _highway_refusal(r: Region) -> str | None:
     scans = [n for n in r.nodes if isinstance(n, fx.Node) and is_scan_hop(n)]
     if scans:
         # NB: a rolled loop is unrolled for mode='highway'; the carries its step reads stay carried there
-        return MORE_THAN_ONE_STATE if _rolled_loop(r) and max(map(_read_carries, scans)) > 1 else None
+        return MORE_THAN_ONE_STATE if rolled_loop(r) and max(map(_read_carries, scans)) > 1 else None
     rec = getattr(r, "reroll", None)
     if r.source != "unrolled_loop" or rec is None:
         return f"it rewrites gated recurrences written as loops or torch's scan, not from {r.source!r}"
