@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One short GPU session in two calls (a device command runs at most 10 minutes), in order of importance:
+# One short GPU session in two calls (a device command runs at most 10 minutes), in order of importance, or in one:
 #   checks   the fused head + cross-entropy kernels compiled for real against their reference, then the backend end
 #            to end on the GPU (CUDA graphs on, the default)                                  (at most 4.5 minutes)
 #   measure  the LM loss benchmark (adjoint with the fused head by default, as written, and torch.compile), then
 #            the kernels' tile sizes swept alone (benchmarks/lce_kernels.py)                    (at most 7 minutes)
+#   all      checks, the LM benchmark (adjoint with and without CUDA graphs, unfused, compile), transformers'
+#            Mamba with loss_only against torch.compile at T = 8192, then the kernels' tile sweep, in one call of at most 9.5 minutes; the logs
+#            and JSON are packed into $OUT/gpu_all.tar.gz (the device tool brings back at most 8 files)
 #   dp       (if time is left) the clipped step of per_sample_clip on the same LM, B = 2, beside the non-private
 #            adjoint step                                                                       (at most 4 minutes)
 # Each step has its own time limit so that a slow one leaves the others their turn; logs and JSON go to $OUT (the
@@ -11,6 +14,7 @@
 #
 #     OUT=/some/dir bash benchmarks/gpu_session.sh checks
 #     OUT=/some/dir bash benchmarks/gpu_session.sh measure
+#     OUT=/some/dir bash benchmarks/gpu_session.sh all
 #     OUT=/some/dir bash benchmarks/gpu_session.sh dp
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -28,12 +32,29 @@ case "${1:-}" in
         --vocab 32000,50257 --lengths 2048,8192,16384,32768 --out "$OUT" 2>&1 | tee "$OUT/lm_loss_fused.log"
     timeout 120 $PY benchmarks/lce_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/lce_kernels.log"
     ;;
+  all)
+    W=$(mktemp -d)
+    {
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+    } > "$W/gpu_session.log" 2>&1
+    timeout 75 $PY benchmarks/gpu_check.py --lce-only > "$W/gpu_check_lce.log" 2>&1
+    timeout 240 $PY benchmarks/lm_loss.py --device cuda --repeats 3 \
+        --methods adjoint,compile,adjoint-graphs,adjoint-unfused \
+        --vocab 32000,50257 --lengths 2048,8192,16384,32768 --out "$W" > "$W/lm_loss_fused.log" 2>&1
+    timeout 100 $PY benchmarks/gpu_check.py --backend-only --graphs > "$W/gpu_check_fused_graphs.log" 2>&1
+    timeout 120 $PY benchmarks/hf_loss_only.py --device cuda --methods compile,adjoint+loss_only --lengths 8192 \
+        --warmup 1 --repeats 3 --timeout 100 --out "$W" --tag _cuda > "$W/hf_loss_only.log" 2>&1
+    timeout 35 $PY benchmarks/lce_kernels.py --device cuda --out "$W" > "$W/lce_kernels.log" 2>&1
+    grep -h "^ok\|^FAIL\|off tolerance\|: peak\|V=.*target\|step adjoint" "$W"/*.log > "$OUT/summary.txt"
+    tar czf "$OUT/gpu_all.tar.gz" -C "$W" .
+    ;;
   dp)
     timeout 240 $PY benchmarks/lm_loss.py --device cuda --repeats 3 --methods adjoint,adjoint-dp --batch 2 \
         --vocab 32000 --lengths 2048,8192,16384 --out "$OUT/dp" 2>&1 | tee "$OUT/lm_loss_dp.log"
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/gpu_session.sh checks|measure|dp" >&2
+    echo "usage: OUT=DIR bash benchmarks/gpu_session.sh checks|measure|all|dp" >&2
     exit 2
     ;;
 esac

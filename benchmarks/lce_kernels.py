@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [(96, 130)] if args.tiny else [(N, V) for V in (32000, 50257) for N in (4096, 16384, 32768)]
     configs = [CONFIGS[0], CONFIGS[-1]] if args.tiny else CONFIGS
     compiled = torch.compile(lambda h, W, t: F.cross_entropy(F.linear(h, W), t, reduction="sum"))
+    meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "d": args.d, "dtype": args.dtype,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for N, V in sizes:
         g = torch.Generator(device=dev).manual_seed(0)
@@ -93,13 +98,9 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a row, not the end
                 row = {"N": N, "V": V, "method": name, "failed": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(row)
+            # NB: written after every row, so that a run stopped at its time limit keeps what it measured
+            (out / f"lce_kernels_{dev.type}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M"), "d": args.d, "dtype": args.dtype,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"lce_kernels_{dev.type}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def measure_rel(x, y) -> float:
