@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--sizes", default=None, help="rows x vocabulary, e.g. 4096x32000,16384x50257")
+    p.add_argument("--precisions", default=None,
+                   help="torch float32 matmul precisions to run the Triton configurations under (highest,high,medium)")
+    p.add_argument("--ref-rows", default=None, help="logits per block of the torch reference, e.g. 1048576,16777216")
+    p.add_argument("--configs", default=None, help="indices into CONFIGS (default: all)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,8 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     from adjoint_compile.kernels.linear_ce import triton as lce_triton
 
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
+    from adjoint_compile.kernels.linear_ce import ref as lce_ref
     sizes = [(96, 130)] if args.tiny else [(N, V) for V in (32000, 50257) for N in (4096, 16384, 32768)]
+    if args.sizes:
+        sizes = [tuple(int(x) for x in nv.split("x")) for nv in args.sizes.split(",")]
     configs = [CONFIGS[0], CONFIGS[-1]] if args.tiny else CONFIGS
+    if args.configs:
+        configs = [CONFIGS[int(i)] for i in args.configs.split(",")]
+    precisions = args.precisions.split(",") if args.precisions else [torch.get_float32_matmul_precision()]
+    ref_rows = [int(r) for r in args.ref_rows.split(",")] if args.ref_rows else [lce_ref.ROWS]
     compiled = torch.compile(lambda h, W, t: F.cross_entropy(F.linear(h, W), t, reduction="sum"))
     meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "d": args.d, "dtype": args.dtype,
@@ -54,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    base_precision, base_rows = torch.get_float32_matmul_precision(), lce_ref.ROWS
     for N, V in sizes:
+        torch.set_float32_matmul_precision(base_precision)
+        lce_ref.ROWS = base_rows
         g = torch.Generator(device=dev).manual_seed(0)
         h = torch.randn(N, args.d, device=dev, generator=g).to(dt).requires_grad_()
         W = (torch.randn(V, args.d, device=dev, generator=g) / args.d ** 0.5).to(dt).requires_grad_()
@@ -77,13 +93,17 @@ def main(argv: list[str] | None = None) -> None:
 
         want = eager()
         want_loss = F.cross_entropy(F.linear(h, W), t, reduction="sum").detach()
-        methods = [("eager", eager), ("compile", comp), ("reference", fused("reference"))]
-        methods += [(f"triton {c}", fused("triton"), c) for c in configs]
+        methods = [("eager", eager)] + ([] if args.no_compile else [("compile", comp)])
+        methods += [(f"reference rows={r}", fused("reference"), None, r) for r in ref_rows]
+        methods += [(f"triton {c} {prec}", fused("triton"), c, None, prec) for prec in precisions for c in configs]
         for name, fn, *cfg in methods:
-            if cfg:
+            if cfg and cfg[0] is not None:
                 b_n, b_v, warps, stages, backward = cfg[0]
                 lce_triton.CONFIG.update(BLOCK_N=b_n, BLOCK_V=b_v, num_warps=warps, num_stages=stages,
                                          backward=backward)
+                torch.set_float32_matmul_precision(cfg[2])
+            elif cfg:
+                lce_ref.ROWS = cfg[1]
             try:
                 got = fn()
                 if name.startswith(("triton", "reference")):
