@@ -279,3 +279,23 @@ def test_triton_reads_a_strided_bias(layout):
     got_g = linear_ce.lce_backward(gl, gs, h, W, b, t, want[1], impl="triton")
     for name, x, y in zip(("h", "weight", "bias"), got_g, want_g):
         torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("precision, fp32_highest, want", [("highest", "tf32x3", "tf32x3"), ("highest", "ieee", "ieee"),
+                                                             ("high", "ieee", "tf32"), ("medium", "tf32x3", "tf32")])
+def test_fp32_products_follow_the_matmul_precision(precision, fp32_highest, want, monkeypatch):
+    """TF32 where torch lets cuBLAS use it; at "highest" three TF32 products by default (the kernels' products in
+    fp32 on CUDA cores ran ~25x slower than the eager head on a GPU), plain fp32 on request; the kernels take
+    either and match the reference (the interpreter multiplies in fp32 whatever the precision)."""
+    from adjoint_compile.kernels.linear_ce import triton as lce_triton
+    monkeypatch.setitem(lce_triton.CONFIG, "fp32_highest", fp32_highest)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert lce_triton.precision() == want
+        h, W, b, t = (x.detach().float() if x.is_floating_point() else x for x in _case(70, 24, 130))
+        for got, ref in zip(linear_ce.lce_forward(h, W, b, t, -100, 0.0, impl="triton"),
+                            linear_ce.lce_forward(h, W, b, t, -100, 0.0, impl="reference")):
+            torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -10,7 +10,7 @@ Two backward kernels instead of one with atomic adds: each writes its own block,
 the order programs run in (deterministic), for one more product per tile. ``_lce_dh_kernel`` with ``ATOMIC`` is the
 one-pass variant (``CONFIG["backward"] = "atomic"``), kept for measuring the trade on a GPU. The hidden size is one
 block (D ≤ the package's ``MAX_D``); products take the inputs' dtype into fp32 accumulators, fp32 ones with
-``input_precision`` ``"ieee"``, ``"tf32x3"`` or ``"tf32"`` from torch's float32 matmul precision. Offsets are int64.
+``input_precision`` from torch's float32 matmul precision (:func:`precision`). Offsets are int64.
 
 On a machine without a GPU these run under ``TRITON_INTERPRET=1`` (set before this module is imported). This
 module is imported lazily by the dispatcher.
@@ -167,20 +167,23 @@ def _lce_dw_kernel(H, W, Bias, Tgt, Lse, GLoss, GLse, DW, DB, N, V, D, shn, shd,
 
 
 def precision() -> str:
-    """The products' input precision, from torch's float32 matmul precision (as cuBLAS follows it)."""
-    if torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
+    """The fp32 products' input precision for torch's float32 matmul precision: TF32 at "high" and "medium" (as
+    cuBLAS), and at "highest" ``CONFIG["fp32_highest"]``."""
+    prec = torch.get_float32_matmul_precision()
+    return CONFIG["fp32_highest"] if prec == "highest" else "tf32"
 
 
-#: rows and vocabulary columns per tile, the launch's warps and pipeline stages, and the backward: "two-pass" (∂h
-#: over rows, ∂W and ∂b over the vocabulary: deterministic) or "atomic" (one pass, ∂W and ∂b added with atomics).
-#: Not tuned on a GPU yet: benchmarks/lce_kernels.py sweeps them.
-CONFIG = {"BLOCK_N": 64, "BLOCK_V": 64, "num_warps": 4, "num_stages": 2, "backward": "two-pass"}
+#: rows and vocabulary columns per tile, the launch's warps and pipeline stages, the backward: "two-pass" (∂h over
+#: rows, ∂W and ∂b over the vocabulary: deterministic) or "atomic" (one pass, ∂W and ∂b added with atomics), and the
+#: fp32 products at "highest": "tf32x3" (three TF32 products on tensor cores, an error near fp32's) or "ieee" (fp32
+#: on the CUDA cores: ~25x slower than cuBLAS's head on an H200, benchmarks/lce_kernels.py).
+CONFIG = {"BLOCK_N": 64, "BLOCK_V": 64, "num_warps": 4, "num_stages": 2, "backward": "two-pass",
+          "fp32_highest": "tf32x3"}
 
 
 def _blocks(D: int) -> dict:
-    return {**CONFIG, "BLOCK_D": max(16, triton.next_power_of_2(D))}
+    blocks = {k: v for k, v in CONFIG.items() if k != "fp32_highest"}
+    return {**blocks, "BLOCK_D": max(16, triton.next_power_of_2(D))}
 
 
 def _dot(h: Tensor):
