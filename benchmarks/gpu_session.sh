@@ -4,9 +4,10 @@
 #            to end on the GPU (CUDA graphs on, the default)                                  (at most 4.5 minutes)
 #   measure  the LM loss benchmark (adjoint with the fused head by default, as written, and torch.compile), then
 #            the kernels' tile sizes swept alone (benchmarks/lce_kernels.py)                    (at most 7 minutes)
-#   all      checks, the LM benchmark (adjoint with and without CUDA graphs, unfused, compile), transformers'
-#            Mamba with loss_only against torch.compile at T = 8192, then the kernels' tile sweep, in one call of at most 9.5 minutes; the logs
-#            and JSON are packed into $OUT/gpu_all.tar.gz (the device tool brings back at most 8 files)
+#   all      the kernels' check, their time at "highest" (three TF32 products, or plain fp32) and "high", the LM
+#            benchmark (adjoint with and without CUDA graphs, compile), the backend's check, transformers' Mamba with
+#            loss_only against torch.compile at T = 8192, in one call of at most 9.6 minutes; the logs and JSON are
+#            packed into $OUT/gpu_all.tar.gz (the device tool brings back at most 8 files)
 #   dp       (if time is left) the clipped step of per_sample_clip on the same LM, B = 2, beside the non-private
 #            adjoint step                                                                       (at most 4 minutes)
 # Each step has its own time limit so that a slow one leaves the others their turn; logs and JSON go to $OUT (the
@@ -36,17 +37,17 @@ case "${1:-}" in
     W=$(mktemp -d)
     {
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+      $PY -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
     } > "$W/gpu_session.log" 2>&1
     timeout 75 $PY benchmarks/gpu_check.py --lce-only > "$W/gpu_check_lce.log" 2>&1
-    timeout 240 $PY benchmarks/lm_loss.py --device cuda --repeats 3 \
-        --methods adjoint,compile,adjoint-graphs,adjoint-unfused \
+    timeout 60 $PY benchmarks/lce_kernels.py --device cuda --sizes 16384x32000 --precisions highest,highest:ieee,high \
+        --configs 0,3 --no-compile --repeats 3 --out "$W" > "$W/lce_kernels.log" 2>&1
+    timeout 240 $PY benchmarks/lm_loss.py --device cuda --repeats 3 --methods adjoint,compile,adjoint-graphs \
         --vocab 32000,50257 --lengths 2048,8192,16384,32768 --out "$W" > "$W/lm_loss_fused.log" 2>&1
     timeout 100 $PY benchmarks/gpu_check.py --backend-only --graphs > "$W/gpu_check_fused_graphs.log" 2>&1
-    timeout 120 $PY benchmarks/hf_loss_only.py --device cuda --methods compile,adjoint+loss_only --lengths 8192 \
-        --warmup 1 --repeats 3 --timeout 100 --out "$W" --tag _cuda > "$W/hf_loss_only.log" 2>&1
-    timeout 35 $PY benchmarks/lce_kernels.py --device cuda --out "$W" > "$W/lce_kernels.log" 2>&1
-    grep -h "^ok\|^FAIL\|off tolerance\|: peak\|V=.*target\|step adjoint" "$W"/*.log > "$OUT/summary.txt"
+    timeout 100 $PY benchmarks/hf_loss_only.py --device cuda --methods compile,adjoint+loss_only --lengths 8192 \
+        --warmup 1 --repeats 3 --timeout 90 --out "$W" --tag _cuda > "$W/hf_loss_only.log" 2>&1
+    grep -h "^ok\|^FAIL\|off tolerance\|: peak\|V=.*target\|step adjoint\|method=" "$W"/*.log > "$OUT/summary.txt"
     tar czf "$OUT/gpu_all.tar.gz" -C "$W" .
     ;;
   dp)

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--sizes", default=None, help="rows x vocabulary, e.g. 4096x32000,16384x50257")
     p.add_argument("--precisions", default=None,
-                   help="torch float32 matmul precisions to run the Triton configurations under (highest,high,medium)")
+                   help="torch float32 matmul precisions to run the Triton configurations under (highest, high, "
+                        "medium; highest:ieee or highest:tf32x3 names the kernels' fp32 products at highest)")
     p.add_argument("--ref-rows", default=None, help="logits per block of the torch reference, e.g. 1048576,16777216")
     p.add_argument("--configs", default=None, help="indices into CONFIGS (default: all)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     base_precision, base_rows = torch.get_float32_matmul_precision(), lce_ref.ROWS
+    base_fp32 = lce_triton.CONFIG["fp32_highest"]
     for N, V in sizes:
         torch.set_float32_matmul_precision(base_precision)
         lce_ref.ROWS = base_rows
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                 b_n, b_v, warps, stages, backward = cfg[0]
                 lce_triton.CONFIG.update(BLOCK_N=b_n, BLOCK_V=b_v, num_warps=warps, num_stages=stages,
                                          backward=backward)
-                torch.set_float32_matmul_precision(cfg[2])
+                prec, _, fp32 = cfg[2].partition(":")
+                torch.set_float32_matmul_precision(prec)
+                lce_triton.CONFIG["fp32_highest"] = fp32 or base_fp32
             elif cfg:
                 lce_ref.ROWS = cfg[1]
             try:
