@@ -37,7 +37,7 @@ def stand_in(monkeypatch):
         return real(args, "inductor" if inner == "aot_eager" else inner)
     monkeypatch.setattr(graphed, "graphable", graphable)
     monkeypatch.setattr(loss_tail, "graphable", graphable)
-    monkeypatch.setattr(graphed, "_GRAPHED", {})
+    monkeypatch.setattr(graphed, "_GRAPHED", collections.OrderedDict())
     monkeypatch.setattr(loss_tail, "_SEEN", collections.OrderedDict())
     monkeypatch.setattr(loss_tail, "_LOOPS", collections.OrderedDict())
     return calls
@@ -181,6 +181,26 @@ def _graphed_step():
 
 def _loops_captured(calls) -> int:
     return sum(1 for fn in calls if fn.__name__ == "loop")
+
+
+def test_graphs_kept_are_bounded_and_a_dropped_one_is_captured_again(stand_in, monkeypatch):
+    """Lengths that keep changing make a program per tail shard; at most MAX_GRAPHS stay captured (the least recently
+    called dropped: its outputs and pool memory go), and a program called again after it was dropped is captured
+    again: every step exact against autograd."""
+    monkeypatch.setattr(graphed, "MAX_GRAPHS", 2)
+    captures = []
+    real = graphed.captured
+
+    def counting(fn, args, what):
+        captures.append(fn)
+        return real(fn, args, what)
+    monkeypatch.setattr(graphed, "captured", counting)
+    model, ref, f = _graphed_step()
+    for seed, t in ((0, 13), (1, 10), (2, 13), (3, 7)):
+        _step_matches(f, model, ref, *_data(seed, t))
+        assert len(graphed._GRAPHED) <= 2, graphed._GRAPHED
+    # NB: the full-shard programs serve every length; with two kept they are dropped and captured again
+    assert len(captures) > len(set(map(id, captures))), captures
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ into the same output tensors, so a sweep that kept one across calls would be fou
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import warnings
@@ -142,8 +143,14 @@ def replay_on_cpu(fn: Callable[..., Any], static_in: list[Any]) -> Callable[[], 
     return replay
 
 
-#: per compiled program (by id, the program kept alive with it), its graphed call; per device, the shared pool
-_GRAPHED: dict[int, tuple[Any, Callable[..., Any]]] = {}
+#: the most programs kept replayable from graphs in a process, the least recently called dropped first: a graph holds
+#: its outputs and its share of the pool while kept, so lengths that keep changing (a tail shard of each) do not pile
+#: up graphs; a dropped program is captured again at its next call
+MAX_GRAPHS = 32
+
+#: per compiled program (by id, the program kept alive with it), its graphed call, least recently called first; per
+#: device, the shared pool
+_GRAPHED: collections.OrderedDict[int, tuple[Any, Callable[..., Any]]] = collections.OrderedDict()
 _POOLS: dict[Any, Any] = {}
 
 
@@ -153,9 +160,12 @@ def replayed(fn: Callable[..., Any], args: Sequence[Any], inner: str, what: str)
     its next call of any graphed program (module docstring)."""
     if not graphable(args, inner):
         return fn
-    got = _GRAPHED.get(id(fn))
+    got = _GRAPHED.pop(id(fn), None)
     if got is None:
-        got = _GRAPHED[id(fn)] = (fn, captured(fn, args, what))
+        got = (fn, captured(fn, args, what))
+    _GRAPHED[id(fn)] = got
+    while len(_GRAPHED) > MAX_GRAPHS:
+        _GRAPHED.popitem(last=False)
     return got[1]
 
 
