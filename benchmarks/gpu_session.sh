@@ -8,6 +8,9 @@
 #            benchmark (adjoint with and without CUDA graphs, compile), the backend's check, transformers' Mamba with
 #            loss_only against torch.compile at T = 8192, in one call of at most 9.6 minutes; the logs and JSON are
 #            packed into $OUT/gpu_all.tar.gz (the device tool brings back at most 8 files)
+#   pool     (if time is left) what the graphs' pool holds with the fused head, and the LM step with shards and
+#            loss chunks of at least 16 or 32 MiB (graphs on): whether smaller shards bring the pool under the memory
+#            target at an affordable step                                                     (at most 2.7 minutes)
 #   dp       (if time is left) the clipped step of per_sample_clip on the same LM, B = 2, beside the non-private
 #            adjoint step                                                                       (at most 4 minutes)
 # Each step has its own time limit so that a slow one leaves the others their turn; logs and JSON go to $OUT (the
@@ -16,6 +19,7 @@
 #     OUT=/some/dir bash benchmarks/gpu_session.sh checks
 #     OUT=/some/dir bash benchmarks/gpu_session.sh measure
 #     OUT=/some/dir bash benchmarks/gpu_session.sh all
+#     OUT=/some/dir bash benchmarks/gpu_session.sh pool
 #     OUT=/some/dir bash benchmarks/gpu_session.sh dp
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -50,12 +54,17 @@ case "${1:-}" in
     grep -h "^ok\|^FAIL\|off tolerance\|: peak\|V=.*target\|step adjoint\|method=" "$W"/*.log > "$OUT/summary.txt"
     tar czf "$OUT/gpu_all.tar.gz" -C "$W" .
     ;;
+  pool)
+    timeout 50 $PY benchmarks/graph_pool.py 32000 16384 2>&1 | tee "$OUT/graph_pool.log"
+    timeout 110 $PY benchmarks/lm_loss.py --device cuda --repeats 3 --methods adjoint@16,adjoint@32 --vocab 32000 \
+        --lengths 8192,16384 --out "$OUT" 2>&1 | tee "$OUT/lm_loss_pool.log"
+    ;;
   dp)
     timeout 240 $PY benchmarks/lm_loss.py --device cuda --repeats 3 --methods adjoint,adjoint-dp --batch 2 \
         --vocab 32000 --lengths 2048,8192,16384 --out "$OUT/dp" 2>&1 | tee "$OUT/lm_loss_dp.log"
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/gpu_session.sh checks|measure|all|dp" >&2
+    echo "usage: OUT=DIR bash benchmarks/gpu_session.sh checks|measure|all|pool|dp" >&2
     exit 2
     ;;
 esac
