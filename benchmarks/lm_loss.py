@@ -261,6 +261,13 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     dev_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                 else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+    meta = {"device": dev_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "model": f"Embedding + SSMStack(d_model={args.d_model}, d_state={args.d_state}, layers={args.layers}) + "
+                     f"untied head, batch {args.batch}, cross-entropy on logits.flatten(0, 1)",
+            "load_average_1min_at_start": load, "repeats": args.repeats}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
     results = {}
     for method in args.methods.split(","):
         print(f"{method}:", flush=True)
@@ -270,18 +277,12 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
         if line is None:
             results[method] = {"method": method, "rows": [], "failed": f"exit {proc.returncode}"}
-            continue
-        results[method] = json.loads(line[len("RESULT "):])
-    meta = {"device": dev_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "model": f"Embedding + SSMStack(d_model={args.d_model}, d_state={args.d_state}, layers={args.layers}) + "
-                     f"untied head, batch {args.batch}, cross-entropy on logits.flatten(0, 1)",
-            "load_average_1min_at_start": load, "repeats": args.repeats}
-    tg = targets(results, args.vocab, args.lengths)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    (out / f"lm_loss_{tag}.json").write_text(json.dumps({"meta": meta, "results": results, "targets": tg},
-                                                        indent=1))
+        else:
+            results[method] = json.loads(line[len("RESULT "):])
+        # NB: written after every method, so that a run stopped at its time limit keeps the methods it finished
+        tg = targets(results, args.vocab, args.lengths)
+        (out / f"lm_loss_{tag}.json").write_text(json.dumps({"meta": meta, "results": results, "targets": tg},
+                                                            indent=1))
     print(table(results, args.vocab, args.lengths))
     for t in tg:
         print(f"V={t['V']}: peak at 16384 adjoint/compile {t['peak_16384_adjoint_over_compile']} (target <= 0.05); "
