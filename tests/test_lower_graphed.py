@@ -183,11 +183,12 @@ def _loops_captured(calls) -> int:
     return sum(1 for fn in calls if fn.__name__ == "loop")
 
 
-def test_graphs_kept_are_bounded_and_a_dropped_one_is_captured_again(stand_in, monkeypatch):
-    """Lengths that keep changing make a program per tail shard; at most MAX_GRAPHS stay captured (the least recently
-    called dropped: its outputs and pool memory go), and a program called again after it was dropped is captured
-    again: every step exact against autograd."""
-    monkeypatch.setattr(graphed, "MAX_GRAPHS", 2)
+def test_graphs_kept_are_bounded_and_an_idle_one_is_dropped(stand_in, monkeypatch):
+    """Lengths that keep changing make a program per shorter last shard: a graph idle for IDLE_CALLS calls is dropped
+    (its outputs and pool memory go) and captured again if called later; past MAX_GRAPHS a new program runs as
+    compiled. Every step exact against autograd."""
+    monkeypatch.setattr(graphed, "MAX_GRAPHS", 3)
+    monkeypatch.setattr(graphed, "IDLE_CALLS", 4)
     captures = []
     real = graphed.captured
 
@@ -196,10 +197,10 @@ def test_graphs_kept_are_bounded_and_a_dropped_one_is_captured_again(stand_in, m
         return real(fn, args, what)
     monkeypatch.setattr(graphed, "captured", counting)
     model, ref, f = _graphed_step()
-    for seed, t in ((0, 13), (1, 10), (2, 13), (3, 7)):
+    for seed, t in ((0, 13), (1, 10), (2, 13), (3, 7), (4, 13)):
         _step_matches(f, model, ref, *_data(seed, t))
-        assert len(graphed._GRAPHED) <= 2, graphed._GRAPHED
-    # NB: the full-shard programs serve every length; with two kept they are dropped and captured again
+        assert len(graphed._GRAPHED) <= 3, graphed._GRAPHED
+    # NB: the full-shard programs serve every length: dropped while idle, they are captured again
     assert len(captures) > len(set(map(id, captures))), captures
 
 

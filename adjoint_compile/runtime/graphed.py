@@ -143,14 +143,18 @@ def replay_on_cpu(fn: Callable[..., Any], static_in: list[Any]) -> Callable[[], 
     return replay
 
 
-#: the most programs kept replayable from graphs in a process, the least recently called dropped first: a graph holds
-#: its outputs and its share of the pool while kept, so lengths that keep changing (a tail shard of each) do not pile
-#: up graphs; a dropped program is captured again at its next call
-MAX_GRAPHS = 32
+#: the most programs kept replayable from graphs in a process: each graph holds its outputs and its share of the pool
+#: while kept. Past it, a new program runs as compiled (no capture on every call when a step's programs outnumber it)
+MAX_GRAPHS = 64
 
-#: per compiled program (by id, the program kept alive with it), its graphed call, least recently called first; per
-#: device, the shared pool
-_GRAPHED: collections.OrderedDict[int, tuple[Any, Callable[..., Any]]] = collections.OrderedDict()
+#: a graph not replayed in this many calls of graphed programs is dropped (its outputs and pool memory go; captured
+#: again if called later), so lengths that keep changing, each with a shorter last shard, do not pile up graphs
+IDLE_CALLS = 2000
+
+#: per compiled program (by id, the program kept alive with it): its graphed call and the tick of its last call,
+#: least recently called first; per device, the shared pool
+_GRAPHED: collections.OrderedDict[int, tuple[Any, Callable[..., Any], int]] = collections.OrderedDict()
+_TICK = [0]
 _POOLS: dict[Any, Any] = {}
 
 
@@ -160,12 +164,15 @@ def replayed(fn: Callable[..., Any], args: Sequence[Any], inner: str, what: str)
     its next call of any graphed program (module docstring)."""
     if not graphable(args, inner):
         return fn
+    _TICK[0] += 1
     got = _GRAPHED.pop(id(fn), None)
     if got is None:
-        got = (fn, captured(fn, args, what))
-    _GRAPHED[id(fn)] = got
-    while len(_GRAPHED) > MAX_GRAPHS:
-        _GRAPHED.popitem(last=False)
+        while _GRAPHED and _TICK[0] - next(iter(_GRAPHED.values()))[2] > IDLE_CALLS:
+            _GRAPHED.popitem(last=False)
+        if len(_GRAPHED) >= MAX_GRAPHS:
+            return fn
+        got = (fn, captured(fn, args, what), 0)
+    _GRAPHED[id(fn)] = (got[0], got[1], _TICK[0])
     return got[1]
 
 
