@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from adjoint_compile import measure
     from adjoint_compile.kernels import linear_ce
+    from adjoint_compile.kernels.linear_ce import ref as lce_ref
     from adjoint_compile.kernels.linear_ce import triton as lce_triton
 
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
-    from adjoint_compile.kernels.linear_ce import ref as lce_ref
     sizes = [(96, 130)] if args.tiny else [(N, V) for V in (32000, 50257) for N in (4096, 16384, 32768)]
     if args.sizes:
         sizes = [tuple(int(x) for x in nv.split("x")) for nv in args.sizes.split(",")]
