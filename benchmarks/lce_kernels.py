@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.configs:
         configs = [CONFIGS[int(i)] for i in args.configs.split(",")]
     precisions = args.precisions.split(",") if args.precisions else [torch.get_float32_matmul_precision()]
-    ref_rows = [int(r) for r in args.ref_rows.split(",")] if args.ref_rows else [lce_ref.ROWS]
+    ref_rows = [int(r) for r in args.ref_rows.split(",")] if args.ref_rows else [lce_ref._rows(1, dev)]
     compiled = torch.compile(lambda h, W, t: F.cross_entropy(F.linear(h, W), t, reduction="sum"))
     meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "d": args.d, "dtype": args.dtype,
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    base_precision, base_rows = torch.get_float32_matmul_precision(), lce_ref.ROWS
+    base_precision, base_rows = torch.get_float32_matmul_precision(), (lce_ref.ROWS, lce_ref.ROWS_GPU)
     base_fp32 = lce_triton.CONFIG["fp32_highest"]
     for N, V in sizes:
         torch.set_float32_matmul_precision(base_precision)
-        lce_ref.ROWS = base_rows
+        lce_ref.ROWS, lce_ref.ROWS_GPU = base_rows
         g = torch.Generator(device=dev).manual_seed(0)
         h = torch.randn(N, args.d, device=dev, generator=g).to(dt).requires_grad_()
         W = (torch.randn(V, args.d, device=dev, generator=g) / args.d ** 0.5).to(dt).requires_grad_()
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.set_float32_matmul_precision(prec)
                 lce_triton.CONFIG["fp32_highest"] = fp32 or base_fp32
             elif cfg:
-                lce_ref.ROWS = cfg[1]
+                lce_ref.ROWS = lce_ref.ROWS_GPU = cfg[1]
             try:
                 got = fn()
                 if name.startswith(("triton", "reference")):

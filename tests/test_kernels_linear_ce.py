@@ -57,6 +57,13 @@ def test_op_matches_eager_in_fp64(N, D, V, eps, bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_reference_blocks_are_longer_on_a_gpu():
+    """4 MiB of logits per block on a CPU, 64 MiB elsewhere (launches cost more than a block's arithmetic there)."""
+    assert lce_ref._rows(32000, torch.device("cpu")) == 32
+    assert lce_ref._rows(32000, torch.device("cuda")) == 524
+    assert lce_ref._rows(10 ** 7, torch.device("cuda")) == 16
+
+
 def test_op_reference_blocks_rows(monkeypatch):
     # NB: 16 rows per block of logits: the 130 rows run in 9 blocks
     monkeypatch.setattr(lce_ref, "ROWS", 16 * 200)
