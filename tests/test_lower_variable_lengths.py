@@ -22,7 +22,7 @@ LENGTHS = [17, 3, 64, 31, 8, 9, 100, 2, 23, 47, 16, 5, 33, 61, 12, 127, 7, 40, 1
 assert len(set(LENGTHS)) == 50
 
 
-def _run(lengths, options, dynamic=None, dtype=torch.float64, tol=1e-9):
+def _run(lengths, options, dynamic=None, dtype=torch.float64, tol=1e-9, after=None):
     torch.manual_seed(0)
     model = SSMStack(d_model=8, d_state=3, n_layers=2).to(dtype)
     params = list(model.parameters())
@@ -42,6 +42,8 @@ def _run(lengths, options, dynamic=None, dtype=torch.float64, tol=1e-9):
         assert torch.allclose(got, want, rtol=tol, atol=tol), T
         for a, b in zip(gg, gw):
             assert torch.allclose(a, b, rtol=tol, atol=tol), (T, float((a - b).abs().max()))
+        if after is not None:
+            after(T)
     return step
 
 
@@ -189,6 +191,27 @@ def test_prepared_lengths_are_bounded(monkeypatch):
     step = _run([20, 21, 22, 23, 24, 25, 22], {"inner": "aot_eager", "shard_size": 4})
     (region,) = generic_regions(step)
     assert [key[0] for key in region.regions] == [24, 25, 22] and region.lengths == {21, 22, 23, 24, 25}
+
+
+def test_a_new_length_builds_only_shard_lengths_not_built_before(monkeypatch):
+    """A new length prepares its region (shapes and analysis) but takes the shard programs another length built and
+    checked from the same analysis: only a shard length not seen before is built. Exact at every length."""
+    import adjoint_compile.runtime.shard_program as sp
+
+    built = []
+    real = sp.ShardProgram._build
+    monkeypatch.setattr(sp.ShardProgram, "_build", lambda self, L: (built.append(L), real(self, L))[1])
+    per_length = {}
+
+    def after(T):
+        per_length[T] = sorted(built)
+        built.clear()
+    _run([20, 21, 22, 23, 27, 29], {"inner": "aot_eager", "shard_size": 4}, after=after)
+    # shards of 4 and a tail of powers of two: 21, the first length served by the lowering at 20, builds its 4- and
+    # 1-step programs (the lowered length's own are not free of T), 22 a 2-step one, later lengths nothing
+    assert set(per_length[21]) == {1, 4}, per_length
+    assert per_length[22] and set(per_length[22]) == {2}, per_length
+    assert per_length[23] == per_length[27] == per_length[29] == [], per_length
 
 
 @pytest.mark.slow

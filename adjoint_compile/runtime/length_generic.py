@@ -3,8 +3,8 @@
 The region graph is lowered from a graph specialized to T₀ (passes/capture/specialize.py), so its shape arguments hold T₀
 as a literal at the step position (``h.view(B, T₀, D, N)``). The shard programs already rewrite that literal to
 their shard length L; a call of another length T gets the region graph with the literal rewritten to T
-(:func:`retarget`), prepared once per T (shape propagation and checks on fake tensors, no compilation), and shares
-the compiled shard programs of every other length:
+(:func:`retarget`), prepared once per T (shape propagation and analysis on fake tensors), and shares the shard
+programs of every other length, built, checked and compiled once per shard length:
 
     calls of T = 300, 301, 977 ─► LengthGenericRegion ─► ShardedRegion(T) per T  (cheap: analysis only)
                                                    └────► shard programs of S, S/2, S/4, ... steps
@@ -90,8 +90,8 @@ class LengthGenericRegion(torch.nn.Module):
         self.shard_size = shard_size
         self.label = template.label
         self.T0 = template._plan.T
-        #: the compiled shard programs of every length, by layout without the step dims (ShardProgram.shared)
-        self.shared: dict[tuple, tuple[dict, dict]] = {}
+        #: the built and compiled shard programs of every length, by layout without step dims (ShardProgram.shared)
+        self.shared: dict[tuple, tuple[dict, dict, dict]] = {}
         #: the prepared region of each recent length and input shapes, by (T, shapes...) (the least recently used
         #: beyond :data:`KEEP` are dropped: they hold shape analyses only, the compiled programs stay in ``shared``)
         self.regions: OrderedDict[tuple, ShardedRegion] = OrderedDict()

@@ -209,6 +209,19 @@ def without_steps(layout: tuple, step_dims: list) -> tuple:
                  for x, d in zip(layout, step_dims))
 
 
+def built_from(prog: Any) -> tuple:
+    """What a length-free shard program is built from besides the literal length in the region graph's shapes (which
+    each program rewrites to its own L): the graph's nodes and the step analysis, by node name. Two lengths of a
+    region with the same key build the same program for each L, so one serves both (runtime/length_generic.py)."""
+    info = prog.info
+
+    def named(d: dict) -> str:
+        return repr(sorted((k.name, repr(v)) for k, v in d.items()))
+    nodes = tuple((n.name, n.op, str(n.target), info.step_dim.get(n)) for n in prog.region_gm.graph.nodes)
+    return (nodes, named(info.shifts), named(info.sums), named(info.folds), repr(prog.convs), tuple(prog.scan_dims),
+            tuple(prog.out_step_dims), tuple(prog.shift_scans))
+
+
 def differentiable(x: object) -> bool:
     """Whether ``x`` can have a gradient: a floating or complex tensor (not a carry of token ids shifted right)."""
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())

@@ -62,7 +62,7 @@ from ..kernels.random import hashed_dropout
 from .shard_parts import (MIN_SHARD_BYTES, _halo_out, _prev_or_first, _shifted, _with_halo, arg_layout, differentiable,
                           autocast_as, autocast_off, autocast_state, default_shard_size, initial_zeros,
                           least_shard_steps, own_bytes, serial_kernels, shard_bounds, wanted_shard_size, without_steps,
-                          h0_index as _h0_index)
+                          built_from, h0_index as _h0_index)
 from .graphed import replayed
 from .shard_vjp import build_vjp
 from .truncated import nu_shape
@@ -145,11 +145,10 @@ class ShardProgram:
             else:
                 raise UnsupportedRegion(f"scan {s.name}: h0 must be None or an input of the region")
         self.specialized: dict[int, fx.GraphModule] = {}
-        #: for a region that serves every length (runtime/length_generic.py): shards of ``shard_size`` steps and a
-        #: tail of powers of two, programs free of T (a mean over time is scaled by 1/T outside them), and compiled
-        #: programs shared through ``shared`` (keyed by the layout without the step dims) with the other lengths
+        #: for a region that serves every length (length_generic.py): shards of ``shard_size`` steps, a tail of powers
+        #: of two, programs free of T (a mean over time scaled by 1/T outside) shared through ``shared`` by layout
         self.length_free = False
-        self.shared: dict[tuple, tuple[dict, dict]] | None = None
+        self.shared: dict[tuple, tuple[dict, dict, dict]] | None = None
         self.prepared_for: tuple | None = None
         #: hashed dropouts (kernels/random.py): their masks depend on each element's global step, so shard programs
         #: take the shard's first step as one more input
@@ -251,11 +250,12 @@ class ShardProgram:
         if self.length_free and shard_size is None:  # NB: a power of two: few shard lengths over all T
             self.shard_size = 1 << (self.wanted_shard_size.bit_length() - 1)
         self.specialized = {}
-        # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region
-        # alternating between two devices compiles twice, not on every switch
+        # NB: compiled callables outlive a change of device only (their keys hold the devices): the same region on two
+        # devices compiles twice, not on every switch; built programs serve each length of one analysis (not dropouts)
         if self.shared is not None:
-            self.compiled, self.vjps = self.shared.setdefault(_layout(without_steps(key[1:], self.in_step_dims)),
-                                                              ({}, {}))
+            self.compiled, self.vjps, built = self.shared.setdefault(
+                _layout(without_steps(key[1:], self.in_step_dims)), ({}, {}, {}))
+            self.specialized = built.setdefault(built_from(self), {}) if not self.random else {}
         elif self.prepared_for is None or _layout(self.prepared_for) != _layout(key):
             self.compiled, self.vjps = {}, {}
         self.prepared_for = key
